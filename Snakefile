@@ -1,0 +1,15 @@
+# DeepSpec: prompts -> regenerated answers -> target cache -> drafters ->
+# speculative-decoding evaluation -> Table 1 and Figure 2.
+#
+#   snakemake --cores all figures/fig2.pdf                      # CPU default
+#   snakemake --cores all --config preset=tiny figures/fig2.pdf  # test preset
+#   snakemake --profile workflow/profiles/slurm --config preset=qwen3-4b
+#
+# Rules are thin: each calls `python -m deepspec <command>`; all logic lives
+# in the deepspec package.
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/target.smk"

@@ -1,0 +1,75 @@
+"""`python -m deepspec <command>`: one entry point, one module per concern.
+
+The top-level parser only lists commands; the chosen command's module is
+imported lazily (torch import costs seconds) and parses its own arguments with
+a function ``cli_<command>(argv)``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .io import DeepSpecError
+
+COMMANDS = {
+    "prepare-target": ("deepspec.targets_cli", "convert or download a target into a plain HF checkpoint"),
+    "show-config": ("deepspec.targets_cli", "print a preset with defaults filled in, after validation"),
+    "regenerate": ("deepspec.regenerate", "answer training prompts with the target itself"),
+    "build-cache": ("deepspec.cache", "cache the target's feature-layer and final hidden states"),
+    "validate-cache": ("deepspec.cache", "check a target cache's manifest and shard checksums"),
+    "train": ("deepspec.train", "train a drafter (eagle3, dflash, dspark)"),
+    "evaluate": ("deepspec.evaluate", "speculative-decoding evaluation of a drafter on a benchmark"),
+    "baseline": ("deepspec.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
+    "schedule": ("deepspec.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
+    "report": ("deepspec.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
+    "plot": ("deepspec.report", "draw a figure (fig2..fig6) from its CSV"),
+}
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="smollm2-135m", help="preset name (config/presets) or YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a preset key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> dict:
+    from .config import load_config, parse_set
+
+    return load_config(args.preset, parse_set(args.overrides))
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(prog="deepspec", description="DSpark replication pipeline")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    args, rest = top.parse_known_args(argv)
+    if args.command is None:
+        top.print_help()
+        return 2
+    setup_logging()
+    module_name, _ = COMMANDS[args.command]
+    try:
+        module = importlib.import_module(module_name)
+        fn = getattr(module, "cli_" + args.command.replace("-", "_"))
+        rc = fn(rest)
+    except DeepSpecError as e:
+        print(f"deepspec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name == module_name:
+            print(f"deepspec {args.command}: not available in this version", file=sys.stderr)
+            return 2
+        raise
+    return int(rc or 0)

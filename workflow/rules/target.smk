@@ -1,0 +1,14 @@
+# Convert (builtin) or download (hub) the target into a plain HF checkpoint.
+rule prepare_target:
+    output:
+        f"{RESOURCES}/targets/{{target}}/config.json",
+    log:
+        f"{LOGS}/{{target}}/prepare_target.log",
+    params:
+        spec=CFG["target"]["spec"],
+        out=lambda wc, output: str(Path(output[0]).parent),
+    resources:
+        mem_mb=res("prepare_target", "mem_mb", 4000),
+        runtime=res("prepare_target", "runtime", 30),
+    shell:
+        "python -m deepspec prepare-target {params.spec:q} --out {params.out:q} > {log:q} 2>&1"
