@@ -129,6 +129,29 @@ def summarize_rounds(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> 
     return out
 
 
+def per_sample_position_counts(df: pd.DataFrame, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample (attempts, accepted) counts at positions 1..K, each [S, K],
+    rows in order of first appearance of sample_id (the Figure 2 numerator and
+    denominator before pooling; used for bootstraps over samples)."""
+    L = df["proposal_len"].to_numpy(np.int64)
+    A = df["accepted"].to_numpy(np.int64)
+    codes, _ = pd.factorize(df["sample_id"])
+    S = int(codes.max()) + 1
+    k = np.arange(1, K + 1)
+    att = ((L[:, None] >= k) & (A[:, None] >= k - 1)).astype(np.float64)  # [rounds, K]
+    acc = ((L[:, None] >= k) & (A[:, None] >= k)).astype(np.float64)
+    att_s = np.zeros((S, K))
+    acc_s = np.zeros((S, K))
+    np.add.at(att_s, codes, att)
+    np.add.at(acc_s, codes, acc)
+    return att_s, acc_s
+
+
+def bootstrap_weights(n_samples: int, n_boot: int, seed: int) -> np.ndarray:
+    """Public alias: [n_boot, n_samples] resampling multiplicities."""
+    return _bootstrap_weights(n_samples, n_boot, seed)
+
+
 def position_table(
     df: pd.DataFrame, *, gamma: Optional[int] = None, n_boot: int = 1000, seed: int = 0
 ) -> pd.DataFrame:
@@ -147,16 +170,8 @@ def position_table(
     K = int(gamma if gamma is not None else L.max())
     stats = per_position_acceptance(L, A, max_position=K)
 
-    codes, _ = pd.factorize(df["sample_id"])
-    S = int(codes.max()) + 1
-    k = np.arange(1, K + 1)
-    att = ((L[:, None] >= k) & (A[:, None] >= k - 1)).astype(np.float64)  # [rounds, K]
-    acc = ((L[:, None] >= k) & (A[:, None] >= k)).astype(np.float64)
-    att_s = np.zeros((S, K))
-    acc_s = np.zeros((S, K))
-    np.add.at(att_s, codes, att)
-    np.add.at(acc_s, codes, acc)
-    lo, hi = _ratio_ci(acc_s, att_s, _bootstrap_weights(S, n_boot, seed))
+    att_s, acc_s = per_sample_position_counts(df, K)
+    lo, hi = _ratio_ci(acc_s, att_s, _bootstrap_weights(att_s.shape[0], n_boot, seed))
     return pd.DataFrame(
         {
             "position": stats.position,
