@@ -24,7 +24,7 @@ COMMANDS = {
     "baseline": ("deepspec.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
     "schedule": ("deepspec.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
     "report": ("deepspec.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
-    "plot": ("deepspec.report", "draw a figure (fig2..fig6) from its CSV"),
+    "plot": ("deepspec.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
 }
 
 

@@ -62,3 +62,32 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
     assert "DFlash drops after position 1" in report
     md = (tmp / "results" / "tables" / "table1.md").read_text()
     assert "| DSpark |" in md
+
+
+def test_ablation_figures_from_records(fake_results, monkeypatch):
+    from deepspec.ablations import cli_plot
+    from deepspec.variants import fig3_methods, fig4_methods, resolve_method
+
+    cfg, tmp = fake_results
+    ev = tmp / "results" / "tiny" / "eval"
+    rng = np.random.default_rng(1)
+    for m in set(fig3_methods(cfg) + fig4_methods(cfg)) - set(RATES):
+        (ev / m).mkdir(parents=True, exist_ok=True)
+        for bench in cfg["data"]["benchmarks"]:
+            _fake_records(RATES["dspark"], 5, 5, rng).to_csv(ev / m / f"{bench}.csv", index=False)
+    s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
+    for fig in ["fig3", "fig4"]:
+        assert cli_plot([fig, *s]) == 0
+        assert (tmp / "figures" / f"{fig}.pdf").read_bytes()[:5] == b"%PDF-"
+    f4 = pd.read_csv(tmp / "results" / "tables" / "fig4.csv")
+    assert sorted(set(f4.draft_length)) == [4, 8, 12, 16]
+    pd.DataFrame({"threshold": [0.0, 0.5], "accepted": [3.0, 2.5], "proposed": [8.0, 4.0], "acceptance_rate": [0.37, 0.62]}
+                 ).to_csv(ev / "dspark" / "gsm8k.sweep.csv", index=False)
+    pd.DataFrame({"position": [1, 2], "ece_before": [0.08, 0.05], "ece_after": [0.02, 0.01], "auroc": [0.8, 0.85],
+                  "n": [100, 80], "temperature": [1.5, 1.2]}).to_csv(ev / "dspark" / "alpaca.calibration.csv", index=False)
+    for fig in ["fig5", "fig6"]:
+        assert cli_plot([fig, *s]) == 0
+    assert resolve_method(cfg, "dspark_rnn-b11")[1]["drafter"]["markov_head_type"] == "rnn"
+    assert resolve_method(cfg, "dspark-l1")[1]["drafter"]["num_layers"]["dspark"] == 1
+    with pytest.raises(Exception, match="unknown method"):
+        resolve_method(cfg, "medusa")

@@ -1,0 +1,60 @@
+"""The DAG itself: the tiny preset end to end, and dry runs of every preset."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from deepspec.config import PRESETS_DIR
+from deepspec.report import FIG2_COLUMNS, TABLE1_COLUMNS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _copy_workflow(dst: Path) -> None:
+    for name in ["Snakefile", "workflow", "config"]:
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst / name)
+
+
+def _snakemake(cwd, *args, env=None, timeout=600):
+    cmd = [sys.executable, "-m", "snakemake", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+def test_dry_run_plans_every_preset(tmp_path, preset):
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", f"preset={preset}", "figures/fig2.pdf")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    for rule in ["prepare_target", "regenerate", "train", "evaluate", "baseline", "report"]:
+        assert rule in out, f"{rule} missing from the plan of {preset}"
+
+
+def test_bad_config_key_stops_the_run(tmp_path):
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=tiny", "trian={epochs: 1}")
+    assert r.returncode != 0 and "unknown key 'trian'" in (r.stdout + r.stderr)
+
+
+@pytest.mark.slow
+def test_tiny_preset_end_to_end(tmp_path, shared_data):
+    _copy_workflow(tmp_path)
+    env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
+    r = _snakemake(tmp_path, "--cores", "2", "--config", "preset=tiny", "figures/fig2.pdf", env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (tmp_path / "figures" / "fig2.pdf").read_bytes()[:5] == b"%PDF-"
+    t1 = pd.read_csv(tmp_path / "results" / "tables" / "table1.csv")
+    assert list(t1.columns[: len(TABLE1_COLUMNS)]) == TABLE1_COLUMNS
+    drafts = t1[t1.method.isin(["eagle3", "dflash", "dspark"])]
+    assert len(drafts) == 27 and (drafts.tau >= 1).all() and (drafts.tau <= 8).all()
+    f2 = pd.read_csv(tmp_path / "results" / "tables" / "fig2.csv")
+    assert list(f2.columns) == FIG2_COLUMNS and set(f2.domain) == {"Math", "Code", "Chat"}
+    assert (tmp_path / "results" / "REPORT.md").read_text().startswith("# DeepSpec replication report")
+    # A rerun has nothing to do.
+    r2 = _snakemake(tmp_path, "-n", "--cores", "2", "--config", "preset=tiny", "figures/fig2.pdf", env=env)
+    assert "Nothing to be done" in r2.stdout + r2.stderr
