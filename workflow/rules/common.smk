@@ -8,6 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(workflow.basedir)))
 from deepspec.config import load_config
 from deepspec.io import DeepSpecError
+from deepspec.variants import fig3_methods, fig4_methods
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 _OVERRIDES = {k: v for k, v in config.items() if k != "preset"}
@@ -37,12 +38,15 @@ RESULTS = CFG["results_dir"]
 FIGURES = CFG["figures_dir"]
 RESOURCES = CFG["resources_dir"]
 METHODS = list(CFG["train"]["methods"])
+FIG3_METHODS = fig3_methods(CFG)
+FIG4_METHODS = fig4_methods(CFG)
+ALL_METHODS = list(dict.fromkeys(METHODS + FIG3_METHODS + FIG4_METHODS))
 BENCHMARKS = list(CFG["data"]["benchmarks"])
 LOGS = "logs"
 
 wildcard_constraints:
     target="|".join(map(shlex.quote, [TARGET])),
-    method="|".join(METHODS) if METHODS else "none",
+    method="|".join(m.replace("-", "\\-") for m in ALL_METHODS),
     benchmark="|".join(b.replace("-", "\\-") for b in BENCHMARKS),
 
 
