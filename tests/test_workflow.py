@@ -28,7 +28,7 @@ def _snakemake(cwd, *args, env=None, timeout=600):
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
 def test_dry_run_plans_every_preset(tmp_path, preset):
     _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", f"preset={preset}", "figures/fig2.pdf")
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "1", "--config", f"preset={preset}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     for rule in ["prepare_target", "regenerate", "train", "evaluate", "baseline", "report"]:
@@ -45,7 +45,7 @@ def test_bad_config_key_stops_the_run(tmp_path):
 def test_tiny_preset_end_to_end(tmp_path, shared_data):
     _copy_workflow(tmp_path)
     env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
-    r = _snakemake(tmp_path, "--cores", "2", "--config", "preset=tiny", "figures/fig2.pdf", env=env, timeout=900)
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", "preset=tiny", env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "figures" / "fig2.pdf").read_bytes()[:5] == b"%PDF-"
     t1 = pd.read_csv(tmp_path / "results" / "tables" / "table1.csv")
@@ -56,5 +56,5 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     assert list(f2.columns) == FIG2_COLUMNS and set(f2.domain) == {"Math", "Code", "Chat"}
     assert (tmp_path / "results" / "REPORT.md").read_text().startswith("# DeepSpec replication report")
     # A rerun has nothing to do.
-    r2 = _snakemake(tmp_path, "-n", "--cores", "2", "--config", "preset=tiny", "figures/fig2.pdf", env=env)
+    r2 = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
     assert "Nothing to be done" in r2.stdout + r2.stderr

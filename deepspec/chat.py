@@ -1,0 +1,154 @@
+"""Conversations -> token ids + assistant loss mask, via the target's chat template.
+
+The loss mask marks the tokens a drafter must learn to predict: the content of
+every assistant turn *and* the end-of-turn token that closes it (the drafter
+has to predict it too). It is found template-agnostically by rendering
+prefixes of the conversation as text:
+
+    span of assistant turn i = render(messages[:i+1])  minus  render(messages[:i], add_generation_prompt=True)
+
+i.e. what rendering the turn adds, less the generation-prompt header
+(``<|im_start|>assistant\\n`` and the like). Trailing whitespace after the
+end-of-turn marker (the ``\\n`` after ``<|im_end|>``) is not part of the turn.
+The full conversation is tokenised once with character offsets and a token is
+a loss token when it overlaps an assistant span, so BPE merges across span
+boundaries cannot shift the mask.
+
+Templates that re-render history differently from the last turn (Qwen3 adds an
+empty ``<think>`` block only to the final assistant turn) break the prefix
+property; for those the assistant content is located in the full text in order
+(see `assistant_char_spans`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .io import DeepSpecError
+from .targets import render_chat
+
+ROLES = ("user", "assistant")
+
+
+def with_system_prompt(messages: list[dict], system_prompt: Optional[str]) -> list[dict]:
+    """Prepend cfg.data.system_prompt (if any); we never add one otherwise."""
+    if system_prompt:
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return list(messages)
+
+
+def load_tokenizer(cfg: dict):
+    """The target's tokenizer without loading the model (prepared checkpoint first)."""
+    from transformers import AutoTokenizer
+
+    from .targets import target_dir
+
+    t = cfg["target"]
+    path = target_dir(t["name"], cfg.get("resources_dir"))
+    src = str(path) if (path / "tokenizer_config.json").exists() else t["spec"]
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **({"revision": t["revision"]} if t.get("revision") and src == t["spec"] else {}))
+    except OSError as e:
+        raise DeepSpecError(f"cannot load the tokenizer of target {t['spec']!r} from {src}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages` and return (text, [(start, end) char span per assistant turn])."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = render_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        upto = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if text.startswith(upto) and upto.startswith(head) and len(head) >= cursor:
+            start, end = len(head), len(upto)
+        else:  # history re-rendered differently: find the content, then the template's closing text
+            content = m["content"].strip()
+            start = text.find(content, cursor) if content else -1
+            at = upto.rfind(content) if content else -1
+            if start < 0 or at < 0:
+                raise DeepSpecError(f"cannot locate assistant turn {i} in the rendered chat template")
+            closing = upto[at + len(content):]
+            end = start + len(content)
+            if text.startswith(closing, end):
+                end += len(closing)
+        end = start + len(text[start:end].rstrip())  # the end-of-turn marker closes the turn
+        spans.append((start, end))
+        cursor = end
+    return text, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """Token ids of the whole conversation and its assistant loss mask."""
+    text, spans = assistant_char_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask = [False] * len(ids)
+    j = 0
+    for k, (a, b) in enumerate(offsets):
+        while j < len(spans) and spans[j][1] <= a:
+            j += 1
+        if j < len(spans) and b > spans[j][0] and a < spans[j][1] and b > a:
+            mask[k] = True
+    return ids, mask
+
+
+def encode_conversation(tokenizer, messages: list[dict], cfg: dict) -> Optional[tuple[list[int], list[bool]]]:
+    """Template + mask, truncated at data.max_length; None if it has fewer than
+    data.min_loss_tokens loss tokens (the sample is dropped)."""
+    d = cfg["data"]
+    ids, mask = tokenize_conversation(tokenizer, with_system_prompt(messages, d.get("system_prompt")))
+    ids, mask = ids[: d["max_length"]], mask[: d["max_length"]]
+    if sum(mask) < d["min_loss_tokens"]:
+        return None
+    return ids, mask
+
+
+def validate_conversation(rec, where: str) -> dict:
+    if not isinstance(rec, dict):
+        raise DeepSpecError(f"{where}: a conversation must be a JSON object")
+    if not isinstance(rec.get("id"), str):
+        raise DeepSpecError(f"{where}: missing string 'id'")
+    msgs = rec.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise DeepSpecError(f"{where}: 'messages' must be a non-empty list")
+    for k, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DeepSpecError(f"{where}: message {k} must be {{'role': 'user'|'assistant', 'content': str}}")
+    return rec
+
+
+def iter_conversations(path: str | os.PathLike) -> Iterator[dict]:
+    """Validated records of a conversations JSONL (one-line errors name file:line)."""
+    path = Path(path)
+    if not path.exists():
+        raise DeepSpecError(f"conversations file not found: {path} (run python -m deepspec regenerate)")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DeepSpecError(f"{where}: malformed JSON ({e.msg})") from None
+            yield validate_conversation(rec, where)
+
+
+def read_conversations(path: str | os.PathLike) -> list[dict]:
+    out = list(iter_conversations(path))
+    seen = set()
+    for rec in out:
+        if rec["id"] in seen:
+            raise DeepSpecError(f"{path}: duplicate conversation id {rec['id']!r}")
+        seen.add(rec["id"])
+    if not out:
+        raise DeepSpecError(f"{path}: no conversations")
+    return out

@@ -1,0 +1,46 @@
+"""Drafters: Eagle3, DFlash, DSpark (paper Sec. 3-4; docs/INTERFACES.md).
+
+build_drafter(method, target, cfg) -> a fresh drafter attached to `target`
+    (shared frozen embedding / LM head; init_from_target copies the last k
+    target layers; reduced vocab: call `drafter.set_draft_vocab(counts)`, or
+    pass `token_counts=` here, with counts from `count_tokens`).
+load_drafter(path, target) -> a saved drafter, checked against `target`
+    (DeepSpecError on a different target id, vocab or hidden size).
+"""
+from __future__ import annotations
+
+from ..io import DeepSpecError
+from .common import METHODS, Proposal, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
+from .dflash import DFlashDrafter
+from .dspark import DSparkDrafter
+from .eagle3 import Eagle3Drafter
+
+CLASSES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter, "dspark": DSparkDrafter}
+
+
+def build_drafter(method: str, target, cfg: dict, token_counts=None):
+    if method not in CLASSES:
+        raise DeepSpecError(f"unknown drafter method {method!r}: use one of {', '.join(METHODS)}")
+    config = draft_config(method, target, cfg)
+    model = CLASSES[method](config).to(target.device)
+    model.attach_target(target)
+    if config.deepspec_draft_vocab_size is not None and token_counts is not None:
+        model.set_draft_vocab(token_counts)
+    if cfg["drafter"].get("init_from_target"):
+        if config.num_hidden_layers > target.num_layers:
+            raise DeepSpecError(
+                f"init_from_target: {config.num_hidden_layers} draft layers but the target has {target.num_layers}"
+            )
+        model.init_layers_from_target(target, model.layers, model.norm)
+    return model
+
+
+def load_drafter(path, target):
+    from transformers import AutoConfig
+
+    method = read_method(path)
+    config = AutoConfig.from_pretrained(str(path))
+    check_target_match(config, target, where=f"drafter at {path}")
+    model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
+    model.attach_target(target)
+    return model.eval()

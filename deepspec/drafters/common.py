@@ -1,0 +1,354 @@
+"""Shared parts of the three drafters (paper Sec. 3; notes §2 Eq. 2, §3-4).
+
+* `DrafterBase` - a transformers `PreTrainedModel` whose config is a copy of
+  the target's config (same hidden size, heads, MLP; `num_hidden_layers` = draft
+  layers) plus `deepspec_*` fields: target id, vocab and hidden size, feature
+  layers, block size, method and head settings. The target's embedding and LM
+  head are *shared, frozen and not saved*: `attach_target` links them (they are
+  never registered as sub-modules, so `parameters()` holds only trainable
+  weights and `save_pretrained` writes only the drafter's own tensors).
+* Reduced draft vocabulary (`draft_vocab_size`): a persistent `d2t` buffer maps
+  draft index -> target id (the K most frequent training tokens); the draft LM
+  head is the target head restricted to those rows and `to_full_vocab` scatters
+  draft probabilities back onto the full target vocabulary (zeros elsewhere),
+  so verification stays lossless.
+* Context features H_ctx = RMSNorm(W_c [h^(l1); ...; h^(lm)]) (Eq. 2): `fc` +
+  `hidden_norm` built by `feature_projection`.
+* Building blocks (attention, RMSNorm, rotary embedding, MLP, decoder layer)
+  come from the target's transformers modeling module (`blocks_for`).
+* `sample_anchors` / `block_targets`: DFlash/DSpark training anchors.
+* `Proposal`: the return value of `propose` (docs/INTERFACES.md).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama import modeling_llama
+
+from ..io import DeepSpecError
+
+METHODS = ("eagle3", "dflash", "dspark")
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [1, gamma] long, target-vocab ids
+    probs: torch.Tensor  # [1, gamma, V] float, the exact (tempered) distributions, full target vocab
+    conf_logits: Optional[torch.Tensor] = None  # [1, gamma] float, or None without a confidence head
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers building blocks of the target's architecture
+
+
+def blocks_for(config) -> SimpleNamespace:
+    """Attention / MLP / RMSNorm / rotary / decoder-layer classes of the target's
+    architecture (e.g. Qwen3Attention with its q/k norms); Llama's otherwise."""
+    mt = getattr(config, "model_type", "llama")
+    try:
+        mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    except ImportError:
+        mod = modeling_llama
+    pre = next((n[: -len("DecoderLayer")] for n in dir(mod) if n.endswith("DecoderLayer")), None)
+    need = ("Attention", "MLP", "RMSNorm", "RotaryEmbedding", "DecoderLayer")
+    if pre is None or not all(hasattr(mod, pre + n) for n in need):
+        mod, pre = modeling_llama, "Llama"
+    ns = SimpleNamespace(**{n: getattr(mod, pre + n) for n in need})
+    ns.apply_rotary_pos_emb = getattr(mod, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    return ns
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply=modeling_llama.apply_rotary_pos_emb):
+    """Rotate one [B, H, L, hd] tensor (HF's helper rotates a q/k pair)."""
+    return apply(x, x, cos, sin)[0]
+
+
+def attention(attn: nn.Module, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """transformers' sdpa attention (GQA aware) with a boolean mask (True = attend)
+    or none (full attention); returns [B, Lq, H*hd] before o_proj."""
+    out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class KVStore:
+    """Minimal KV cache with the `update(k, v, layer_idx)` API HF attention calls;
+    `crop(n)` keeps the first n key positions."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        if layer_idx in self.k:
+            k = torch.cat([self.k[layer_idx], k], dim=2)
+            v = torch.cat([self.v[layer_idx], v], dim=2)
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        return k, v
+
+    def length(self, layer_idx: int = 0) -> int:
+        return self.k[layer_idx].shape[2] if layer_idx in self.k else 0
+
+    def crop(self, n: int) -> None:
+        for i in list(self.k):
+            self.k[i] = self.k[i][:, :, :n]
+            self.v[i] = self.v[i][:, :, :n]
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+
+def draft_config(method: str, target, cfg: dict):
+    """Copy of the target config with the draft depth and the deepspec_* fields."""
+    d = cfg["drafter"]
+    tc = target.config
+    c = tc.__class__.from_dict(copy.deepcopy(tc.to_dict()))
+    n = int(d["num_layers"][method]) if method in d["num_layers"] else {"eagle3": 1}.get(method, 5)
+    c.num_hidden_layers = n
+    if getattr(c, "layer_types", None) is not None:
+        c.layer_types = ["full_attention"] * n  # the drafts use full attention (reference)
+    if hasattr(c, "use_sliding_window"):
+        c.use_sliding_window = False
+    c.tie_word_embeddings = False  # no embedding/LM head of its own
+    c.use_cache = False
+    c._attn_implementation = "sdpa"
+    dspark = method == "dspark"
+    c.deepspec_method = method
+    c.deepspec_target_id = target.target_id
+    c.deepspec_target_vocab_size = int(target.vocab_size)
+    c.deepspec_target_hidden_size = int(target.hidden_size)
+    c.deepspec_target_num_layers = int(target.num_layers)
+    c.deepspec_feature_layers = [int(x) for x in cfg["target"]["feature_layers"]]
+    c.deepspec_block_size = int(d["block_size"])
+    c.deepspec_ttt_length = int(d["ttt_length"])
+    c.deepspec_markov_rank = int(d["markov_rank"]) if dspark else 0
+    c.deepspec_markov_head_type = d["markov_head_type"] if dspark else "vanilla"
+    c.deepspec_confidence_head = bool(d["confidence_head"]) if dspark else False
+    c.deepspec_confidence_with_markov = bool(d["confidence_with_markov"])
+    k = d.get("draft_vocab_size")
+    c.deepspec_draft_vocab_size = None if k is None or int(k) >= target.vocab_size else int(k)
+    return c
+
+
+def check_target_match(config, target, where: str = "drafter") -> None:
+    want = {
+        "target id": (getattr(config, "deepspec_target_id", None), target.target_id),
+        "vocab size": (getattr(config, "deepspec_target_vocab_size", None), int(target.vocab_size)),
+        "hidden size": (getattr(config, "deepspec_target_hidden_size", None), int(target.hidden_size)),
+    }
+    for name, (have, got) in want.items():
+        if have != got:
+            raise DeepSpecError(f"{where} was trained for target {name} {have!r} but the target has {got!r}")
+    for layer in getattr(config, "deepspec_feature_layers", []):
+        if not -1 <= layer < target.num_layers - 1:
+            raise DeepSpecError(f"{where}: feature layer {layer} does not exist in the target")
+
+
+def read_method(path) -> str:
+    p = Path(path) / "config.json"
+    if not p.exists():
+        raise DeepSpecError(f"no drafter checkpoint at {path} (config.json missing)")
+    m = json.loads(p.read_text()).get("deepspec_method")
+    if m not in METHODS:
+        raise DeepSpecError(f"{p}: not a deepspec drafter (deepspec_method={m!r})")
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
+# base model
+
+
+class DrafterBase(PreTrainedModel):
+    config_class = PreTrainedConfig
+    base_model_prefix = "drafter"
+    _supports_sdpa = True
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config):
+        super().__init__(config)
+        V = config.deepspec_target_vocab_size
+        K = config.deepspec_draft_vocab_size or V
+        self.blocks = blocks_for(config)
+        self.register_buffer("d2t", torch.arange(K, dtype=torch.long), persistent=True)
+        self._shared = SimpleNamespace(embed=None, lm_head=None, head_w=None, head_b=None, t2d=None)
+
+    # -- loading: the config is the target architecture's config class
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        if kwargs.get("config") is None:
+            kwargs["config"] = AutoConfig.from_pretrained(path)
+        return super().from_pretrained(path, *args, **kwargs)
+
+    @property
+    def method(self) -> str:
+        return self.config.deepspec_method
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.deepspec_target_vocab_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.deepspec_draft_vocab_size is not None
+
+    # -- shared frozen target modules
+    def attach_target(self, target) -> "DrafterBase":
+        check_target_match(self.config, target)
+        self._shared.embed = target.embed_tokens
+        self._shared.lm_head = target.lm_head
+        self._refresh_head()
+        return self
+
+    def _need(self):
+        if self._shared.lm_head is None:
+            raise DeepSpecError("drafter has no target attached (use build_drafter/load_drafter)")
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        self._need()
+        return self._shared.embed(ids.to(self._shared.embed.weight.device)).to(self.d2t.device)
+
+    def _refresh_head(self) -> None:
+        lm = self._shared.lm_head
+        if lm is None:
+            return
+        w, b = lm.weight.detach(), getattr(lm, "bias", None)
+        d2t = self.d2t.to(w.device)
+        self._shared.head_w = w[d2t] if self.reduced_vocab else w
+        self._shared.head_b = None if b is None else (b.detach()[d2t] if self.reduced_vocab else b.detach())
+        t2d = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        t2d[self.d2t] = torch.arange(self.d2t.numel(), device=self.d2t.device)
+        self._shared.t2d = t2d
+
+    def set_draft_vocab(self, token_counts: torch.Tensor) -> None:
+        """Reduced vocabulary: keep the K most frequent target tokens (counts [V]
+        from the training data, e.g. `count_tokens`)."""
+        if not self.reduced_vocab:
+            return
+        K = self.config.deepspec_draft_vocab_size
+        counts = torch.as_tensor(token_counts, dtype=torch.float64).flatten()
+        if counts.numel() != self.vocab_size:
+            raise DeepSpecError(f"token counts have {counts.numel()} entries, target vocab is {self.vocab_size}")
+        # ties broken by the lower id (stable): a small-valued tiebreak
+        idx = torch.topk(counts - torch.arange(counts.numel(), dtype=torch.float64) * 1e-9, K).indices
+        self.d2t.copy_(idx.sort().values.to(self.d2t.device))
+        self._refresh_head()
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Frozen (restricted) LM head on draft hidden states: [..., K]."""
+        self._need()
+        w = self._shared.head_w
+        return F.linear(h, w.to(h.dtype), None if self._shared.head_b is None else self._shared.head_b.to(h.dtype))
+
+    @torch.no_grad()
+    def target_probs(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """p_t = softmax of the frozen full LM head on cached final-norm states [..., V]."""
+        self._need()
+        return torch.softmax(self._shared.lm_head(last_hidden.to(self._shared.lm_head.weight.dtype)).float(), -1)
+
+    def to_full_vocab(self, p: torch.Tensor) -> torch.Tensor:
+        if not self.reduced_vocab:
+            return p
+        out = p.new_zeros(*p.shape[:-1], self.vocab_size)
+        return out.scatter(-1, self.d2t.expand(*p.shape[:-1], -1), p)
+
+    def to_target_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.d2t[idx] if self.reduced_vocab else idx
+
+    def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft indices (-1 outside the draft vocabulary)."""
+        return self._shared.t2d[ids] if self.reduced_vocab else ids
+
+    def init_layers_from_target(self, target, layers: nn.ModuleList, final_norm: Optional[nn.Module]) -> None:
+        """init_from_target: draft layer i <- target layer (L - k + i), i.e. the last
+        k target layers; the final norm from the target's."""
+        tl = target.model.model.layers
+        k = len(layers)
+        for i, layer in enumerate(layers):
+            src = tl[len(tl) - k + i].state_dict()
+            missing, _ = layer.load_state_dict(src, strict=False)
+            if len(missing) == len(layer.state_dict()):
+                raise DeepSpecError("init_from_target: draft and target layers share no weights")
+        if final_norm is not None:
+            final_norm.load_state_dict(target.model.model.norm.state_dict())
+
+    def feature_projection(self):
+        c = self.config
+        m = len(c.deepspec_feature_layers)
+        return nn.Linear(m * c.hidden_size, c.hidden_size, bias=False), self.blocks.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# anchors for the block drafters
+
+
+def sample_anchors(loss_mask, attention_mask, num_anchors: int, generator=None):
+    """Up to `num_anchors` anchors per sequence, uniformly without replacement.
+
+    A position p is eligible when the anchor token and its first target are both
+    assistant tokens: loss_mask[p] and loss_mask[p+1] (and both unpadded); so
+    every sampled block has at least one valid target. Returns anchors [B, N]
+    (sorted; padding anchors are 0) and valid [B, N] with N = min(num_anchors,
+    max eligible count in the batch).
+    """
+    lm = loss_mask.bool()
+    if attention_mask is not None:
+        lm = lm & attention_mask.bool()
+    elig = torch.zeros_like(lm)
+    elig[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    counts = elig.sum(1)
+    N = int(min(num_anchors, counts.max().item() if counts.numel() else 0))
+    if N == 0:
+        z = torch.zeros(lm.shape[0], 0, dtype=torch.long, device=lm.device)
+        return z, z.bool()
+    u = torch.rand(lm.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    u = u.to(lm.device).masked_fill(~elig, -1.0)
+    idx = u.topk(N, dim=1).indices
+    valid = elig.gather(1, idx)
+    idx = torch.where(valid, idx, torch.full_like(idx, lm.shape[1]))  # invalid last after sorting
+    idx, order = idx.sort(1)
+    valid = valid.gather(1, order)
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def block_targets(input_ids, loss_mask, attention_mask, anchors, anchor_valid, gamma: int):
+    """Targets of each block: position j (0-based) of the block anchored at p
+    predicts token p+1+j, which the target predicted from its final hidden state
+    at p+j. Valid while p+1+j is inside the sequence and the assistant span;
+    validity is made a contiguous prefix. Returns labels [B,N,g], valid [B,N,g],
+    src [B,N,g] (= p+j, clamped), prev [B,N,g] (teacher-forced x_{k-1}: anchor, then labels)."""
+    B, L = input_ids.shape
+    j = torch.arange(gamma, device=input_ids.device)
+    tpos = anchors.unsqueeze(-1) + 1 + j  # [B,N,g]
+    inside = tpos < L
+    tc = tpos.clamp(max=L - 1)
+    lm = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
+    flat = lambda x: x.reshape(B, -1)  # noqa: E731
+    labels = input_ids.gather(1, flat(tc)).view_as(tpos)
+    ok = inside & lm.gather(1, flat(tc)).view_as(tpos) & anchor_valid.unsqueeze(-1)
+    ok = torch.cumprod(ok.long(), -1).bool()
+    anchor_tok = input_ids.gather(1, anchors)
+    prev = torch.cat([anchor_tok.unsqueeze(-1), labels[..., :-1]], -1)
+    return labels, ok, (tpos - 1).clamp(max=L - 1), prev
+
+
+def count_tokens(input_ids_iter, vocab_size: int, loss_masks_iter=None) -> torch.Tensor:
+    """Token counts [V] over training sequences (for `set_draft_vocab`)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    masks = loss_masks_iter if loss_masks_iter is not None else None
+    for i, ids in enumerate(input_ids_iter):
+        ids = torch.as_tensor(ids).flatten()
+        if masks is not None:
+            ids = ids[torch.as_tensor(masks[i]).flatten().bool()]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts

@@ -1,0 +1,200 @@
+"""DFlash block drafter as used by DeepSpec (notes §2 Eqs. 2-3; §0.2, §6.4).
+
+One forward pass drafts a whole block of gamma tokens: the inputs are the anchor
+token (the last emitted token) followed by gamma-1 mask embeddings, and the
+anchor position itself predicts draft token 1 (gamma inputs -> gamma logits).
+This is DeepSpec's variant; z-lab DFlash uses anchor + gamma masks and predicts
+only the masks (block 16).
+
+Context injection (Eq. 3): in every layer K = [W_K H_ctx; W_K H_d] and
+V = [W_V H_ctx; W_V H_d], with H_ctx = RMSNorm(W_c [h^(l1); ...; h^(lm)])
+(Eq. 2) shared by all layers; queries come only from block tokens. A block
+anchored at position p sees the context at positions < p and, bidirectionally,
+its own block; never later context. RoPE uses absolute positions: context i at
+i, block token j at p+j.
+
+Training (`forward`) processes many anchors per sequence at once: the block rows
+are extra query rows after the context, with one boolean mask (sdpa).
+Inference (`propose`) caches per-layer context K/V in the state; the block's own
+K/V are never stored, so the cache holds only verified context.
+
+Differences from the reference: the mask embedding is a learned vector (the
+reference uses the frozen embedding of a reserved token id, e.g. 151669 on
+Qwen3; SmolLM2 has no reserved token). The DSpark heads (Markov bias, confidence)
+are hooks here that DFlash leaves empty: DFlash = DSpark with markov_rank 0 and
+no confidence head, exactly as in the reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .. import sampling
+from .common import DrafterBase, Proposal, attention, rope
+
+
+class KVInjectionLayer(nn.Module):
+    """A target-architecture decoder layer (attention, MLP, RMSNorms from
+    transformers) whose attention also attends to injected context K/V."""
+
+    def __init__(self, config, layer_idx: int, blocks):
+        super().__init__()
+        self.self_attn = blocks.Attention(config=config, layer_idx=layer_idx)
+        self.mlp = blocks.MLP(config)
+        self.input_layernorm = blocks.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = blocks.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._rope_fn = blocks.apply_rotary_pos_emb
+
+    def _proj(self, lin, norm, x):
+        a = self.self_attn
+        y = lin(x).view(*x.shape[:-1], -1, a.head_dim)
+        if norm is not None:  # Qwen3's per-head q/k RMSNorm
+            y = norm(y)
+        return y.transpose(1, 2)
+
+    def context_kv(self, ctx, cos, sin):
+        """K/V of the injected context H_ctx [B, Lc, d] (rotated at context positions)."""
+        a = self.self_attn
+        k = rope(self._proj(a.k_proj, getattr(a, "k_norm", None), ctx), cos, sin, self._rope_fn)
+        v = self._proj(a.v_proj, None, ctx)
+        return k, v
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, mask: Optional[torch.Tensor]):
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = self._proj(a.q_proj, getattr(a, "q_norm", None), h)
+        k = self._proj(a.k_proj, getattr(a, "k_norm", None), h)
+        v = self._proj(a.v_proj, None, h)
+        q, k = self._rope_fn(q, k, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        x = x + a.o_proj(attention(a, q, k, v, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def block_attention_mask(anchors: torch.Tensor, ctx_len: int, gamma: int) -> torch.Tensor:
+    """Training mask [B, 1, N*g, Lc + N*g] (True = attend): block rows of anchor p
+    see context keys i < p and every row of their own block."""
+    B, N = anchors.shape
+    dev = anchors.device
+    ctx = torch.arange(ctx_len, device=dev).view(1, 1, 1, -1) < anchors.view(B, N, 1, 1)  # [B,N,1,Lc]
+    ctx = ctx.expand(B, N, gamma, ctx_len).reshape(B, N * gamma, ctx_len)
+    blk = torch.arange(N, device=dev).repeat_interleave(gamma)
+    own = (blk.view(-1, 1) == blk.view(1, -1)).expand(B, -1, -1)
+    return torch.cat([ctx, own], dim=-1).unsqueeze(1)
+
+
+@dataclass
+class BlockState:
+    """Per-request inference state: per-layer context K/V and its length."""
+
+    k: list = field(default_factory=list)
+    v: list = field(default_factory=list)
+    n: int = 0
+
+
+class DFlashDrafter(DrafterBase):
+    def __init__(self, config):
+        super().__init__(config)
+        d = config.hidden_size
+        self.fc, self.hidden_norm = self.feature_projection()
+        self.layers = nn.ModuleList(
+            KVInjectionLayer(config, i, self.blocks) for i in range(config.num_hidden_layers)
+        )
+        self.norm = self.blocks.RMSNorm(d, eps=config.rms_norm_eps)
+        self.rotary_emb = self.blocks.RotaryEmbedding(config=config)
+        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        self._build_heads(config)
+        self.post_init()
+
+    def _build_heads(self, config) -> None:  # DSpark adds its heads here
+        pass
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:
+            std = getattr(self.config, "initializer_range", 0.02) or 0.02
+            nn.init.normal_(self.mask_embedding, std=std)
+
+    @property
+    def gamma(self) -> int:
+        return self.config.deepspec_block_size
+
+    # -- backbone -------------------------------------------------------------------------
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """H_ctx (Eq. 2)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_inputs(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        """[..., g, d]: anchor embedding then g-1 mask embeddings."""
+        e = self.embed(anchor_tokens).unsqueeze(-2)
+        m = self.mask_embedding.to(e.dtype).expand(*e.shape[:-2], self.gamma - 1, e.shape[-1])
+        return torch.cat([e, m], dim=-2)
+
+    def forward(self, input_ids, features, anchors, attention_mask=None):
+        """Training pass. input_ids [B,L], features [B,L,m*d], anchors [B,N] ->
+        post-norm draft hidden states h [B, N, g, d] (row j predicts token p+1+j)."""
+        B, L = input_ids.shape
+        N, g = anchors.shape[1], self.gamma
+        ctx = self.context(features)
+        x = self.block_inputs(input_ids.gather(1, anchors)).reshape(B, N * g, -1)
+        ctx_pos = torch.arange(L, device=ctx.device).expand(B, L)
+        blk_pos = (anchors.unsqueeze(-1) + torch.arange(g, device=ctx.device)).reshape(B, N * g)
+        cos_c, sin_c = self.rotary_emb(ctx, ctx_pos)
+        cos_b, sin_b = self.rotary_emb(x, blk_pos)
+        mask = block_attention_mask(anchors, L, g)
+        for layer in self.layers:
+            ck, cv = layer.context_kv(ctx, cos_c, sin_c)
+            x = layer(x, ck, cv, cos_b, sin_b, mask)
+        return self.norm(x).view(B, N, g, -1)
+
+    # -- heads (hooks; DSpark overrides) -------------------------------------------------
+    def block_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced draft logits [..., g, K] (DFlash: base logits U_k only)."""
+        return self.draft_logits(h)
+
+    def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> Optional[torch.Tensor]:
+        return None
+
+    def _sample_block(self, h, anchor, temperature, generator):
+        """DFlash: positions are independent given the block pass."""
+        probs = sampling.logits_to_probs(self.draft_logits(h), temperature)  # [1,g,K]
+        if sampling.is_greedy(temperature):
+            idx = probs.argmax(-1)
+        else:
+            idx = sampling.sample(probs, generator)
+        return self.to_target_ids(idx), probs, None
+
+    # -- inference ----------------------------------------------------------------------
+    def init_state(self) -> BlockState:
+        return BlockState(k=[None] * len(self.layers), v=[None] * len(self.layers), n=0)
+
+    @torch.no_grad()
+    def propose(self, state: BlockState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
+        """feats [1, n, m*d] of the newly verified positions, tokens [1, n+1] (their
+        tokens then the anchor). Appends context K/V, drafts gamma tokens."""
+        dev = self.fc.weight.device
+        n = feats.shape[1]
+        if n > 0:
+            ctx = self.context(feats.to(dev))
+            pos = torch.arange(state.n, state.n + n, device=dev).unsqueeze(0)
+            cos, sin = self.rotary_emb(ctx, pos)
+            for i, layer in enumerate(self.layers):
+                k, v = layer.context_kv(ctx, cos, sin)
+                state.k[i] = k if state.k[i] is None else torch.cat([state.k[i], k], 2)
+                state.v[i] = v if state.v[i] is None else torch.cat([state.v[i], v], 2)
+            state.n += n
+        anchor = tokens[:, -1].to(dev)
+        x = self.block_inputs(anchor)  # [1,g,d]
+        pos = torch.arange(state.n, state.n + self.gamma, device=dev).unsqueeze(0)
+        cos, sin = self.rotary_emb(x, pos)
+        for i, layer in enumerate(self.layers):
+            ck = state.k[i] if state.k[i] is not None else x.new_zeros(1, layer.self_attn.config.num_key_value_heads, 0, layer.self_attn.head_dim)
+            cv = state.v[i] if state.v[i] is not None else ck
+            x = layer(x, ck, cv, cos, sin, None)  # full attention: all verified context + own block
+        h = self.norm(x)
+        toks, probs, conf = self._sample_block(h, anchor, temperature, generator)
+        return Proposal(tokens=toks, probs=self.to_full_vocab(probs).float(), conf_logits=conf)

@@ -1,0 +1,609 @@
+"""Drafter training: one generic, resumable loop from a CPU laptop to a multi-GPU node.
+
+The loop knows nothing about drafters. It takes a model (a ``PreTrainedModel``
+whose frozen parts have ``requires_grad=False``), a map-style dataset of
+samples, a ``collate_fn`` and ``step_fn(model, batch, generator) -> (loss,
+metrics)``, and implements the paper's recipe (paper-notes §3):
+
+* AdamW (lr 6e-4, weight decay 0) over the trainable parameters only, linear
+  warmup over ``ceil(warmup_ratio * total)`` updates then cosine to 0, gradient
+  clipping at 1.0;
+* a global batch of ``train.global_batch`` sequences per update, split over
+  processes and into micro batches of ``train.micro_batch`` with gradient
+  accumulation; steps per epoch = max(1, floor(N / global_batch)), total steps
+  = ceil(epochs * steps per epoch) capped by ``train.max_steps``;
+* HF accelerate for launch, device and mixed precision (bf16 autocast on GPU
+  with fp32 master weights, plain fp32 on CPU). Gradients are averaged across
+  processes once per update with an all-reduce: the same arithmetic as DDP
+  under ``no_sync``, but the model is not wrapped, so ``step_fn`` may call any
+  method of the drafter (not only ``forward``);
+* a deterministic data order: epoch ``e`` visits ``randperm(N)`` drawn from a
+  generator seeded with ``(train.seed, e)``; step ``s`` takes the slice
+  ``[s*G, (s+1)*G)`` of its epoch's order, so the sampler position is the step
+  number. The seed is ``train.seed`` for every method (the reference uses 0 for
+  Eagle3 and 42 for DFlash/DSpark; one seed keeps the comparison clean);
+* checkpoints every ``train.checkpoint_every`` steps and at the end under
+  ``<out>/checkpoints/step_N/`` (``save_pretrained`` model, optimiser,
+  scheduler, trainer state, the log so far, and per-process RNG states:
+  python, numpy, torch, CUDA and the anchor generator handed to ``step_fn``),
+  plus a ``latest`` pointer written atomically. Resuming restores all of it, so
+  a killed run ends with bit-identical weights to an uninterrupted one;
+* ``<out>/train_log.csv`` (one row every ``train.log_every`` steps, flushed)
+  and a tqdm bar; the final drafter is ``save_pretrained``'ed into ``<out>/``
+  with ``config.json`` moved in last, marking completion.
+
+``python -m deepspec train`` (`cli_train`) wires in the target, the dataset of
+`deepspec.cache` and the drafters and losses of `deepspec.drafters` /
+`deepspec.losses`.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .io import DeepSpecError, write_json_atomic, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
+
+LOG_NAME = "train_log.csv"
+CKPT_DIR = "checkpoints"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+# Private test hook: raise after this many completed steps (simulates a kill).
+FAIL_ENV = "DEEPSPEC_TRAIN_FAIL_AFTER_STEP"
+# Columns every train_log.csv has around the step function's metrics.
+HEAD_COLS = ["step", "epoch", "lr", "loss"]
+TAIL_COLS = ["grad_norm", "positions_per_s", "sequences_per_s", "elapsed_s"]
+TIMING_COLS = ("positions_per_s", "sequences_per_s", "elapsed_s")
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def plan_steps(num_samples: int, train_cfg: dict) -> tuple[int, int]:
+    """(steps per epoch, total optimiser steps) for a dataset of `num_samples`."""
+    if num_samples < 1:
+        raise DeepSpecError("training dataset is empty")
+    per_epoch = max(1, num_samples // int(train_cfg["global_batch"]))
+    total = max(1, math.ceil(float(train_cfg["epochs"]) * per_epoch - 1e-9))
+    if train_cfg.get("max_steps"):
+        total = min(total, int(train_cfg["max_steps"]))
+    return per_epoch, total
+
+
+def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
+    """Number of linear-warmup updates: ceil(ratio * total) (as HF Trainer)."""
+    return math.ceil(warmup_ratio * total_steps)
+
+
+def lr_factor(step: int, total_steps: int, num_warmup: int) -> float:
+    """Multiplier of the peak lr for update number `step` (0-based).
+
+    Warmup: (step + 1) / num_warmup, reaching 1 at the last warmup update; then
+    cosine from 1 at `num_warmup` down to 0 at `total_steps` (the update after
+    the last one), so every update has a positive lr.
+    """
+    if step < num_warmup:
+        return (step + 1) / num_warmup
+    progress = (step - num_warmup) / max(1, total_steps - num_warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_steps: int):
+    """AdamW + LambdaLR(warmup, cosine to 0) over `params`."""
+    opt = torch.optim.AdamW(params, lr=float(train_cfg["lr"]), weight_decay=float(train_cfg["weight_decay"]))
+    n_warm = warmup_steps(total_steps, float(train_cfg["warmup_ratio"]))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, n_warm))
+    return opt, sched
+
+
+# --------------------------------------------------------------------------- data order
+
+
+class StepSampler:
+    """Deterministic, resumable data order: `indices(step)` is the global batch
+    of update `step` (0-based). The position is the step number itself.
+
+    Epoch e's order is randperm(N) from a generator seeded with (seed, e); when
+    N < global_batch, further permutations from the same generator are
+    appended so that a step always has a full global batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int):
+        self.n, self.g, self.seed = int(num_samples), int(global_batch), int(seed)
+        self.steps_per_epoch = max(1, self.n // self.g)
+        self._epoch, self._order = -1, None
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            reps = max(1, math.ceil(self.g / self.n))
+            self._order = torch.cat([torch.randperm(self.n, generator=gen) for _ in range(reps)])
+            self._epoch = epoch
+        return self._order
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self._epoch_order(epoch)[k * self.g:(k + 1) * self.g].tolist()
+
+
+def split_batch(indices: Sequence[int], rank: int, world: int, micro: int) -> list[list[int]]:
+    """This process's micro batches of a global batch (contiguous rank slices)."""
+    per_rank = len(indices) // world
+    mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
+    return [mine[i:i + micro] for i in range(0, len(mine), micro)]
+
+
+def accumulation_steps(train_cfg: dict, world: int) -> int:
+    g, m = int(train_cfg["global_batch"]), int(train_cfg["micro_batch"])
+    if g % (world * m):
+        raise DeepSpecError(
+            f"train.global_batch ({g}) must be a multiple of train.micro_batch ({m}) x processes ({world})"
+        )
+    return g // (world * m)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _rng_state(generator: torch.Generator) -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "anchor": generator.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict, generator: torch.Generator) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["anchor"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Optional[Path]:
+    """The checkpoint the `latest` pointer names, or None."""
+    ptr = Path(out_dir) / CKPT_DIR / LATEST
+    if not ptr.exists():
+        return None
+    path = ptr.parent / ptr.read_text().strip()
+    if not (path / TRAINER_STATE).exists():
+        raise DeepSpecError(f"{ptr} points to an incomplete checkpoint: {path}")
+    return path
+
+
+def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
+    """Load a `save_pretrained` directory's safetensors into `model` in place;
+    every trainable parameter must be present."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state: dict = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    missing = set(model.load_state_dict(state, strict=False).missing_keys)
+    lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and n in missing)
+    if lost:
+        raise DeepSpecError(f"checkpoint {directory} lacks trainable weights: {', '.join(lost[:5])}")
+
+
+# --------------------------------------------------------------------------- log
+
+
+class TrainLog:
+    """train_log.csv, written by the main process one row at a time (flushed).
+    The columns are fixed by the first row's metrics."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled, self.cols = path, enabled, None
+        if enabled and path.exists():
+            with open(path, newline="") as f:
+                self.cols = next(csv.reader(f), None)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        if self.cols is None:
+            metric_cols = [k for k in row if k not in HEAD_COLS and k not in TAIL_COLS]
+            self.cols = HEAD_COLS + metric_cols + TAIL_COLS
+            with open(self.path, "w", newline="") as f:
+                csv.writer(f).writerow(self.cols)
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([_fmt(row.get(c, float("nan"))) for c in self.cols])
+            f.flush()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+# --------------------------------------------------------------------------- loop
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int  # total optimiser steps of the run (== the final step)
+    steps_this_process: int  # steps run by this invocation (after a resume: the remainder)
+    elapsed_s: float  # training wall time of this invocation
+    positions_per_s: float  # predicted positions per second, all processes
+    sequences_per_s: float
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+POSITION_KEYS = ("num_positions", "n_positions")
+
+
+def _count_positions(metrics: dict, batch: dict) -> float:
+    """Predicted positions of a micro batch: the step function's
+    `n_positions` (or `num_positions`) when it reports one, else the
+    loss-mask (assistant) tokens."""
+    for key in POSITION_KEYS:
+        if key in metrics:
+            return float(metrics[key])
+    if torch.is_tensor(batch.get("loss_mask")):
+        return float(batch["loss_mask"].sum())
+    return 0.0
+
+
+def _use_cpu(device: str) -> bool:
+    return not str(device).startswith("cuda") or not torch.cuda.is_available()
+
+
+def make_accelerator(device: str, accum: int):
+    """An Accelerator on `device` ('cpu' forces CPU), bf16 autocast on GPU."""
+    from accelerate import Accelerator
+
+    cpu = _use_cpu(device)
+    acc = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16", gradient_accumulation_steps=accum)
+    if acc.gradient_accumulation_steps != accum:
+        raise DeepSpecError(
+            f"gradient accumulation is {acc.gradient_accumulation_steps}, expected {accum} "
+            "(unset ACCELERATE_GRADIENT_ACCUMULATION_STEPS)"
+        )
+    return acc
+
+
+def process_device(device: str) -> torch.device:
+    """The device this process trains on (its own GPU under accelerate launch)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=_use_cpu(device)).device
+
+
+def train(
+    model: torch.nn.Module,
+    dataset,
+    step_fn: StepFn,
+    train_cfg: dict,
+    out_dir: str | os.PathLike,
+    *,
+    collate_fn: Callable[[list], dict],
+    resume: Optional[bool] = None,
+    device: str = "cpu",
+) -> TrainResult:
+    """Train `model` on `dataset` with the recipe of the module docstring.
+
+    resume: None resumes from `<out>/checkpoints/latest` when it exists, True
+    requires it, False starts afresh (deleting old checkpoints).
+    """
+    from accelerate import PartialState
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    ckpt_root = out / CKPT_DIR
+    state = PartialState(cpu=_use_cpu(device))
+    world, rank, main = state.num_processes, state.process_index, state.is_main_process
+    accum = accumulation_steps(train_cfg, world)
+    acc = make_accelerator(device, accum)
+    dev = acc.device
+
+    n = len(dataset)
+    per_epoch, total = plan_steps(n, train_cfg)
+    g = int(train_cfg["global_batch"])
+    if n < g:
+        log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
+    sampler = StepSampler(n, g, int(train_cfg["seed"]))
+    every = int(train_cfg["checkpoint_every"])
+    fail_after = int(os.environ.get(FAIL_ENV, "0") or 0)
+
+    model.to(dev).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise DeepSpecError("the model has no trainable parameters")
+    if world > 1:  # identical start on every process
+        for p in params:
+            torch.distributed.broadcast(p.data, src=0)
+    opt, sched = make_optimizer(params, train_cfg, total)
+    gen = torch.Generator(device=dev).manual_seed(int(train_cfg["seed"]) + rank)
+
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").unlink(missing_ok=True)  # present only once training completed
+    ckpt = latest_checkpoint(out) if resume is not False else None
+    if resume and ckpt is None:
+        raise DeepSpecError(f"--resume: no checkpoint under {ckpt_root}")
+    if resume is False and main and ckpt_root.exists():
+        shutil.rmtree(ckpt_root)
+    acc.wait_for_everyone()
+
+    start, elapsed_before = 0, 0.0
+    if ckpt is not None:
+        start, elapsed_before = _resume(ckpt, model, opt, sched, gen, out, rank, main, n, train_cfg)
+        log.info("resumed from %s at step %d/%d", ckpt, start, total)
+    elif main:
+        (out / LOG_NAME).unlink(missing_ok=True)
+    acc.wait_for_everyone()
+
+    n_trainable = sum(p.numel() for p in params)
+    n_frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    log.info(
+        "training: %d samples, %d steps/epoch, %d steps (epochs %s, max_steps %s), global batch %d = "
+        "%d processes x %d micro x %d accumulation, %.2fM trainable / %.2fM frozen params, %s, %s",
+        n, per_epoch, total, train_cfg["epochs"], train_cfg.get("max_steps"), g, world,
+        int(train_cfg["micro_batch"]), accum, n_trainable / 1e6, n_frozen / 1e6, dev, acc.mixed_precision,
+    )
+
+    train_log = TrainLog(out / LOG_NAME, enabled=main)
+    bar = tqdm(total=total, initial=start, disable=not main, desc="train", dynamic_ncols=True)
+    t_run = time.perf_counter()
+    positions_run = 0.0
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        micro_batches = split_batch(sampler.indices(step), rank, world, int(train_cfg["micro_batch"]))
+        sums: dict[str, list] = {}  # metric -> [sum, micro batches reporting it]
+        positions = 0.0
+        for idx in micro_batches:
+            batch = _to_device(collate_fn([dataset[i] for i in idx]), dev)
+            with acc.autocast():
+                loss, metrics = step_fn(model, batch, gen)
+            if not torch.isfinite(loss):
+                raise DeepSpecError(f"non-finite training loss {loss.item()} at step {step + 1}")
+            acc.backward(loss)  # divides by the accumulation steps
+            positions += _count_positions(metrics, batch)
+            for k, v in {"loss": loss.item(), **metrics}.items():
+                acc_k = sums.setdefault(k, [0.0, 0])
+                acc_k[0] += float(v)
+                acc_k[1] += 1
+        if world > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, float(train_cfg["grad_clip"])))
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        done = step + 1
+        positions_run += positions
+
+        if done % int(train_cfg["log_every"]) == 0 or done == total or done == 1:
+            row = _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g,
+                           time.perf_counter() - t0, elapsed_before + time.perf_counter() - t_run)
+            train_log.write(row)
+            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "tau_expected") if k in row}, refresh=False)
+        bar.update(1)
+        if done % every == 0 or done == total:
+            _save_checkpoint(acc, model, opt, sched, gen, out, done, total, n, train_cfg,
+                             elapsed_before + time.perf_counter() - t_run)
+        if fail_after and done == fail_after and done < total:
+            raise RuntimeError(f"injected failure after step {done} ({FAIL_ENV})")
+    bar.close()
+    elapsed = time.perf_counter() - t_run
+    acc.wait_for_everyone()
+
+    ran = total - start
+    positions_all = float(acc.reduce(torch.tensor(positions_run, device=dev), "sum")) if world > 1 else positions_run
+    result = TrainResult(out, total, ran, elapsed, positions_all / max(elapsed, 1e-9), ran * g / max(elapsed, 1e-9))
+    if main:
+        _save_final(model, out, result, train_cfg)
+    acc.wait_for_everyone()
+    (log.info if main else log.debug)(
+        "trained %d steps in %.1f s: %.1f predicted positions/s, %.2f sequences/s; drafter in %s",
+        ran, elapsed, result.positions_per_s, result.sequences_per_s, out,
+    )
+    return result
+
+
+def _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g, step_s, elapsed) -> dict:
+    """One train_log row: each metric is its mean over the micro batches (of all
+    processes) that reported it; positions are summed over processes."""
+    keys = list(sums)
+    if world > 1:  # the union of the processes' metric names, in first-seen order
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, keys)
+        keys = list(dict.fromkeys(k for ks in gathered for k in ks))
+    vec = torch.tensor([x for k in keys for x in sums.get(k, (0.0, 0))] + [positions], dtype=torch.float64)
+    if world > 1:
+        vec = acc.reduce(vec.to(acc.device), "sum").cpu()
+    metrics = {k: float(vec[2 * i] / vec[2 * i + 1]) if vec[2 * i + 1] > 0 else float("nan")
+               for i, k in enumerate(keys)}
+    positions = float(vec[-1])
+    row = {"step": done, "epoch": done / per_epoch, "lr": lr, "loss": metrics.get("loss", float("nan"))}
+    row.update({k: v for k, v in metrics.items() if k != "loss"})
+    row.update(grad_norm=grad_norm, positions_per_s=positions / step_s, sequences_per_s=g / step_s, elapsed_s=elapsed)
+    return row
+
+
+def _save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: int, n: int, train_cfg: dict,
+                     elapsed: float) -> None:
+    """<out>/checkpoints/step_N/ (built under a temporary name, then renamed)
+    and the `latest` pointer, written atomically."""
+    root = out / CKPT_DIR
+    final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
+    if acc.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    torch.save(_rng_state(gen), tmp / f"rng_{acc.process_index}.pt")
+    if acc.is_main_process:
+        model.save_pretrained(str(tmp))
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(sched.state_dict(), tmp / "scheduler.pt")
+        if (out / LOG_NAME).exists():
+            shutil.copyfile(out / LOG_NAME, tmp / LOG_NAME)
+        write_json_atomic(tmp / TRAINER_STATE, {
+            "step": step, "total_steps": total, "num_samples": n, "world_size": acc.num_processes,
+            "global_batch": int(train_cfg["global_batch"]), "seed": int(train_cfg["seed"]), "elapsed_s": elapsed,
+        })
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_text_atomic(root / LATEST, final.name + "\n")
+        _prune_checkpoints(root, train_cfg.get("keep_checkpoints"))
+        log.info("checkpoint %s", final)
+    acc.wait_for_everyone()
+
+
+def _prune_checkpoints(root: Path, keep: Optional[int]) -> None:
+    if not keep:
+        return
+    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
+    for s in steps[:-int(keep)]:
+        shutil.rmtree(root / f"step_{s}")
+
+
+def _resume(ckpt: Path, model, opt, sched, gen, out: Path, rank: int, main: bool, n: int, train_cfg: dict):
+    """Restore weights, optimiser, scheduler, RNG states and the log; return
+    (step, elapsed seconds before the interruption)."""
+    st = json.loads((ckpt / TRAINER_STATE).read_text())
+    for key, now in (("num_samples", n), ("global_batch", int(train_cfg["global_batch"])),
+                     ("seed", int(train_cfg["seed"]))):
+        if st[key] != now:
+            raise DeepSpecError(f"cannot resume from {ckpt}: {key} was {st[key]}, now {now} (use --no-resume)")
+    load_model_weights(model, ckpt)
+    dev = next(model.parameters()).device
+    opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=dev, weights_only=False))
+    sched.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
+    rng = ckpt / f"rng_{rank}.pt"
+    if rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=False), gen)
+    else:
+        log.warning("%s missing (world size was %d): RNG states of process %d are not restored",
+                    rng.name, st["world_size"], rank)
+    if main:
+        if (ckpt / LOG_NAME).exists():
+            shutil.copyfile(ckpt / LOG_NAME, out / LOG_NAME)
+        else:
+            (out / LOG_NAME).unlink(missing_ok=True)
+    return int(st["step"]), float(st.get("elapsed_s", 0.0))
+
+
+def _save_final(model, out: Path, result: TrainResult, train_cfg: dict) -> None:
+    """save_pretrained into a temporary directory, move the files into <out>,
+    config.json last."""
+    tmp = out / ".final.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp))
+    write_json_atomic(tmp / "train_summary.json", {
+        "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
+        "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
+    })
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [x for x in names if x != "config.json"] + ["config.json"]:
+        os.replace(tmp / name, out / name)
+    tmp.rmdir()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def default_out_dir(cfg: dict, method: str) -> Path:
+    return Path(cfg["results_dir"]) / cfg["target"]["name"] / "drafters" / method
+
+
+def token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    """Assistant-token counts [V] over the training set, which choose a reduced
+    draft vocabulary (drafter.draft_vocab_size). Uses the dataset's tokenized
+    `samples` when it has them (online mode: no target forward), else one pass
+    over the samples."""
+    from .drafters import count_tokens
+
+    if all(hasattr(s, "input_ids") and hasattr(s, "loss_mask") for s in getattr(dataset, "samples", [None])):
+        pairs = [(s.input_ids, s.loss_mask) for s in dataset.samples]
+    else:
+        pairs = [(s["input_ids"], s["loss_mask"]) for s in (dataset[i] for i in range(len(dataset)))]
+    ids, masks = zip(*pairs)
+    return count_tokens(ids, vocab_size, list(masks))
+
+
+def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool] = None) -> TrainResult:
+    """Load the target, build the dataset and drafter, train (the CLI's body).
+
+    `method` is eagle3, dflash, dspark or an ablation variant name
+    (deepspec.variants, e.g. dspark-l2); the default output directory is
+    <results>/<target>/drafters/<method>.
+    """
+    from . import cache, drafters, losses
+    from .targets import target_from_config
+    from .variants import resolve_method
+
+    base, cfg = resolve_method(cfg, method)
+    device = cfg["target"]["device"]
+    target = target_from_config(cfg, device=str(process_device(device)))
+    dataset = cache.make_train_dataset(cfg, target=target)
+    counts = token_counts(dataset, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
+    torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
+    drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
+
+    def step_fn(model, batch, generator):
+        return losses.training_step(model, batch, cfg, generator)
+
+    out = Path(out_dir) if out_dir else default_out_dir(cfg, method)
+    log.info("training %s (%s) on %s -> %s", method, base, cfg["target"]["name"], out)
+    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=cache.collate, resume=resume, device=device)
+
+
+def cli_train(argv=None) -> int:
+    from .cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec train", description="train a drafter (eagle3, dflash, dspark)")
+    add_config_args(p)
+    p.add_argument("--method", required=True,
+                   help="eagle3 | dflash | dspark, or an ablation variant such as dspark-l2 (deepspec.variants)")
+    p.add_argument("--out", default=None, help="output directory (default: <results>/<target>/drafters/<method>)")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                   help="resume from <out>/checkpoints/latest (default: when it exists); --no-resume starts afresh")
+    p.add_argument("--max-steps", type=int, default=None, help="cap the number of optimiser steps")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise DeepSpecError("--max-steps must be at least 1")
+        cfg["train"]["max_steps"] = args.max_steps
+    run_from_config(cfg, args.method, args.out, args.resume)
+    return 0

@@ -1,0 +1,153 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from deepspec.cache import (
+    FAIL_AFTER_ENV,
+    PROGRESS,
+    build_cache,
+    collate,
+    make_train_dataset,
+    plan_shards,
+    sha256_file,
+    validate_cache,
+)
+from deepspec.cli import main
+from deepspec.config import load_config, parse_set
+from deepspec.io import DeepSpecError
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_cfg, tiny_target, shared_data, tmp_path_factory):
+    """Tiny preset, 8 prompts regenerated through the CLI; small shards so the
+    cache has several, with padded forward batches of up to 4 (on this CPU a
+    padded batch changes some samples' bits, so online mode must replay them)."""
+    root = tmp_path_factory.mktemp("cache_test")
+    sets = [
+        f"resources_dir={tiny_cfg['resources_dir']}", f"data.root={shared_data}", f"results_dir={root / 'results'}",
+        "regenerate.max_new_tokens=16", "cache.shard_tokens=400", "cache.batch_size=4",
+    ]
+    args = ["--preset", "tiny", *[x for s in sets for x in ("--set", s)]]
+    assert main(["regenerate", *args, "--limit", "8"]) == 0
+    cfg = load_config("tiny", parse_set(sets))
+    convs = root / "results" / "tiny" / "regen" / "conversations.jsonl"
+    ref = root / "ref_cache"
+    build_cache(cfg, convs, ref, target=tiny_target)
+    return dict(cfg=cfg, args=args, convs=convs, ref=ref, root=root)
+
+
+def _checksums(d):
+    return {p.name: sha256_file(p) for p in sorted(d.iterdir())}
+
+
+def test_cli_regenerate_build_validate(setup, capsys):
+    out = setup["root"] / "results" / "tiny" / "cache"
+    assert main(["build-cache", *setup["args"]]) == 0  # default paths from the preset
+    assert main(["validate-cache", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {out}")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["format"] == "deepspec-target-cache" and m["feature_layers"] == [-1, 0] and m["dtype"] == "bfloat16"
+    assert m["hidden_size"] == 64 and m["num_samples"] >= 6 and len(m["shards"]) >= 2
+    assert m["num_tokens"] == sum(s["num_tokens"] for s in m["shards"])
+    assert 389 <= m["bytes_per_token"] < 389 + 30  # ids + mask + 3 x 64 bf16, plus headers/offsets
+    assert _checksums(out) == _checksums(setup["ref"])  # a separate build of the same data: same bytes
+
+
+def test_online_and_cached_samples_are_identical(setup, tiny_target):
+    cfg = setup["cfg"]
+    cached = make_train_dataset(cfg, cache_dir=setup["ref"])
+    online = make_train_dataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, conversations=setup["convs"])
+    assert len(cached) == len(online) and cached.ids == online.ids
+    # read online in random order to exercise recomputation
+    for i in torch.randperm(len(online), generator=torch.Generator().manual_seed(0)).tolist():
+        a, b = cached[i], online[i]
+        assert a.keys() == b.keys() == {"input_ids", "loss_mask", "features", "last_hidden"}
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (i, k)
+    # a memory budget too small for more than one batch recomputes, with the same result
+    small = make_train_dataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, conversations=setup["convs"])
+    small._budget = 1
+    for i in reversed(range(len(small))):
+        assert torch.equal(small[i]["features"], cached[i]["features"])
+    assert len(small._memo) == 1
+    batch_a, batch_b = collate([cached[i] for i in range(3)]), collate([online[i] for i in range(3)])
+    for k in batch_a:
+        assert torch.equal(batch_a[k], batch_b[k])
+    # and the features are the target's: one sample alone, fp32, equals up to bf16 rounding
+    s = cached[0]
+    feats, last = tiny_target.features(s["input_ids"][None], cfg["target"]["feature_layers"])
+    torch.testing.assert_close(s["features"], feats[0], atol=0.05, rtol=0.02)
+    torch.testing.assert_close(s["last_hidden"], last[0], atol=0.05, rtol=0.02)
+    assert s["loss_mask"].any() and not s["loss_mask"][0]
+
+
+def test_corrupt_or_missing_shard_is_reported_and_repaired(setup, tiny_target, tmp_path, capsys):
+    d = tmp_path / "cache"
+    shutil.copytree(setup["ref"], d)
+    shard = d / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DeepSpecError, match="shard-00001.safetensors is corrupt: sha256"):
+        validate_cache(d)
+    assert main(["validate-cache", str(d)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "shard-00001.safetensors" in err
+    # build-cache redoes just the damaged shard and gets the same bytes back
+    build_cache(setup["cfg"], setup["convs"], d, target=tiny_target)
+    assert _checksums(d) == _checksums(setup["ref"])
+
+    (d / "shard-00000.safetensors").unlink()
+    with pytest.raises(DeepSpecError, match="shard-00000.safetensors missing"):
+        validate_cache(d)
+
+
+def test_killed_build_resumes_byte_identical(setup, tiny_target, tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        build_cache(setup["cfg"], setup["convs"], d, target=tiny_target)
+    assert not (d / "manifest.json").exists()
+    assert sorted(p.name for p in d.glob("shard-*")) == ["shard-00000.safetensors"]
+    first = sha256_file(d / "shard-00000.safetensors")
+    monkeypatch.delenv(FAIL_AFTER_ENV)
+    build_cache(setup["cfg"], setup["convs"], d, target=tiny_target)
+    assert not (d / PROGRESS).exists()
+    assert sha256_file(d / "shard-00000.safetensors") == first
+    assert _checksums(d) == _checksums(setup["ref"])  # shards and manifest
+
+
+def test_dry_run_writes_nothing(setup, tmp_path, capsys):
+    d = tmp_path / "cache"
+    est = build_cache(setup["cfg"], setup["convs"], d, dry_run=True)
+    assert not d.exists()
+    assert est["bytes_per_token"] == 4 + 1 + 3 * 64 * 2
+    ref = json.loads((setup["ref"] / "manifest.json").read_text())
+    assert est["tokens"] == ref["num_tokens"]
+    assert f"{est['tokens']} tokens x 389 bytes/token" in capsys.readouterr().out
+
+
+def test_dataset_errors(setup, tmp_path):
+    with pytest.raises(DeepSpecError, match="build-cache"):
+        make_train_dataset(setup["cfg"], cache_dir=tmp_path / "none")
+    cfg = {**setup["cfg"], "target": {**setup["cfg"]["target"], "feature_layers": [0]}}
+    with pytest.raises(DeepSpecError, match="feature_layers"):
+        make_train_dataset(cfg, cache_dir=setup["ref"])
+
+
+def test_collate_pads_and_masks():
+    def s(n):
+        return {"input_ids": torch.arange(1, n + 1), "loss_mask": torch.ones(n, dtype=torch.bool),
+                "features": torch.ones(n, 4), "last_hidden": torch.ones(n, 2)}
+
+    b = collate([s(3), s(5)])
+    assert b["input_ids"].shape == (2, 5) and b["features"].shape == (2, 5, 4) and b["last_hidden"].shape == (2, 5, 2)
+    assert b["attention_mask"].tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+    assert b["loss_mask"][0, 3:].any().item() is False and b["features"][0, 3:].abs().sum() == 0
+
+
+def test_shard_plan_is_deterministic():
+    assert plan_shards([5, 5, 5, 5, 5], 10) == [(0, 2), (2, 4), (4, 5)]
+    assert plan_shards([30, 1, 1], 10) == [(0, 1), (1, 3)]

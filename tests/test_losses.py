@@ -1,0 +1,145 @@
+"""Losses against hand-computed values; anchors and block targets; the
+training step's loss composition (Eq. 12) and chunking."""
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepspec import losses
+from deepspec.drafters import build_drafter
+from deepspec.drafters.common import block_targets, sample_anchors
+
+
+class StubDrafter:
+    """Fixed logits / target probabilities over a 3-token vocabulary."""
+
+    def __init__(self, logits, pt, d2t=None):
+        self.logits, self.pt = logits, pt
+        self.reduced_vocab = d2t is not None
+        self.d2t = d2t
+
+    def block_logits(self, h, prev):
+        return self.logits
+
+    def draft_logits(self, h):
+        return self.logits
+
+    def target_probs(self, th):
+        return self.pt
+
+    def to_draft_ids(self, ids):
+        if not self.reduced_vocab:
+            return ids
+        t2d = torch.full((10,), -1, dtype=torch.long)
+        t2d[self.d2t] = torch.arange(len(self.d2t))
+        return t2d[ids]
+
+
+def test_block_head_terms_hand_computed():
+    # p_d = softmax(log(0.5, 0.25, 0.25)); p_t = (0.7, 0.2, 0.1); label = 1
+    logits = torch.tensor([[[math.log(0.5), math.log(0.25), math.log(0.25)]]])
+    pt = torch.tensor([[[0.7, 0.2, 0.1]]])
+    ce, l1, cstar, inv = losses.block_head_terms(StubDrafter(logits, pt), None, None, None, torch.tensor([[1]]))
+    assert ce.item() == pytest.approx(-math.log(0.25))
+    assert l1.item() == pytest.approx(0.2 + 0.05 + 0.15)  # full L1, not halved
+    assert cstar.item() == pytest.approx(0.5 + 0.2 + 0.1)  # sum min = 1 - L1/2
+    assert inv.item() == 1.0
+
+
+def test_reduced_vocab_terms_count_unreachable_mass():
+    # draft vocab = target ids (2, 5); target mass 0.1 sits on id 7 (unreachable)
+    logits = torch.tensor([[[0.0, 0.0]]])  # p_d = (0.5, 0.5) on ids (2, 5)
+    pt_full = torch.zeros(1, 1, 10)
+    pt_full[0, 0, 2], pt_full[0, 0, 5], pt_full[0, 0, 7] = 0.6, 0.3, 0.1
+    d = StubDrafter(logits, pt_full, d2t=torch.tensor([2, 5]))
+    ce, l1, cstar, inv = losses.block_head_terms(d, None, None, None, torch.tensor([[7]]))
+    assert l1.item() == pytest.approx(0.1 + 0.2 + 0.1)
+    assert cstar.item() == pytest.approx(0.5 + 0.3)
+    assert inv.item() == 0.0  # label outside the draft vocab: no CE term
+    sce, cs = losses.soft_ce_terms(d, None, None)
+    assert sce.item() == pytest.approx(-(0.6 + 0.3) * math.log(0.5))
+
+
+def test_weighted_mean_over_valid_positions():
+    w = torch.exp(-torch.arange(3) / 4.0)
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    valid = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    W = w * valid
+    want = (1 * w[0] + 2 * w[1] + 4 * w[0]) / (2 * w[0] + w[1])
+    assert losses.weighted_mean(x, W).item() == pytest.approx(want.item())
+
+
+def test_sample_anchors_eligibility_and_determinism():
+    lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    am = torch.ones_like(lm)
+    a, v = sample_anchors(lm, am, 10, torch.Generator().manual_seed(0))
+    assert a.shape == (2, 3)
+    assert a[0].tolist() == [1, 2, 5] and v[0].all()  # p with loss_mask[p] and loss_mask[p+1]
+    assert a[1, v[1]].tolist() == [3] and v[1].sum() == 1
+    a2, _ = sample_anchors(lm, am, 2, torch.Generator().manual_seed(0))
+    a3, _ = sample_anchors(lm, am, 2, torch.Generator().manual_seed(0))
+    assert torch.equal(a2, a3) and a2.shape == (2, 2)
+    assert set(a2[0].tolist()) <= {1, 2, 5}
+
+
+def test_block_targets_contiguous_prefix():
+    ids = torch.arange(10, 20).unsqueeze(0)
+    lm = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    labels, valid, src, prev = block_targets(ids, lm, None, torch.tensor([[1, 7]]), torch.tensor([[True, True]]), 4)
+    assert labels[0, 0].tolist() == [12, 13, 14, 15]
+    assert valid[0, 0].tolist() == [True, True, False, False]  # stops at the loss-mask gap, never resumes
+    assert valid[0, 1].tolist() == [True, True, False, False]  # past the sequence end
+    assert src[0, 0].tolist() == [1, 2, 3, 4]  # the target predicted token p+1+j at p+j
+    assert prev[0, 0].tolist() == [11, 12, 13, 14]  # anchor, then teacher-forced labels
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_target, tiny_cfg):
+    ids = torch.tensor([[1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0, 0, 0, 0]])
+    am = torch.ones_like(ids, dtype=torch.bool)
+    am[1, 9:] = False
+    lm = am.clone()
+    lm[:, :3] = False
+    feats, last = tiny_target.features(ids, tiny_cfg["target"]["feature_layers"], attention_mask=am)
+    return dict(input_ids=ids, loss_mask=lm, attention_mask=am, features=feats, last_hidden=last)
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle3"])
+def test_training_step_composition(tiny_target, tiny_cfg, batch, method):
+    torch.manual_seed(0)
+    d = build_drafter(method, tiny_target, tiny_cfg)
+    loss, m = losses.training_step(d, batch, tiny_cfg, torch.Generator().manual_seed(0))
+    g = d.gamma
+    assert all(f"c_star_{k}" in m for k in range(1, g + 1))
+    cs = torch.tensor([m[f"c_star_{k}"] for k in range(1, g + 1)])
+    assert m["tau_expected"] == pytest.approx(1 + torch.cumprod(cs, 0).sum().item(), rel=1e-5)
+    L = tiny_cfg["loss"]
+    if method == "dflash":
+        assert loss.item() == pytest.approx(m["loss_ce"]) and "loss_l1" not in m
+    elif method == "dspark":
+        want = L["ce_alpha"] * m["loss_ce"] + L["l1_alpha"] * m["loss_l1"] + L["conf_alpha"] * m["loss_conf"]
+        assert loss.item() == pytest.approx(want, rel=1e-5)
+        assert 0 < m["n_anchors"] <= 2 * tiny_cfg["train"]["num_anchors"]
+    else:
+        want = sum(L["eagle3_step_decay"] ** s * m[f"loss_step_{s + 1}"] for s in range(g))
+        assert loss.item() == pytest.approx(want, rel=1e-5)
+    loss.backward()
+    grads = [p.grad for p in d.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(x).all() for x in grads)
+    assert any(x.abs().sum() > 0 for x in grads)
+
+
+def test_chunking_does_not_change_loss_or_grads(tiny_target, tiny_cfg, batch, monkeypatch):
+    def run():
+        torch.manual_seed(0)
+        d = build_drafter("dspark", tiny_target, tiny_cfg)
+        loss, m = losses.training_step(d, batch, tiny_cfg, torch.Generator().manual_seed(0))
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
+
+    l0, g0 = run()
+    monkeypatch.setattr(losses, "CHUNK_POSITIONS", 7)  # one block per checkpointed chunk
+    l1, g1 = run()
+    assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-5)

@@ -1,0 +1,143 @@
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from deepspec.data import Prompt
+from deepspec.io import DeepSpecError
+from deepspec.regenerate import errors_path, filter_logits, regenerate, sample_next
+
+PROMPTS = [
+    Prompt(id="t:1", turns=["What is 2+2?"], source="t"),
+    Prompt(id="t:2", turns=["Name a colour.", "And another one?"], source="t"),
+    Prompt(id="t:3", turns=["Write a long story about a dragon who learns to bake bread in a small town."], source="t"),
+]
+
+
+def _cfg(tiny_cfg, tmp_path, **regen):
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["results_dir"] = str(tmp_path / "results")
+    cfg["regenerate"].update({"max_new_tokens": 6, "batch_size": 2, **regen})
+    return cfg
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_filters_follow_hf_semantics():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    cand, ids = filter_logits(logits, 1.0, top_k=3, top_p=1.0, min_p=0.0)
+    assert ids.tolist() == [[0, 1, 2]] and torch.isfinite(cand).all()
+    cand, ids = filter_logits(logits, 1.0, top_k=0, top_p=0.8, min_p=0.0)  # 0.5 + 0.3 reaches 0.8
+    assert torch.isfinite(cand).tolist() == [[True, True, False, False]]
+    cand, _ = filter_logits(logits, 1.0, top_k=0, top_p=1.0, min_p=0.5)  # keep p >= 0.25
+    assert torch.isfinite(cand).tolist() == [[True, True, False, False]]
+
+
+def test_sampling_is_per_row_seeded_and_matches_the_distribution():
+    logits = torch.randn(3, 50)
+    rc = dict(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0)
+    a = sample_next(logits, [torch.Generator().manual_seed(s) for s in (1, 2, 3)], rc)
+    b = sample_next(logits[1:2], [torch.Generator().manual_seed(2)], rc)
+    assert a[1] == b[0]  # a row's draw does not depend on its batch mates
+    # empirical frequencies follow the filtered distribution
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    draws = torch.stack([sample_next(probs.log()[None], [g], dict(rc, temperature=1.0, top_p=1.0))[0] for _ in range(3000)])
+    freq = torch.bincount(draws, minlength=3).float() / 3000
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_local_regeneration_multi_turn_resume_and_errors(tiny_cfg, tiny_target, tmp_path):
+    cfg = _cfg(tiny_cfg, tmp_path)
+    out = tmp_path / "conv.jsonl"
+    stats = regenerate(cfg, out, prompts=PROMPTS, target=tiny_target)
+    assert stats["done"] == 3 and stats["failed"] == 0 and 0 < stats["new_tokens"] <= 6 * 4
+    recs = {r["id"]: r for r in _lines(out)}
+    assert set(recs) == {"t:1", "t:2", "t:3"}
+    two = recs["t:2"]["messages"]
+    assert [m["role"] for m in two] == ["user", "assistant", "user", "assistant"]
+    assert two[2]["content"] == "And another one?" and recs["t:2"]["source"] == "t"
+    assert not out.with_name(out.name + ".partial").exists()
+
+    # same seed -> same answers (fresh run into another file)
+    again = tmp_path / "again.jsonl"
+    regenerate(cfg, again, prompts=PROMPTS, target=tiny_target)
+    assert {r["id"]: r for r in _lines(again)} == recs
+
+    # a killed run: one finished record plus a truncated line; the rerun keeps the
+    # first, drops the torn tail and does the rest
+    partial = tmp_path / "resume.jsonl.partial"
+    partial.write_text(json.dumps(recs["t:1"]) + "\n" + json.dumps(recs["t:2"])[:30])
+    stats = regenerate(cfg, tmp_path / "resume.jsonl", prompts=PROMPTS, target=tiny_target)
+    assert stats["skipped"] == 1 and stats["done"] == 2
+    assert {r["id"]: r for r in _lines(tmp_path / "resume.jsonl")} == recs
+    assert regenerate(cfg, tmp_path / "resume.jsonl", prompts=PROMPTS, target=tiny_target)["skipped"] == 3
+
+    # an over-long prompt is an error record, not a crash; a rerun retries it
+    cfg["data"]["max_prompt_tokens"] = 45
+    bad = tmp_path / "bad.jsonl"
+    stats = regenerate(cfg, bad, prompts=PROMPTS, target=tiny_target)
+    errs = _lines(errors_path(bad))
+    assert stats["failed"] == len(errs) >= 1 and "data.max_prompt_tokens" in errs[0]["error"]
+    assert {r["id"] for r in _lines(bad)}.isdisjoint(e["id"] for e in errs)
+
+
+class _FakeServer(BaseHTTPRequestHandler):
+    bodies: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        last = body["messages"][-1]["content"]
+        if "FAIL" in last:
+            self.send_response(500)
+            self.end_headers()
+            return
+        answer = f"answer {(len(body['messages']) + 1) // 2} to {last}"
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}],
+                           "usage": {"completion_tokens": 3}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    _FakeServer.bodies = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_port}"
+    srv.shutdown()
+
+
+def test_server_backend(tiny_cfg, tmp_path, fake_server):
+    cfg = _cfg(tiny_cfg, tmp_path, backend="server", urls=[fake_server, fake_server + "/v1"], concurrency=2)
+    prompts = PROMPTS + [Prompt(id="t:4", turns=["please FAIL"], source="t")]
+    out = tmp_path / "conv.jsonl"
+    stats = regenerate(cfg, out, prompts=prompts)
+    assert stats["done"] == 3 and stats["failed"] == 1 and stats["new_tokens"] == 3 * 4
+    recs = {r["id"]: r for r in _lines(out)}
+    assert recs["t:2"]["messages"][3]["content"] == "answer 2 to And another one?"
+    assert "HTTP 500" in _lines(errors_path(out))[0]["error"]
+    b = _FakeServer.bodies[0]
+    assert b["top_k"] == 20 and b["min_p"] == 0.0 and b["top_p"] == 0.8 and b["temperature"] == 0.7
+    assert b["chat_template_kwargs"] == {"enable_thinking": False} and b["max_tokens"] == 6
+    # the second turn is conditioned on the regenerated first answer
+    second = [x for x in _FakeServer.bodies if x["messages"][-1]["content"] == "And another one?"][0]
+    assert second["messages"][1] == {"role": "assistant", "content": "answer 1 to Name a colour."}
+
+
+def test_server_backend_needs_urls(tiny_cfg, tmp_path):
+    with pytest.raises(DeepSpecError, match="regenerate.urls"):
+        regenerate(_cfg(tiny_cfg, tmp_path, backend="server"), tmp_path / "c.jsonl", prompts=PROMPTS)

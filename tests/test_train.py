@@ -1,0 +1,283 @@
+"""The trainer: schedule, data order, gradient accumulation, exact resume, and
+the `python -m deepspec train` path on the tiny target.
+
+The loop tests use a small stand-in PreTrainedModel (a frozen embedding, as the
+drafters share the target's, plus a trainable MLP head) and a handmade dataset,
+so they exercise the real checkpoint code (save_pretrained, safetensors) in a
+second or two.
+"""
+import csv
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from deepspec import train as T
+
+# --------------------------------------------------------------------------- stand-ins
+
+
+class ToyConfig(PretrainedConfig):
+    model_type = "deepspec_toy"
+
+    def __init__(self, vocab=32, dim=16, **kw):
+        self.vocab, self.dim = vocab, dim
+        super().__init__(**kw)
+
+
+class ToyModel(PreTrainedModel):
+    config_class = ToyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab, config.dim)
+        self.embed.requires_grad_(False)  # frozen, like the target's embedding
+        self.mlp = nn.Sequential(nn.Linear(config.dim, config.dim), nn.Tanh(), nn.Dropout(0.1))
+        self.head = nn.Linear(config.dim, config.vocab)
+        self.post_init()
+
+    def _init_weights(self, module):  # keep torch's default init (seeded below)
+        pass
+
+    def forward(self, input_ids):
+        return self.head(self.mlp(self.embed(input_ids)))
+
+
+def toy_model(seed=0):
+    torch.manual_seed(seed)
+    return ToyModel(ToyConfig())
+
+
+def toy_dataset(n=24, length=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 32, (n, length), generator=g)
+    return [{"input_ids": ids[i], "loss_mask": torch.ones(length, dtype=torch.bool)} for i in range(n)]
+
+
+def collate(samples):
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def make_step_fn(use_rng: bool):
+    """Next-token CE, mean per sequence then mean over sequences (so a micro
+    batch of 4 equals 4 accumulated micro batches of 1). With use_rng the
+    positions are weighted by noise from the anchor generator and dropout
+    (global torch RNG) is on, so resuming must restore both."""
+
+    def step_fn(model, batch, generator):
+        ids = batch["input_ids"]
+        model.mlp[2].p = 0.1 if use_rng else 0.0
+        logits = model(ids[:, :-1])
+        ce = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        if use_rng:
+            ce = ce * torch.rand(ce.shape, generator=generator, device=ce.device) * 2
+        loss = ce.mean(-1).mean()
+        c1 = float(torch.exp(-loss.detach()))
+        return loss, {"ce": float(loss.detach()), "c_star_1": c1, "tau_expected": 1.0 + c1}
+
+    return step_fn
+
+
+def train_cfg(**kw):
+    cfg = dict(lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0, global_batch=4, micro_batch=1,
+               epochs=1, max_steps=None, seed=42, checkpoint_every=1000, log_every=1, keep_checkpoints=None)
+    cfg.update(kw)
+    return cfg
+
+
+def read_log(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --------------------------------------------------------------------------- schedule and order
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    total = 100
+    n_warm = T.warmup_steps(total, 0.04)
+    assert n_warm == 4
+    f = [T.lr_factor(s, total, n_warm) for s in range(total + 1)]
+    assert f[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert f[4 + 48] == pytest.approx(0.5)  # halfway through the cosine
+    assert f[99] == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 96)))
+    assert f[99] > 0 and f[100] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))  # monotone after warmup
+
+    # The optimiser sees the same values, one per update.
+    p = nn.Parameter(torch.zeros(1))
+    opt, sched = T.make_optimizer([p], train_cfg(lr=1e-3), total)
+    lrs = []
+    for _ in range(total):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([1e-3 * x for x in f[:total]])
+    assert T.warmup_steps(3, 0.04) == 1 and T.lr_factor(0, 3, 1) == 1.0
+
+
+def test_plan_steps_and_sampler():
+    assert T.plan_steps(10, train_cfg(global_batch=4)) == (2, 2)
+    assert T.plan_steps(10, train_cfg(global_batch=4, epochs=1.5)) == (2, 3)
+    assert T.plan_steps(1000, train_cfg(global_batch=4, epochs=10, max_steps=7)) == (250, 7)
+    assert T.plan_steps(3, train_cfg(global_batch=4)) == (1, 1)
+    with pytest.raises(T.DeepSpecError):
+        T.plan_steps(0, train_cfg())
+
+    s = T.StepSampler(10, 4, seed=42)
+    e0 = s.indices(0) + s.indices(1)
+    assert len(set(e0)) == 8 and all(0 <= i < 10 for i in e0)  # no repeats within an epoch
+    assert s.indices(2) != s.indices(0)  # epoch 1 reshuffles
+    assert T.StepSampler(10, 4, seed=42).indices(3) == s.indices(3)  # position = step: restartable
+    assert T.StepSampler(10, 4, seed=43).indices(0) != s.indices(0)
+    assert len(T.StepSampler(3, 8, seed=0).indices(0)) == 8  # N < global batch still fills a step
+    assert T.split_batch(list(range(8)), rank=1, world=2, micro=2) == [[4, 5], [6, 7]]
+    with pytest.raises(T.DeepSpecError, match="global_batch"):
+        T.accumulation_steps(train_cfg(global_batch=6, micro_batch=4), world=1)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
+    data = toy_dataset()
+    finals = []
+    for micro in (1, 4):
+        model = toy_model()
+        T.train(model, data, make_step_fn(False), train_cfg(micro_batch=micro, max_steps=3, lr=1e-2),
+                tmp_path / f"m{micro}", collate_fn=collate)
+        finals.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    a, b = finals
+    assert not torch.equal(a["head.weight"], toy_model().head.weight)  # it trained
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch):
+    data = toy_dataset()
+    cfg = train_cfg(checkpoint_every=2, epochs=2, lr=1e-2)  # 6 steps/epoch -> 12 steps
+    step_fn = make_step_fn(True)
+
+    ref = toy_model()
+    res = T.train(ref, data, step_fn, cfg, tmp_path / "ref", collate_fn=collate)
+    assert res.steps == 12 and res.steps_this_process == 12
+
+    out = tmp_path / "killed"
+    monkeypatch.setenv(T.FAIL_ENV, "5")  # dies between the checkpoints at 4 and 6
+    with pytest.raises(RuntimeError, match="injected failure after step 5"):
+        T.train(toy_model(), data, step_fn, cfg, out, collate_fn=collate)
+    monkeypatch.delenv(T.FAIL_ENV)
+    assert not (out / "config.json").exists()  # incomplete runs have no config.json
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
+    assert len(read_log(out / T.LOG_NAME)) == 5
+
+    torch.manual_seed(123)  # a different process state: all of it must come from the checkpoint
+    resumed = toy_model(seed=7)
+    res2 = T.train(resumed, data, step_fn, cfg, out, collate_fn=collate)  # auto-resume
+    assert res2.steps == 12 and res2.steps_this_process == 8
+
+    for (n, p), (_, q) in zip(ref.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(p, q), n
+    rows_ref, rows_res = read_log(tmp_path / "ref" / T.LOG_NAME), read_log(out / T.LOG_NAME)
+    assert [r["step"] for r in rows_res] == [str(s) for s in range(1, 13)]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in T.TIMING_COLS} for r in rows]  # noqa: E731
+    assert strip(rows_ref) == strip(rows_res)
+
+    # The final drafter is a complete save_pretrained directory.
+    loaded = ToyModel.from_pretrained(str(out))
+    for (n, p), (_, q) in zip(ref.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(p, q), n
+    assert json.loads((out / "train_summary.json").read_text())["steps"] == 12
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "latest", "step_10", "step_12", "step_2", "step_4", "step_6", "step_8"]
+
+
+def test_resume_flags(tmp_path):
+    data = toy_dataset(n=8)
+    with pytest.raises(T.DeepSpecError, match="no checkpoint"):
+        T.train(toy_model(), data, make_step_fn(False), train_cfg(), tmp_path, collate_fn=collate, resume=True)
+    T.train(toy_model(), data, make_step_fn(False), train_cfg(keep_checkpoints=1, checkpoint_every=1),
+            tmp_path, collate_fn=collate)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]
+    with pytest.raises(T.DeepSpecError, match="global_batch was 4"):
+        T.train(toy_model(), data, make_step_fn(False), train_cfg(global_batch=8), tmp_path, collate_fn=collate)
+    res = T.train(toy_model(), data, make_step_fn(False), train_cfg(global_batch=8), tmp_path,
+                  collate_fn=collate, resume=False)
+    assert res.steps == 1 and len(read_log(tmp_path / T.LOG_NAME)) == 1
+    header = next(csv.reader(open(tmp_path / T.LOG_NAME)))
+    assert header[:4] == ["step", "epoch", "lr", "loss"] and "c_star_1" in header and "tau_expected" in header
+
+
+# --------------------------------------------------------------------------- the real thing
+
+
+CONVERSATIONS = [
+    [("What is 12 + 30?", "12 + 30 = 42. The answer is 42."),
+     ("And doubled?", "Doubling 42 gives 84.")],
+    [("Name three primary colours.", "Red, yellow and blue are the three primary colours.")],
+    [("Write a Python function that adds two numbers.", "def add(a, b):\n    return a + b")],
+    [("Say hello in French.", "Bonjour! That is hello in French.")],
+    [("What is the capital of Italy?", "The capital of Italy is Rome, a city with a long history.")],
+]
+
+
+def write_conversations(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, turns in enumerate(CONVERSATIONS):
+            msgs = [m for u, a in turns for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
+            f.write(json.dumps({"id": f"hand:{i}", "source": "hand", "messages": msgs}) + "\n")
+
+
+def cli_argv(tmp_path, tiny_cfg, method, *extra):
+    """`python -m deepspec train` arguments: tiny preset, online mode, results under tmp_path."""
+    write_conversations(tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl")
+    sets = [f"resources_dir={tiny_cfg['resources_dir']}", f"data.root={tiny_cfg['data']['root']}",
+            f"results_dir={tmp_path / 'results'}", "cache.mode=online", "train.global_batch=2", *extra]
+    return ["--preset", "tiny", "--method", method, *[x for kv in sets for x in ("--set", kv)]]
+
+
+def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target):
+    pytest.importorskip("deepspec.cache")
+    pytest.importorskip("deepspec.losses")
+    from deepspec.drafters import load_drafter
+
+    argv = cli_argv(tmp_path, tiny_cfg, "dspark", "train.checkpoint_every=1") + ["--max-steps", "2"]
+    assert T.cli_train(argv) == 0
+
+    out = tmp_path / "results" / "tiny" / "drafters" / "dspark"
+    drafter = load_drafter(out, tiny_target)
+    assert drafter.method == "dspark"
+    rows = read_log(out / T.LOG_NAME)
+    assert [r["step"] for r in rows] == ["1", "2"]
+    gamma = tiny_cfg["drafter"]["block_size"]
+    for col in ["lr", "loss", "loss_ce", "loss_l1", "loss_conf", "c_star_1", f"c_star_{gamma}", "tau_expected",
+                "positions_per_s", "elapsed_s"]:
+        assert col in rows[0], col
+    assert all(math.isfinite(float(r["loss"])) and 1.0 <= float(r["tau_expected"]) <= gamma + 1 for r in rows)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+
+    # Rerunning resumes from the last checkpoint: nothing left to train, same weights.
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    assert T.cli_train(argv) == 0
+    again = load_drafter(out, tiny_target)
+    assert all(torch.equal(before[n], p) for n, p in again.named_parameters())
+    assert len(read_log(out / T.LOG_NAME)) == 2
+
+
+def test_cli_train_variant_with_reduced_vocab(tmp_path, tiny_cfg, tiny_target):
+    pytest.importorskip("deepspec.cache")
+    pytest.importorskip("deepspec.losses")
+    from deepspec.drafters import load_drafter
+
+    argv = cli_argv(tmp_path, tiny_cfg, "eagle3-b2", "drafter.draft_vocab_size=64") + ["--max-steps", "1"]
+    assert T.cli_train(argv) == 0
+    out = tmp_path / "results" / "tiny" / "drafters" / "eagle3-b2"
+    drafter = load_drafter(out, tiny_target)
+    assert drafter.method == "eagle3" and drafter.gamma == 2  # the variant's ttt_length
+    assert not torch.equal(drafter.d2t, torch.arange(64))  # chosen from the token counts
+    header = read_log(out / T.LOG_NAME)[0]
+    assert "c_star_2" in header and "c_star_3" not in header and float(header["positions_per_s"]) > 0
