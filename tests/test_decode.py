@@ -1,0 +1,264 @@
+"""End-to-end tests of the speculative decode loop (deepspec/decode.py) on the tiny target.
+
+Losslessness: sequences sampled with a drafter follow the target's distribution.
+The first `N_TOK` generated tokens are compared with their exact target
+probabilities by a chi-square test over the likely sequences (cells with an
+expected count >= 5, the rest pooled). The test double drafts from a distorted
+copy of the target, so drafts are often but not always accepted and a wrong
+residual is visible; the negative control shows the test rejects such a verifier.
+Greedy decoding must reproduce plain greedy decoding token for token.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from scipy import stats
+
+from deepspec import decode
+from deepspec.decode import plain_generate, speculative_generate
+from deepspec.io import DeepSpecError
+from deepspec.sampling import logits_to_probs, sample, verify_chain
+
+# A short prompt whose first token is near-certain under the tiny target (p = 0.99), so the
+# samples concentrate on a few (t1, t2) cells where the over-confident double's residual
+# differs most from p_t (chosen by a one-off scan of random 5-token prompts).
+PROMPT = [2293, 591, 4056, 15548, 17964]
+N_TOK = 3  # compared tokens: the first comes from prefill, 2 and 3 from one round with 2 drafts
+N_GEN = 400
+P_MIN = 1e-3
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    conf_logits: Optional[torch.Tensor] = None
+
+
+class DistortedTargetDrafter:
+    """Test double with the drafter API: drafts gamma tokens autoregressively from
+    softmax((target_logits * SHARP + bias[prev]) / T), KV-free (re-reads the full
+    verified context). It asserts the loop's bookkeeping: feats cover exactly the
+    positions verified since the last call, and (if check_feats) equal the target's
+    own features there. Draft distributions are memoised per context (the samples share
+    a handful of contexts), so the double costs almost nothing."""
+
+    SHARP = 2.0  # over-confident: high acceptance, and a residual far from p_t
+
+    def __init__(self, target, layers, gamma=2, check_feats=False, conf=False):
+        self.target, self.layers, self.gamma = target, list(layers), gamma
+        self.check_feats, self.conf = check_feats, conf
+        g = torch.Generator().manual_seed(7)
+        self.bias = 0.3 * torch.randn(64, target.vocab_size, generator=g)  # depends on prev token mod 64
+        self.memo = {}
+
+    def init_state(self):
+        return {"ids": []}
+
+    @torch.no_grad()
+    def propose(self, state, feats, tokens, *, temperature=1.0, generator=None):
+        n = tokens.shape[1] - 1
+        assert feats.shape[:2] == (1, n) and n >= 1, (feats.shape, tokens.shape)
+        state["ids"] += tokens[0, :-1].tolist()
+        if self.check_feats:
+            ref, _ = self.target.features(torch.tensor([state["ids"]]), self.layers)
+            torch.testing.assert_close(feats, ref[:, -n:], rtol=1e-4, atol=1e-4)
+        seq = state["ids"] + [int(tokens[0, -1])]
+        toks, probs = [], []
+        for _ in range(self.gamma):
+            p = self._dist(tuple(seq), temperature)
+            t = int(sample(p, generator))
+            toks.append(t)
+            probs.append(p)
+            seq.append(t)
+        conf = torch.linspace(2.0, -2.0, self.gamma)[None] if self.conf else None
+        return Proposal(torch.tensor([toks]), torch.stack(probs)[None], conf)
+
+    def _dist(self, seq, temperature):
+        key = (seq, temperature, self.SHARP)
+        if key not in self.memo:
+            logits = self.target.model(torch.tensor([seq]), logits_to_keep=1).logits[0, -1]
+            self.memo[key] = logits_to_probs(logits * self.SHARP + self.bias[seq[-1] % 64], temperature)
+        return self.memo[key]
+
+
+def _generate(target, drafter, n, temperature=1.0, max_new=N_TOK + 1, **kw):
+    return [
+        tuple(speculative_generate(target, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=max_new,
+                                   temperature=temperature, generator=torch.Generator().manual_seed(980406 + i),
+                                   **kw).tokens)
+        for i in range(n)
+    ]
+
+
+@torch.no_grad()
+def _exact_cells(target, n_tok, k=12):
+    """Exact target probabilities of the likely n_tok-token continuations of PROMPT
+    (a top-k tree at T = 1, EOS not expanded): {sequence: probability}."""
+    eos = set(target.eos_token_ids)
+    cells = {(): 1.0}
+    for _ in range(n_tok):
+        seqs = [s for s in cells if not (set(s) & eos)]
+        ids = torch.tensor([PROMPT + list(s) for s in seqs])
+        p = torch.softmax(target.model(ids, logits_to_keep=1).logits[:, -1].double(), -1)
+        top = p.topk(k, dim=-1)
+        cells = {s + (int(t),): cells[s] * float(q) for s, v, i in zip(seqs, top.values, top.indices)
+                 for q, t in zip(v, i)}
+    return cells
+
+
+def _chi2_pvalue(samples, exact, min_cells=4) -> float:
+    n = len(samples)
+    cells = [s for s, p in exact.items() if n * p >= 5]
+    counts = Counter(samples)
+    obs = [counts[s] for s in cells]
+    exp = [n * exact[s] for s in cells]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    assert len(cells) >= min_cells, "too few cells for a meaningful test"
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+def _broken_verify_chain(target_logits, draft_probs, draft_tokens, *, temperature=1.0, eos_token_ids=(), generator=None):
+    """A classic bug: on rejection, resample from p_t instead of norm(max(0, p_t - p_d))."""
+    res = verify_chain(target_logits, draft_probs, draft_tokens, temperature=temperature,
+                                 eos_token_ids=eos_token_ids, generator=generator)
+    a = int(res.accepted[0])
+    if a < draft_tokens.shape[1]:
+        p_t = torch.softmax(target_logits[0, a].float() / temperature, -1)
+        res.tokens[0, a] = int(sample(p_t, generator))
+    return res
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny-model forwards are dominated by thread sync: one thread is 5-25x faster
+    on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def double(tiny_target):
+    return DistortedTargetDrafter(tiny_target, [-1, 0], gamma=2)
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_target):
+    return {n: _exact_cells(tiny_target, n) for n in (2, N_TOK)}
+
+
+def _pvalues(samples, exact):
+    """Chi-square p-values of the first 2 and the first N_TOK tokens. (A round emits at
+    most max_new_tokens - len(out) tokens, so max_new_tokens = N_TOK + 1 verifies 2 drafts.)"""
+    return [_chi2_pvalue([s[:n] for s in samples], exact[n]) for n in (2, N_TOK)]
+
+
+def test_lossless_with_test_double(tiny_target, exact, double):
+    samples = _generate(tiny_target, double, N_GEN)
+    assert min(_pvalues(samples, exact)) > P_MIN / 2
+
+
+def test_broken_verifier_is_detected(tiny_target, exact, double, monkeypatch):
+    """Negative control: the same test rejects a verifier with a wrong residual."""
+    monkeypatch.setattr(decode, "verify_chain", _broken_verify_chain)
+    samples = _generate(tiny_target, double, N_GEN)
+    assert _pvalues(samples, exact)[0] < P_MIN
+
+
+def test_greedy_equals_plain_and_feature_bookkeeping(tiny_target):
+    drafter = DistortedTargetDrafter(tiny_target, [-1, 0], gamma=3, check_feats=True)
+    drafter.SHARP = 1.0  # a closer drafter: long accepted runs as well as rejections
+    for max_new in (1, 2, 9, 24):
+        plain = plain_generate(tiny_target, PROMPT, max_new_tokens=max_new, temperature=0.0).tokens
+        gen = speculative_generate(tiny_target, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=max_new,
+                                   temperature=0.0)
+        assert gen.tokens == plain and len(gen.tokens) == max_new
+        assert sum(r["emitted"] for r in gen.rounds) + 1 == len(gen.tokens)
+        if max_new == 24:
+            assert {r["accepted"] for r in gen.rounds} >= {0, 3}, gen.rounds  # both paths exercised
+
+
+def test_round_records_and_threshold(tiny_target):
+    drafter = DistortedTargetDrafter(tiny_target, [-1, 0], gamma=3, conf=True)
+    gen = speculative_generate(tiny_target, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=12,
+                               generator=torch.Generator().manual_seed(1))
+    assert len(gen.tokens) == 12
+    for r in gen.rounds:
+        assert 0 <= r["accepted"] <= r["proposal_len"] <= 3 and r["emitted"] == r["accepted"] + 1
+        assert r["draft_time_s"] > 0 and r["verify_time_s"] > 0
+        assert r["conf_logit_1"] == pytest.approx(2.0) and r["conf_logit_3"] == pytest.approx(-2.0)
+    # sigmoid(conf) = 0.88, 0.5, 0.12: threshold 0.6 keeps one token per round
+    gen = speculative_generate(tiny_target, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=12,
+                               generator=torch.Generator().manual_seed(1), confidence_threshold=0.6)
+    assert all(r["proposal_len"] == 1 for r in gen.rounds[:-1])
+
+
+def test_accepted_eos_ends_round(tiny_target):
+    """A drafter equal to the target (p_d = p_t) has every draft accepted. Declaring the
+    second draft token of round 1 to be EOS must end that round there, without a bonus,
+    with proposal_len = EOS position, and stop generation."""
+    drafter = DistortedTargetDrafter(tiny_target, [-1, 0], gamma=3)
+    drafter.SHARP = 1.0
+    drafter.bias.zero_()
+    run = lambda t: speculative_generate(t, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=30,
+                                         generator=torch.Generator().manual_seed(3))
+    first = run(tiny_target)
+    assert first.rounds[0]["accepted"] == 3 and first.rounds[0]["emitted"] == 4
+    eos = first.tokens[2]  # t1 from prefill, then drafts 1 and 2 of round 1
+    assert eos not in first.tokens[:2]
+    gen = run(dataclasses.replace(tiny_target, eos_token_ids=(eos,)))
+    assert gen.tokens == first.tokens[:3] and len(gen.rounds) == 1
+    r = gen.rounds[0]
+    assert (r["proposal_len"], r["accepted"], r["emitted"]) == (2, 2, 2)
+
+
+def test_mismatched_drafter_is_a_clear_error(tiny_target):
+    class WrongVocab(DistortedTargetDrafter):
+        def propose(self, state, feats, tokens, *, temperature=1.0, generator=None):
+            prop = super().propose(state, feats, tokens, temperature=temperature, generator=generator)
+            return Proposal(prop.tokens, prop.probs[..., :1000])
+
+    with pytest.raises(DeepSpecError, match="mismatch"):
+        speculative_generate(tiny_target, WrongVocab(tiny_target, [-1, 0]), PROMPT, feature_layers=[-1, 0],
+                             max_new_tokens=4)
+
+
+# --------------------------------------------------------------------------- real drafters
+N_GEN_REAL = 120  # ~0.1 s per generation with an untrained 7-token drafter
+
+
+@pytest.fixture(scope="module", params=["eagle3", "dflash", "dspark"])
+def real_drafter(request, tiny_target, tiny_cfg):
+    drafters = pytest.importorskip("deepspec.drafters")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return drafters.build_drafter(request.param, tiny_target, tiny_cfg).eval()
+
+
+def test_lossless_with_real_drafters_t1(tiny_target, tiny_cfg, real_drafter, exact):
+    """T = 1.0 (Table 1 setting): untrained drafters are mostly rejected, so this checks
+    that the drafters' state handling and the loop keep the target distribution."""
+    layers = tiny_cfg["target"]["feature_layers"]
+    samples = [
+        tuple(speculative_generate(tiny_target, real_drafter, PROMPT, feature_layers=layers, max_new_tokens=3,
+                                   temperature=1.0, generator=torch.Generator().manual_seed(980406 + i)).tokens[:2])
+        for i in range(N_GEN_REAL)
+    ]
+    assert _chi2_pvalue(samples, exact[2], min_cells=2) > P_MIN
+
+
+def test_greedy_real_drafters_equal_plain(tiny_target, tiny_cfg, real_drafter):
+    plain = plain_generate(tiny_target, PROMPT, max_new_tokens=20, temperature=0.0).tokens
+    gen = speculative_generate(tiny_target, real_drafter, PROMPT, feature_layers=tiny_cfg["target"]["feature_layers"],
+                               max_new_tokens=20, temperature=0.0)
+    assert gen.tokens == plain
+    assert gen.rounds and max(r["proposal_len"] for r in gen.rounds) == 7  # block 7 / TTT 7 proposals

@@ -1,0 +1,100 @@
+"""The evaluate / baseline / schedule CLIs end to end on the tiny target (in-process),
+with an untrained DSpark drafter saved where the DAG's train rule puts it."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from deepspec.cli import main
+from deepspec.evaluate import cli_baseline, cli_evaluate, cli_schedule
+
+N_PROMPTS = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_cfg, tiny_target):
+    drafters = pytest.importorskip("deepspec.drafters")
+    results = tmp_path_factory.mktemp("results")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        drafters.build_drafter("dspark", tiny_target, tiny_cfg).save_pretrained(results / "tiny/drafters/dspark")
+    args = ["--preset", "tiny", "--set", f"resources_dir={tiny_cfg['resources_dir']}",
+            "--set", f"data.root={tiny_cfg['data']['root']}", "--set", f"results_dir={results}",
+            "--set", f"data.benchmarks.gsm8k.cap={N_PROMPTS}", "--set", "eval.max_new_tokens=12",
+            "--set", "eval.n_boot=20"]
+    return results / "tiny" / "eval", args
+
+
+def test_baseline_evaluate_schedule(setup, shared_data):
+    ev, args = setup
+    assert cli_baseline(args + ["--benchmark", "gsm8k"]) == 0
+    base = json.loads((ev / "baseline/gsm8k.json").read_text())
+    assert base["n_samples"] == N_PROMPTS
+    for kind in ("plain", "prompt_lookup"):
+        assert base[kind]["tokens_per_s"] > 0 and len(base[kind]["new_tokens"]) == N_PROMPTS
+        assert all(1 <= n <= 12 for n in base[kind]["new_tokens"])
+
+    assert cli_evaluate(args + ["--method", "dspark", "--benchmark", "gsm8k"]) == 0
+    df = pd.read_csv(ev / "dspark/gsm8k.csv")
+    head = ["sample_id", "round", "proposal_len", "accepted", "emitted", "draft_time_s", "verify_time_s"]
+    assert list(df.columns) == head + [f"conf_logit_{k}" for k in range(1, 8)] + ["method", "benchmark", "domain"]
+    assert (df["method"] == "dspark").all() and (df["domain"] == "Math").all()
+    assert df["conf_logit_7"].notna().all() and (df["accepted"] <= df["proposal_len"]).all()
+    s = json.loads((ev / "dspark/gsm8k.json").read_text())
+    assert s["n_samples"] == N_PROMPTS and s["rounds"] == len(df) and s["gamma"] == 7
+    assert s["tau"] == pytest.approx(df["emitted"].mean())
+    # every sample: the prefill token + the tokens of its rounds, never above max_new_tokens
+    per = df.groupby("sample_id")["emitted"].sum()
+    for smp in s["samples"]:
+        assert smp["new_tokens"] == 1 + per.get(smp["sample_id"], 0) <= 12
+    assert s["tokens_per_s"] > 0 and s["speedup_vs_plain"] > 0
+    assert len(s["positions"]) == 7 and s["confidence_selfcheck"]["n_rounds"] == len(df)
+
+    assert cli_schedule(args + ["--benchmark", "gsm8k", "--max-batch-tokens", "16"]) == 0
+    sweep = pd.read_csv(ev / "dspark/gsm8k.sweep.csv")
+    assert len(sweep) == 10 and sweep["accepted"].iloc[0] == pytest.approx(s["tau"])
+    cal = pd.read_csv(ev / "dspark/gsm8k.calibration.csv")
+    assert list(cal.columns)[:6] == ["position", "ece_before", "ece_after", "auroc", "n", "temperature"]
+    assert len(cal) == 7 and (cal["ece_after"] >= 0).all()
+    alg1 = json.loads((ev / "dspark/gsm8k.alg1.json").read_text())
+    assert alg1["sps"]["batch_tokens"] == list(range(1, 17)) and min(alg1["sps"]["steps_per_s"]) > 0
+    assert [x["batch"] for x in alg1["simulations"]] == [1, 2]
+    assert all(x["theta_alg1"] > 0 and x["theta_fixed"] > 0 for x in alg1["simulations"])
+
+
+def test_user_errors_are_one_line(setup, shared_data, capsys, tmp_path):
+    ev, args = setup
+    assert main(["evaluate", *args, "--method", "dspark", "--benchmark", "gsm8k", "--set", "data.max_prompt_tokens=5",
+                 "--out", str(tmp_path / "x.csv")]) == 2
+    assert "over the limit" in capsys.readouterr().err
+    assert main(["evaluate", *args, "--method", "eagle3", "--benchmark", "gsm8k"]) == 2
+    assert "no drafter checkpoint" in capsys.readouterr().err
+    # a drafter trained for another target
+    bad = tmp_path / "bad"
+    src = ev.parent / "drafters/dspark"
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["deepspec_target_id"] = "some/other-model"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["evaluate", *args, "--method", "dspark", "--benchmark", "gsm8k", "--drafter", str(bad),
+                 "--out", str(tmp_path / "y.csv")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("deepspec evaluate: error:") and "target id" in last
+    # schedule needs confidence logits
+    df = pd.DataFrame({"sample_id": ["a", "b"], "proposal_len": [7, 7], "accepted": [1, 2], "emitted": [2, 3]})
+    df.to_csv(tmp_path / "e.csv", index=False)
+    assert main(["schedule", *args, "--benchmark", "gsm8k", "--records", str(tmp_path / "e.csv")]) == 2
+    assert "no confidence logits" in capsys.readouterr().err
