@@ -71,13 +71,13 @@ def _forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence
     return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
 
 
-def proposal_length(prop, threshold: float, cap: int) -> int:
+def proposal_length(prop, threshold: float) -> int:
     """Tokens of a proposal to verify: all gamma, cut at the first position with
-    sigmoid(conf_logit) < threshold (threshold > 0 and a confidence head), at most cap."""
+    sigmoid(conf_logit) < threshold (threshold > 0 and a confidence head)."""
     n = prop.tokens.shape[1]
     if threshold > 0 and prop.conf_logits is not None:
         n = int(truncate_by_threshold(torch.sigmoid(prop.conf_logits[0].float()), threshold))
-    return max(0, min(n, cap))
+    return max(0, n)
 
 
 def _check_proposal(prop, vocab: int) -> None:
@@ -125,8 +125,10 @@ def speculative_generate(
         _check_proposal(prop, vocab)
         _sync(device)
         t_verify = time.perf_counter()
-        # Never emit more than max_new_tokens: a round emits at most n + 1 tokens.
-        n = proposal_length(prop, confidence_threshold, max_new_tokens - len(out) - 1)
+        # Full proposals even near the end (as the reference evaluator does), so
+        # the last round's acceptance is measured like any other; the output is
+        # trimmed to max_new_tokens below.
+        n = proposal_length(prop, confidence_threshold)
         draft = prop.tokens[:, :n].to(device)
         n_cached = cache.get_seq_length()
         logits, feats = _forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
@@ -139,7 +141,7 @@ def speculative_generate(
         crop_cache(cache, n_cached + 1 + accepted)  # anchor + accepted drafts are now verified
         feats = feats[:, : accepted + 1]
         ctx = torch.cat([anchor, draft[:, :accepted]], 1)
-        out.extend(new)
+        out.extend(new[: max_new_tokens - len(out)])
         _sync(device)
         t_end = time.perf_counter()
 

@@ -157,8 +157,7 @@ def exact(tiny_target):
 
 
 def _pvalues(samples, exact):
-    """Chi-square p-values of the first 2 and the first N_TOK tokens. (A round emits at
-    most max_new_tokens - len(out) tokens, so max_new_tokens = N_TOK + 1 verifies 2 drafts.)"""
+    """Chi-square p-values of the first 2 and the first N_TOK tokens."""
     return [_chi2_pvalue([s[:n] for s in samples], exact[n]) for n in (2, N_TOK)]
 
 
@@ -182,7 +181,9 @@ def test_greedy_equals_plain_and_feature_bookkeeping(tiny_target):
         gen = speculative_generate(tiny_target, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=max_new,
                                    temperature=0.0)
         assert gen.tokens == plain and len(gen.tokens) == max_new
-        assert sum(r["emitted"] for r in gen.rounds) + 1 == len(gen.tokens)
+        # Full proposals are verified to the end; only the last round may overshoot and be trimmed.
+        emitted = [r["emitted"] for r in gen.rounds]
+        assert sum(emitted) + 1 >= len(gen.tokens) and sum(emitted[:-1]) + 1 < len(gen.tokens) + (not emitted)
         if max_new == 24:
             assert {r["accepted"] for r in gen.rounds} >= {0, 3}, gen.rounds  # both paths exercised
 
