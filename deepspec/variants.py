@@ -8,7 +8,8 @@ eagle3, dflash, dspark or dspark_rnn (DSpark with the RNN head of Eq. 6):
   dspark_rnn-b15  DSpark, RNN head, block 15          (Figure 4)
 
 ``resolve_method(cfg, name)`` returns the base method and the config with the
-variant's overrides applied; plain names leave the config unchanged.
+variant's overrides applied (and a per-method ``train.max_steps`` mapping
+resolved to this method's cap).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def resolve_method(cfg: dict, name: str) -> tuple[str, dict]:
     cfg["drafter"].update(drafter_over)
     if m.group("layers"):
         cfg["drafter"]["num_layers"] = {**cfg["drafter"]["num_layers"], method: int(m.group("layers"))}
+    steps = cfg["train"].get("max_steps")
+    if isinstance(steps, dict):  # per-method caps: the base method's (or none)
+        cfg["train"]["max_steps"] = steps.get(m.group("base"), steps.get(method))
     if m.group("block"):
         b = int(m.group("block"))
         cfg["drafter"]["block_size"] = b
