@@ -21,12 +21,11 @@ property; for those the assistant content is located in the full text in order
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Optional
 
-from .io import DeepSpecError
+from .io import DeepSpecError, iter_jsonl
 from .targets import render_chat
 
 ROLES = ("user", "assistant")
@@ -127,19 +126,9 @@ def validate_conversation(rec, where: str) -> dict:
 
 def iter_conversations(path: str | os.PathLike) -> Iterator[dict]:
     """Validated records of a conversations JSONL (one-line errors name file:line)."""
-    path = Path(path)
-    if not path.exists():
-        raise DeepSpecError(f"conversations file not found: {path} (run python -m deepspec regenerate)")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DeepSpecError(f"{where}: malformed JSON ({e.msg})") from None
-            yield validate_conversation(rec, where)
+    hint = " (run python -m deepspec regenerate)"
+    for _, where, rec in iter_jsonl(path, "conversations file", hint):
+        yield validate_conversation(rec, where)
 
 
 def read_conversations(path: str | os.PathLike) -> list[dict]:

@@ -7,14 +7,13 @@ line fails with one error naming file and line. On a user's machine a source
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .io import DeepSpecError
+from .io import DeepSpecError, iter_jsonl
 
 
 @dataclass
@@ -32,20 +31,8 @@ def data_root(cfg: dict) -> Path:
 
 def read_turns_jsonl(path: str | os.PathLike, source: Optional[str] = None) -> list[Prompt]:
     path = Path(path)
-    if not path.exists():
-        raise DeepSpecError(f"prompt file not found: {path}")
     source = source or path.stem
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DeepSpecError(f"{where}: malformed JSON ({e.msg})") from None
-            out.append(_validate(rec, where, f"{source}:{lineno}", source))
+    out = [_validate(rec, where, f"{source}:{lineno}", source) for lineno, where, rec in iter_jsonl(path, "prompt file")]
     if not out:
         raise DeepSpecError(f"{path}: no records")
     return out

@@ -14,7 +14,6 @@ decoding. All three time themselves with time.perf_counter, prefill included.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import torch
 from .io import DeepSpecError
 from .sampling import is_greedy, logits_to_probs, sample, verify_chain
 from .schedule import truncate_by_threshold
-from .targets import Target, select_features
+from .targets import Target, cache_kwarg, select_features
 
 
 @dataclass
@@ -54,16 +53,11 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x renamed forward(past_key_values=) to forward(cache=)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence[int]], last_only: bool = False):
     """One KV-cached target forward: logits [1, n or 1, V] and features [1, n, m*d] (or None)."""
     out = target.model(
         input_ids=ids,
-        **{_cache_kwarg(target.model): cache},
+        **{cache_kwarg(target.model): cache},
         use_cache=True,
         output_hidden_states=layers is not None,
         logits_to_keep=1 if last_only else 0,

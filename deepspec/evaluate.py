@@ -240,14 +240,15 @@ def split_samples(df: pd.DataFrame, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def target_sps(target, batch_sizes, context_len: int = 256, seed: int = 0):
     """SPS(B): target forwards per second over B new tokens after a KV-cached context."""
-    from .decode import _cache_kwarg, _new_cache, crop_cache
+    from .decode import _new_cache, crop_cache
+    from .targets import cache_kwarg
     from .schedule import profile_sps
 
     g = torch.Generator().manual_seed(seed)
     dev = target.device
     ctx = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
     cache = _new_cache()
-    kw = _cache_kwarg(target.model)
+    kw = cache_kwarg(target.model)
     with torch.no_grad():
         target.model(input_ids=ctx, use_cache=True, logits_to_keep=1, **{kw: cache})
 

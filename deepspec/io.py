@@ -45,6 +45,24 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
+    """(line number, "file:line", record) for every non-blank line of a JSONL
+    file; a missing file or a malformed line is a one-line DeepSpecError."""
+    path = Path(path)
+    if not path.exists():
+        raise DeepSpecError(f"{what} not found: {path}{hint}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DeepSpecError(f"{where}: malformed JSON ({e.msg})") from None
+            yield lineno, where, rec
+
+
 def require_file(path: str | os.PathLike, what: str = "file") -> Path:
     p = Path(path)
     if not p.exists():

@@ -176,6 +176,10 @@ def eagle3_step(drafter, batch, cfg, generator=None):
             cs.append(0.0)
             continue
         sce, cstar = _chunked(lambda a, b: soft_ce_terms(drafter, a, b), CHUNK_POSITIONS, h[valid], th[valid])
+        # Mean over this step's valid rows. The reference divides each step by the
+        # local B*T instead (padding included); the mean keeps steps with fewer
+        # valid rows (later TTT steps, short answers) from being down-weighted
+        # beyond the paper's 0.8^step.
         step_loss = sce.mean()
         loss = loss + decay**s * step_loss
         metrics[f"loss_step_{s + 1}"] = float(step_loss.detach())

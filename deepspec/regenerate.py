@@ -43,6 +43,7 @@ import torch
 from .chat import with_system_prompt
 from .data import Prompt, load_train_prompts
 from .io import DeepSpecError
+from .targets import cache_kwarg
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ def generate_batch(
     pos = (am.cumsum(-1) - 1).clamp_min(0)
     ids, am, pos = ids.to(device), am.to(device), pos.to(device)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    ckw = cache_kwarg(model)
+    out = model(input_ids=ids, attention_mask=am, position_ids=pos, **{ckw: cache}, use_cache=True, logits_to_keep=1)
     next_pos = pos[:, -1] + 1
     alive = list(range(B))
     gens = list(generators)
@@ -154,7 +156,7 @@ def generate_batch(
             input_ids=toks[:, None].to(device),
             attention_mask=am,
             position_ids=next_pos[:, None],
-            cache=cache,
+            **{ckw: cache},
             use_cache=True,
         )
         next_pos = next_pos + 1

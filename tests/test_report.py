@@ -27,7 +27,7 @@ def fake_results(tmp_path):
     for bench in cfg["data"]["benchmarks"]:
         for m, r in RATES.items():
             (ev / m).mkdir(parents=True, exist_ok=True)
-            _fake_records(r, 40, 30, rng).to_csv(ev / m / f"{bench}.csv", index=False)
+            _fake_records(r, 80, 30, rng).to_csv(ev / m / f"{bench}.csv", index=False)
             (ev / m / f"{bench}.json").write_text(json.dumps({"tokens_per_s": 20.0}))
         (ev / "baseline").mkdir(exist_ok=True)
         (ev / "baseline" / f"{bench}.json").write_text(json.dumps({"plain": {"tokens_per_s": 10.0}, "prompt_lookup": {"tokens_per_s": 12.0}}))
@@ -39,13 +39,13 @@ def test_table1_and_fig2(fake_results):
     t1 = build_table1(cfg)
     assert list(t1.columns[: len(TABLE1_COLUMNS)]) == TABLE1_COLUMNS
     drafts = t1[t1.method.isin(RATES)]
-    assert len(drafts) == 27 and (drafts.speedup == 2.0).all()
+    assert len(drafts) == 3 * len(cfg['data']['benchmarks']) and (drafts.speedup == 2.0).all()
     assert set(t1.method) == {"dflash", "eagle3", "dspark", "plain", "prompt_lookup"}
     fig2 = build_fig2(cfg)
     assert list(fig2.columns) == FIG2_COLUMNS and len(fig2) == 3 * 3 * 7
     for m, r in RATES.items():
         got = fig2[(fig2.method == m) & (fig2.domain == "Math")].sort_values("position")
-        # 3600 rounds per domain: the conditional rates are recovered, within the intervals.
+        # 2400 rounds per domain: the conditional rates are recovered, within the intervals.
         assert np.all(np.abs(got.acceptance.to_numpy()[:4] - r[:4]) < 0.05)
         assert np.all(got.ci_low <= got.acceptance) and np.all(got.acceptance <= got.ci_high)
 

@@ -241,8 +241,6 @@ def cli_argv(tmp_path, tiny_cfg, method, *extra):
 
 
 def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target):
-    pytest.importorskip("deepspec.cache")
-    pytest.importorskip("deepspec.losses")
     from deepspec.drafters import load_drafter
 
     argv = cli_argv(tmp_path, tiny_cfg, "dspark", "train.checkpoint_every=1") + ["--max-steps", "2"]
@@ -269,8 +267,6 @@ def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target)
 
 
 def test_cli_train_variant_with_reduced_vocab(tmp_path, tiny_cfg, tiny_target):
-    pytest.importorskip("deepspec.cache")
-    pytest.importorskip("deepspec.losses")
     from deepspec.drafters import load_drafter
 
     argv = cli_argv(tmp_path, tiny_cfg, "eagle3-b2", "drafter.draft_vocab_size=64") + ["--max-steps", "1"]

@@ -181,7 +181,7 @@ class DrafterBase(PreTrainedModel):
         K = config.deepspec_draft_vocab_size or V
         self.blocks = blocks_for(config)
         self.register_buffer("d2t", torch.arange(K, dtype=torch.long), persistent=True)
-        self._shared = SimpleNamespace(embed=None, lm_head=None, head_w=None, head_b=None, t2d=None)
+        self._shared = SimpleNamespace(embed=None, lm_head=None, head_w=None, head_b=None, t2d=None, softcap=None)
 
     # -- loading: the config is the target architecture's config class
     @classmethod
@@ -207,6 +207,10 @@ class DrafterBase(PreTrainedModel):
         check_target_match(self.config, target)
         self._shared.embed = target.embed_tokens
         self._shared.lm_head = target.lm_head
+        # Gemma-style final-logit soft-capping (z -> cap * tanh(z / cap)) is part
+        # of the target's distribution, so drafts and p_t must apply it too.
+        text_cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        self._shared.softcap = getattr(text_cfg, "final_logit_softcapping", None)
         self._refresh_head()
         return self
 
@@ -247,14 +251,20 @@ class DrafterBase(PreTrainedModel):
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen (restricted) LM head on draft hidden states: [..., K]."""
         self._need()
-        w = self._shared.head_w
-        return F.linear(h, w.to(h.dtype), None if self._shared.head_b is None else self._shared.head_b.to(h.dtype))
+        w, b = self._shared.head_w, self._shared.head_b
+        # Cast the activations, not the V x d head: no full-vocab weight copy per call.
+        return self._softcap(F.linear(h.to(w.dtype), w, b).to(h.dtype))
+
+    def _softcap(self, z: torch.Tensor) -> torch.Tensor:
+        cap = self._shared.softcap
+        return z if not cap else torch.tanh(z / cap) * cap
 
     @torch.no_grad()
     def target_probs(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """p_t = softmax of the frozen full LM head on cached final-norm states [..., V]."""
         self._need()
-        return torch.softmax(self._shared.lm_head(last_hidden.to(self._shared.lm_head.weight.dtype)).float(), -1)
+        z = self._shared.lm_head(last_hidden.to(self._shared.lm_head.weight.dtype)).float()
+        return torch.softmax(self._softcap(z), -1)
 
     def to_full_vocab(self, p: torch.Tensor) -> torch.Tensor:
         if not self.reduced_vocab:

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from .. import sampling
+from ..targets import cache_kwarg
 from .common import DrafterBase, KVStore, Proposal
 
 
@@ -72,7 +73,7 @@ class Eagle3Drafter(DrafterBase):
         x = self.in_proj(torch.cat([self.emb_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1))
         cos, sin = self.rotary_emb(x, pos)
         for layer in self.layers:
-            x = layer(x, attention_mask=mask, position_embeddings=(cos, sin), cache=cache, use_cache=True)
+            x = layer(x, attention_mask=mask, position_embeddings=(cos, sin), **{cache_kwarg(layer): cache}, use_cache=True)
         return x
 
     def forward(self, input_ids, features, attention_mask=None, steps: Optional[int] = None):
