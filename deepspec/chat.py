@@ -57,7 +57,11 @@ def load_tokenizer(cfg: dict):
 
 
 def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Render `messages` and return (text, [(start, end) char span per assistant turn])."""
+    """Render `messages` and return (text, [(start, end) char span per assistant turn]).
+
+    A span covers the turn's content and its end-of-turn marker, except for a
+    turn marked ``"truncated": true`` (cut at the token limit), whose marker the
+    target never produced."""
     text = render_chat(tokenizer, messages, add_generation_prompt=False)
     spans = []
     cursor = 0
@@ -79,6 +83,12 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
             if text.startswith(closing, end):
                 end += len(closing)
         end = start + len(text[start:end].rstrip())  # the end-of-turn marker closes the turn
+        if m.get("truncated"):
+            # Cut off at regenerate.max_new_tokens: the target never produced the
+            # end-of-turn marker the template adds, so it is not a training label.
+            content = m["content"].strip()
+            at = text.find(content, start, end) if content else -1
+            end = at + len(content) if at >= 0 else end
         spans.append((start, end))
         cursor = end
     return text, spans

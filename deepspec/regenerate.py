@@ -254,8 +254,10 @@ def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None)
             gens = [torch.Generator().manual_seed(record_seed(rc["seed"], p.id, turn)) for p in rows]
             outs = generate_batch(target.model, ids, gens, rc, eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
             for p, o in zip(rows, outs):
+                truncated = not (o and o[-1] in target.eos_token_ids)
                 o = [t for t in o if t not in target.eos_token_ids]
-                convs[p.id].append({"role": "assistant", "content": tok.decode(o, skip_special_tokens=True)})
+                msg = {"role": "assistant", "content": tok.decode(o, skip_special_tokens=True)}
+                convs[p.id].append({**msg, "truncated": True} if truncated else msg)
         write([{"id": p.id, "source": p.source, "messages": convs[p.id]} for p in batch if p.id not in failed])
         for p in batch:
             if p.id in failed:
@@ -304,7 +306,8 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict]
         if not isinstance(content, str):
             raise ValueError("response without text content")
         n += int((resp.get("usage") or {}).get("completion_tokens", 0))
-        msgs.append({"role": "assistant", "content": content})
+        msg = {"role": "assistant", "content": content}
+        msgs.append({**msg, "truncated": True} if resp["choices"][0].get("finish_reason") == "length" else msg)
     return msgs, n
 
 

@@ -38,6 +38,16 @@ def test_two_turn_mask_token_by_token(tiny_target):
     assert _masked(tok, ids, mask) == [p for s in spans for p in s]
 
 
+def test_truncated_turn_has_no_end_of_turn_label(tiny_target):
+    """An answer cut at the token limit never produced <|im_end|>: not a label."""
+    tok = tiny_target.tokenizer
+    turns = copy.deepcopy(TWO_TURNS)
+    turns[3]["truncated"] = True
+    ids, mask = tokenize_conversation(tok, turns)
+    assert ids == tokenize_conversation(tok, TWO_TURNS)[0]  # the rendered text is the same
+    assert _masked(tok, ids, mask) == ["Hello", "!", "ĠHow", "Ġcan", "ĠI", "Ġhelp", "?", "<|im_end|>", "4"]
+
+
 def test_history_rendered_differently_still_masks_content(tiny_target):
     """A Qwen3-like template puts an empty think block only on the last assistant
     turn, so rendered prefixes are not prefixes of the full text."""

@@ -62,6 +62,9 @@ def test_local_regeneration_multi_turn_resume_and_errors(tiny_cfg, tiny_target, 
     two = recs["t:2"]["messages"]
     assert [m["role"] for m in two] == ["user", "assistant", "user", "assistant"]
     assert two[2]["content"] == "And another one?" and recs["t:2"]["source"] == "t"
+    # answers cut at max_new_tokens (here 4) are marked, so their end-of-turn is not a label
+    answers = [m for r in recs.values() for m in r["messages"] if m["role"] == "assistant"]
+    assert any(m.get("truncated") for m in answers)
     assert not out.with_name(out.name + ".partial").exists()
 
     # same seed -> same answers (fresh run into another file)
