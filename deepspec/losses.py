@@ -66,9 +66,16 @@ def block_head_terms(drafter, h, prev, target_hidden, labels):
 
 def soft_ce_terms(drafter, h, target_hidden):
     """Eagle3 per-position soft-label CE against p_t, and c* (detached)."""
+    return soft_ce_from_probs(drafter, h, _restrict(drafter, drafter.target_probs(target_hidden))[0])
+
+
+def soft_ce_from_probs(drafter, h, pt):
+    """The same with p_t (on the draft vocabulary) already computed."""
     logp = torch.log_softmax(drafter.draft_logits(h).float(), -1)
-    pt, _ = _restrict(drafter, drafter.target_probs(target_hidden))
     return -(pt * logp).sum(-1), acceptance_rate(logp.exp().detach(), pt)
+
+
+PRECOMPUTE_PT_BYTES = 1 << 30  # Eagle3: compute p_t once per position when it fits in this much memory
 
 
 def _chunked(fn, rows_per_chunk, *tensors):
@@ -166,16 +173,29 @@ def eagle3_step(drafter, batch, cfg, generator=None):
     loss = _zero_loss(drafter)
     metrics, cs = {}, []
     n_pos = 0
+    # Every TTT step reads p_t at the same positions shifted by one, so when it
+    # fits, the full-vocabulary target head runs once per position, not per step
+    # (and not again in the checkpointed backward).
+    K = drafter.d2t.numel() if drafter.reduced_vocab else drafter.vocab_size
+    pt_all = None
+    if B * L * K * 4 <= PRECOMPUTE_PT_BYTES:
+        with torch.no_grad():
+            pt_all = torch.cat([_restrict(drafter, drafter.target_probs(x))[0]
+                                for x in last.reshape(B * L, -1).split(CHUNK_POSITIONS)]).view(B, L, K)
     for s, h in enumerate(outs):
         tgt = t + 2 + s  # row t of step s predicts token t+2+s ...
         valid = (tgt < L).expand(B, L) & lm.gather(1, tgt.clamp(max=L - 1).expand(B, L))
         src = (t + 1 + s).clamp(max=L - 1).expand(B, L)  # ... which the target predicted at t+1+s
-        th = _gather_rows(last, src)
         if not valid.any():
             metrics[f"loss_step_{s + 1}"] = 0.0
             cs.append(0.0)
             continue
-        sce, cstar = _chunked(lambda a, b: soft_ce_terms(drafter, a, b), CHUNK_POSITIONS, h[valid], th[valid])
+        if pt_all is not None:
+            sce, cstar = _chunked(lambda a, b: soft_ce_from_probs(drafter, a, b), CHUNK_POSITIONS,
+                                  h[valid], _gather_rows(pt_all, src)[valid])
+        else:
+            sce, cstar = _chunked(lambda a, b: soft_ce_terms(drafter, a, b), CHUNK_POSITIONS,
+                                  h[valid], _gather_rows(last, src)[valid])
         # Mean over this step's valid rows. The reference divides each step by the
         # local B*T instead (padding included); the mean keeps steps with fewer
         # valid rows (later TTT steps, short answers) from being down-weighted
