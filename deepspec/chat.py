@@ -22,7 +22,6 @@ property; for those the assistant content is located in the full text in order
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Iterator, Optional
 
 from .io import DeepSpecError, iter_jsonl

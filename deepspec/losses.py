@@ -165,7 +165,6 @@ def eagle3_step(drafter, batch, cfg, generator=None):
     if am is not None:
         lm = lm & am.to(dev).bool()
     B, L = ids.shape
-    S = drafter.gamma
     last = batch["last_hidden"].to(dev)
     outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev))
     t = torch.arange(L, device=dev)

@@ -204,14 +204,6 @@ def cache_kwarg(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def cache_kwarg(module) -> str:
-    """Name of the KV-cache argument of a transformers forward: `cache` in recent
-    5.x releases, `past_key_values` before (and in 4.x)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-
-
 def check_feature_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     layers = [int(x) for x in layers]
     for layer in layers:

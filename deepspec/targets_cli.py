@@ -16,7 +16,7 @@ def cli_prepare_target(argv) -> int:
     p.add_argument("spec", help="smollm2-135m | tiny | hub id | local path")
     p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
     args = p.parse_args(argv)
-    from .targets import load_target, prepare_target
+    from .targets import prepare_target
 
     t0 = time.perf_counter()
     out = prepare_target(args.spec, args.out)

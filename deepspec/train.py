@@ -26,7 +26,7 @@ metrics)``, and implements the paper's recipe (paper-notes §3):
   ``<out>/checkpoints/step_N/`` (``save_pretrained`` model, optimiser,
   scheduler, trainer state, the log so far, and per-process RNG states:
   python, numpy, torch, CUDA and the anchor generator handed to ``step_fn``),
-  plus a ``latest`` pointer written atomically. Resuming restores all of it, so
+  plus a ``latest`` pointer written atomically (`deepspec.checkpoints`). Resuming restores all of it, so
   a killed run ends with bit-identical weights to an uninterrupted one;
 * ``<out>/train_log.csv`` (one row every ``train.log_every`` steps, flushed)
   and a tqdm bar; the final drafter is ``save_pretrained``'ed into ``<out>/``
@@ -40,30 +40,24 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
-from .io import DeepSpecError, write_json_atomic, write_text_atomic
+from .checkpoints import CKPT_DIR, LOG_NAME, latest_checkpoint, resume_checkpoint, save_checkpoint
+from .io import DeepSpecError, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
 
-LOG_NAME = "train_log.csv"
-CKPT_DIR = "checkpoints"
-LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
 # Private test hook: raise after this many completed steps (simulates a kill).
 FAIL_ENV = "DEEPSPEC_TRAIN_FAIL_AFTER_STEP"
 # Columns every train_log.csv has around the step function's metrics.
@@ -156,58 +150,6 @@ def accumulation_steps(train_cfg: dict, world: int) -> int:
             f"train.global_batch ({g}) must be a multiple of train.micro_batch ({m}) x processes ({world})"
         )
     return g // (world * m)
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def _rng_state(generator: torch.Generator) -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "anchor": generator.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict, generator: torch.Generator) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["anchor"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def latest_checkpoint(out_dir: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint the `latest` pointer names, or None."""
-    ptr = Path(out_dir) / CKPT_DIR / LATEST
-    if not ptr.exists():
-        return None
-    path = ptr.parent / ptr.read_text().strip()
-    if not (path / TRAINER_STATE).exists():
-        raise DeepSpecError(f"{ptr} points to an incomplete checkpoint: {path}")
-    return path
-
-
-def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
-    """Load a `save_pretrained` directory's safetensors into `model` in place;
-    every trainable parameter must be present."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    state: dict = {}
-    for name in files:
-        state.update(load_file(str(directory / name)))
-    missing = set(model.load_state_dict(state, strict=False).missing_keys)
-    lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and n in missing)
-    if lost:
-        raise DeepSpecError(f"checkpoint {directory} lacks trainable weights: {', '.join(lost[:5])}")
 
 
 # --------------------------------------------------------------------------- log
@@ -357,7 +299,7 @@ def train(
 
     start, elapsed_before = 0, 0.0
     if ckpt is not None:
-        start, elapsed_before = _resume(ckpt, model, opt, sched, gen, out, rank, main, n, train_cfg)
+        start, elapsed_before = resume_checkpoint(ckpt, model, opt, sched, gen, out, rank, main, n, train_cfg)
         log.info("resumed from %s at step %d/%d", ckpt, start, total)
     elif main:
         (out / LOG_NAME).unlink(missing_ok=True)
@@ -414,7 +356,7 @@ def train(
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "tau_expected") if k in row}, refresh=False)
         bar.update(1)
         if done % every == 0 or done == total:
-            _save_checkpoint(acc, model, opt, sched, gen, out, done, total, n, train_cfg,
+            save_checkpoint(acc, model, opt, sched, gen, out, done, total, n, train_cfg,
                              elapsed_before + time.perf_counter() - t_run)
         if fail_after and done == fail_after and done < total:
             raise RuntimeError(f"injected failure after step {done} ({FAIL_ENV})")
@@ -453,73 +395,6 @@ def _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g, ste
     row.update({k: v for k, v in metrics.items() if k != "loss"})
     row.update(grad_norm=grad_norm, positions_per_s=positions / step_s, sequences_per_s=g / step_s, elapsed_s=elapsed)
     return row
-
-
-def _save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: int, n: int, train_cfg: dict,
-                     elapsed: float) -> None:
-    """<out>/checkpoints/step_N/ (built under a temporary name, then renamed)
-    and the `latest` pointer, written atomically."""
-    root = out / CKPT_DIR
-    final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
-    if acc.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    acc.wait_for_everyone()
-    torch.save(_rng_state(gen), tmp / f"rng_{acc.process_index}.pt")
-    if acc.is_main_process:
-        model.save_pretrained(str(tmp))
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(sched.state_dict(), tmp / "scheduler.pt")
-        if (out / LOG_NAME).exists():
-            shutil.copyfile(out / LOG_NAME, tmp / LOG_NAME)
-        write_json_atomic(tmp / TRAINER_STATE, {
-            "step": step, "total_steps": total, "num_samples": n, "world_size": acc.num_processes,
-            "global_batch": int(train_cfg["global_batch"]), "seed": int(train_cfg["seed"]), "elapsed_s": elapsed,
-        })
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text_atomic(root / LATEST, final.name + "\n")
-        _prune_checkpoints(root, train_cfg.get("keep_checkpoints"))
-        log.info("checkpoint %s", final)
-    acc.wait_for_everyone()
-
-
-def _prune_checkpoints(root: Path, keep: Optional[int]) -> None:
-    if not keep:
-        return
-    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
-    for s in steps[:-int(keep)]:
-        shutil.rmtree(root / f"step_{s}")
-
-
-def _resume(ckpt: Path, model, opt, sched, gen, out: Path, rank: int, main: bool, n: int, train_cfg: dict):
-    """Restore weights, optimiser, scheduler, RNG states and the log; return
-    (step, elapsed seconds before the interruption)."""
-    st = json.loads((ckpt / TRAINER_STATE).read_text())
-    for key, now in (("num_samples", n), ("global_batch", int(train_cfg["global_batch"])),
-                     ("seed", int(train_cfg["seed"]))):
-        if st[key] != now:
-            raise DeepSpecError(f"cannot resume from {ckpt}: {key} was {st[key]}, now {now} (use --no-resume)")
-    load_model_weights(model, ckpt)
-    dev = next(model.parameters()).device
-    opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=dev, weights_only=False))
-    sched.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
-    rng = ckpt / f"rng_{rank}.pt"
-    if rng.exists():
-        _set_rng_state(torch.load(rng, weights_only=False), gen)
-    else:
-        log.warning("%s missing (world size was %d): RNG states of process %d are not restored",
-                    rng.name, st["world_size"], rank)
-    if main:
-        if (ckpt / LOG_NAME).exists():
-            shutil.copyfile(ckpt / LOG_NAME, out / LOG_NAME)
-        else:
-            (out / LOG_NAME).unlink(missing_ok=True)
-    return int(st["step"]), float(st.get("elapsed_s", 0.0))
 
 
 def _save_final(model, out: Path, result: TrainResult, train_cfg: dict) -> None:
@@ -568,14 +443,14 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     (deepspec.variants, e.g. dspark-l2); the default output directory is
     <results>/<target>/drafters/<method>.
     """
-    from . import cache, drafters, losses
+    from . import datasets, drafters, losses
     from .targets import target_from_config
     from .variants import resolve_method
 
     base, cfg = resolve_method(cfg, method)
     device = cfg["target"]["device"]
     target = target_from_config(cfg, device=str(process_device(device)))
-    dataset = cache.make_train_dataset(cfg, target=target)
+    dataset = datasets.make_train_dataset(cfg, target=target)
     counts = token_counts(dataset, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
     torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
     drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
@@ -585,7 +460,7 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
 
     out = Path(out_dir) if out_dir else default_out_dir(cfg, method)
     log.info("training %s (%s) on %s -> %s", method, base, cfg["target"]["name"], out)
-    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=cache.collate, resume=resume, device=device)
+    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=datasets.collate, resume=resume, device=device)
 
 
 def cli_train(argv=None) -> int:

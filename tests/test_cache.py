@@ -4,18 +4,10 @@ import shutil
 import pytest
 import torch
 
-from deepspec.cache import (
-    FAIL_AFTER_ENV,
-    PROGRESS,
-    build_cache,
-    collate,
-    make_train_dataset,
-    plan_shards,
-    sha256_file,
-    validate_cache,
-)
+from deepspec.cache import FAIL_AFTER_ENV, PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
 from deepspec.cli import main
 from deepspec.config import load_config, parse_set
+from deepspec.datasets import collate, make_train_dataset
 from deepspec.io import DeepSpecError
 
 
