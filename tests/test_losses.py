@@ -131,32 +131,27 @@ def test_training_step_composition(tiny_target, tiny_cfg, batch, method):
     assert any(x.abs().sum() > 0 for x in grads)
 
 
-def test_chunking_does_not_change_loss_or_grads(tiny_target, tiny_cfg, batch, monkeypatch):
-    def run():
-        torch.manual_seed(0)
-        d = build_drafter("dspark", tiny_target, tiny_cfg)
-        loss, m = losses.training_step(d, batch, tiny_cfg, torch.Generator().manual_seed(0))
-        loss.backward()
-        return loss.detach(), torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
+def _loss_metrics_grads(method, target, cfg, batch):
+    """One seeded training step: (loss, metrics, flattened gradients)."""
+    torch.manual_seed(0)
+    d = build_drafter(method, target, cfg)
+    loss, m = losses.training_step(d, batch, cfg, torch.Generator().manual_seed(0))
+    loss.backward()
+    return loss.detach(), m, torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
 
-    l0, g0 = run()
+
+def test_chunking_does_not_change_loss_or_grads(tiny_target, tiny_cfg, batch, monkeypatch):
+    l0, _, g0 = _loss_metrics_grads("dspark", tiny_target, tiny_cfg, batch)
     monkeypatch.setattr(losses, "CHUNK_POSITIONS", 7)  # one block per checkpointed chunk
-    l1, g1 = run()
+    l1, _, g1 = _loss_metrics_grads("dspark", tiny_target, tiny_cfg, batch)
     assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-5)
 
 
 def test_eagle3_precomputed_target_probs_match_per_step(tiny_target, tiny_cfg, batch, monkeypatch):
     """p_t computed once per position (the fast path) equals p_t computed per TTT step."""
-    def run():
-        torch.manual_seed(0)
-        d = build_drafter("eagle3", tiny_target, tiny_cfg)
-        loss, m = losses.training_step(d, batch, tiny_cfg, torch.Generator().manual_seed(0))
-        loss.backward()
-        return loss.detach(), m, torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
-
-    l0, m0, g0 = run()
+    l0, m0, g0 = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch)
     monkeypatch.setattr(losses, "PRECOMPUTE_PT_BYTES", 0)  # force the per-step path
     monkeypatch.setattr(losses, "CHUNK_POSITIONS", 5)  # and checkpointed chunks
-    l1, m1, g1 = run()
+    l1, m1, g1 = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch)
     assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-5)
     assert m0["c_star_1"] == pytest.approx(m1["c_star_1"], abs=1e-6)
