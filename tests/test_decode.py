@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import pytest

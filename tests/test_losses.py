@@ -1,8 +1,6 @@
 """Losses against hand-computed values; anchors and block targets; the
 training step's loss composition (Eq. 12) and chunking."""
-import copy
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -7,7 +7,7 @@ from deepspec.targets import check_feature_layers, load_target, prepare_target, 
 
 @pytest.mark.slow
 def test_smollm2_converts_reloads_offline_and_answers_paris(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     out = prepare_target("smollm2-135m", tmp_path / "smollm2-135m")
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
