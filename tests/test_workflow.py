@@ -1,5 +1,6 @@
 """The DAG itself: the tiny preset end to end, and dry runs of every preset."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,29 @@ def test_dry_run_plans_every_preset(tmp_path, preset):
     out = r.stdout + r.stderr
     for rule in ["prepare_target", "regenerate", "train", "evaluate", "baseline", "report"]:
         assert rule in out, f"{rule} missing from the plan of {preset}"
+
+
+def _readme_snakemake_commands():
+    """The `snakemake ...` lines of the README's bash blocks (comments dropped)."""
+    cmds, in_bash = [], False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            in_bash = line.strip() == "```bash"
+            continue
+        if in_bash and line.startswith("snakemake "):
+            cmds.append(shlex.split(line.split(" #")[0]))
+    return cmds
+
+
+@pytest.mark.parametrize("cmd", _readme_snakemake_commands(), ids=" ".join)
+def test_readme_commands_plan(tmp_path, cmd):
+    """Every DAG command the README shows parses and plans (as a dry run); e.g.
+    a target placed after `--config` would be read as a config entry."""
+    if "--report" in cmd or "--profile" in cmd:
+        pytest.skip("needs a finished run / the SLURM executor plugin")
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "-n", *cmd[1:])
+    assert r.returncode == 0, " ".join(cmd) + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_bad_config_key_stops_the_run(tmp_path):
