@@ -99,8 +99,12 @@ def speculative_generate(
 
     Each round records proposal_len (the verified draft length; if an accepted
     draft token is EOS the round ends there and this is the EOS position),
-    accepted, emitted (= tau of the round), draft_time_s, verify_time_s and
-    conf_logit_1..gamma (NaN without a confidence head).
+    accepted, emitted (= tau of the round), draft_time_s, verify_time_s,
+    conf_logit_1..gamma (NaN without a confidence head), and per draft position
+    accept_prob_k = min(1, p_t(x_k)/p_d(x_k)) and alpha_k = sum_v min(p_d, p_t),
+    the probabilities verification used (NaN past the verified length or a
+    drafted EOS); metrics.position_table turns them into the Rao-Blackwellised
+    Figure-2 estimate.
     """
     device, eos = target.device, tuple(target.eos_token_ids)
     vocab = target.vocab_size
@@ -130,8 +134,13 @@ def speculative_generate(
             res = verify_chain(logits, prop.probs[:, :n].to(device), draft, temperature=temperature,
                                eos_token_ids=eos, generator=generator)
             accepted, new = int(res.accepted[0]), res.tokens[0, : int(res.num_emitted[0])].tolist()
+            a_k, alpha_k = res.accept_prob[0].tolist(), res.alpha[0].tolist()
+            # Past a drafted EOS a position cannot be reached (an accepted EOS ends the round).
+            first_eos = next((i for i, t in enumerate(draft[0].tolist()) if t in eos), n)
+            a_k, alpha_k = a_k[: first_eos + 1], alpha_k[: first_eos + 1]
         else:  # nothing to verify: a plain decoding step
             accepted, new = 0, [int(sample(logits_to_probs(logits[:, -1], temperature), generator))]
+            a_k, alpha_k = [], []
         crop_cache(cache, n_cached + 1 + accepted)  # anchor + accepted drafts are now verified
         feats = feats[:, : accepted + 1]
         ctx = torch.cat([anchor, draft[:, :accepted]], 1)
@@ -139,7 +148,10 @@ def speculative_generate(
         _sync(device)
         t_end = time.perf_counter()
 
-        conf = prop.conf_logits[0].float().tolist() if prop.conf_logits is not None else [math.nan] * prop.tokens.shape[1]
+        gamma = prop.tokens.shape[1]
+        conf = prop.conf_logits[0].float().tolist() if prop.conf_logits is not None else [math.nan] * gamma
+        a_k += [math.nan] * (gamma - len(a_k))
+        alpha_k += [math.nan] * (gamma - len(alpha_k))
         rounds.append({
             "round": len(rounds),
             "proposal_len": accepted if len(new) == accepted else n,  # an accepted EOS ends the proposal
@@ -148,6 +160,8 @@ def speculative_generate(
             "draft_time_s": t_verify - t_draft,
             "verify_time_s": t_end - t_verify,
             **{f"conf_logit_{k + 1}": c for k, c in enumerate(conf)},
+            **{f"accept_prob_{k + 1}": v for k, v in enumerate(a_k)},
+            **{f"alpha_{k + 1}": v for k, v in enumerate(alpha_k)},
         })
     _sync(device)
     return Generation(tokens=out, time_s=time.perf_counter() - t_start, rounds=rounds)

@@ -147,6 +147,42 @@ def per_sample_position_counts(df: pd.DataFrame, K: int) -> tuple[np.ndarray, np
     return att_s, acc_s
 
 
+ACCEPT_PROB_PREFIX, ALPHA_PREFIX = "accept_prob_", "alpha_"
+
+
+def has_rb_columns(df: pd.DataFrame, K: int) -> bool:
+    return all(f"{p}{k}" in df.columns for p in (ACCEPT_PROB_PREFIX, ALPHA_PREFIX) for k in range(1, K + 1))
+
+
+def per_sample_rb_sums(df: pd.DataFrame, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rao-Blackwellised Figure-2 sums per sample: (expected attempts, expected
+    accepted) at positions 1..K, each [S, K] (rows as in per_sample_position_counts).
+
+    Given a round's context and drafted tokens, verification accepts token i
+    with probability a_i = min(1, p_t(x_i)/p_d(x_i)) independently of the rest,
+    so E[1{1..k-1 accepted}] = w_k = prod_{i<k} a_i, and E[1{1..k accepted}] =
+    w_k * alpha_k with alpha_k = E_{x_k ~ p_d}[a_k] = sum_v min(p_d, p_t) (Eq. 8).
+    Replacing the two indicators of the count estimator by these conditional
+    expectations leaves both sums unbiased, so the ratio estimates the same
+    conditional acceptance P(k | 1..k-1) with lower variance; and every round
+    that verified position k contributes to it, not only the rounds that got
+    that far. Positions not verified (NaN) contribute nothing.
+    """
+    a = df[[f"{ACCEPT_PROB_PREFIX}{k}" for k in range(1, K + 1)]].to_numpy(np.float64)
+    alpha = df[[f"{ALPHA_PREFIX}{k}" for k in range(1, K + 1)]].to_numpy(np.float64)
+    seen = np.isfinite(a) & np.isfinite(alpha)
+    # w_k = prod_{i<k} a_i, zero once a position is missing
+    prev = np.concatenate([np.ones((len(df), 1)), np.where(seen, a, 0.0)[:, :-1]], axis=1)
+    w = np.cumprod(prev, axis=1) * seen
+    num = w * np.where(seen, alpha, 0.0)
+    codes, _ = pd.factorize(df["sample_id"])
+    S = int(codes.max()) + 1
+    w_s, num_s = np.zeros((S, K)), np.zeros((S, K))
+    np.add.at(w_s, codes, w)
+    np.add.at(num_s, codes, num)
+    return w_s, num_s
+
+
 def bootstrap_weights(n_samples: int, n_boot: int, seed: int) -> np.ndarray:
     """Public alias: [n_boot, n_samples] resampling multiplicities."""
     return _bootstrap_weights(n_samples, n_boot, seed)
@@ -163,6 +199,10 @@ def position_table(
     P(k accepted | 1..k-1 accepted) of Figure 2 (notes §0.4), ``ci_low``/``ci_high``
     (95 % percentile bootstrap over sample_id) and ``survival`` = P(accepted ≥ k |
     proposed ≥ k), the unconditional rate the reference prints as accept_rate@k-1.
+    With the per-position ``accept_prob_k``/``alpha_k`` columns it adds the
+    Rao-Blackwellised estimate of the same conditional rate
+    (``per_sample_rb_sums``): ``expected_attempts`` (sum of w_k),
+    ``acceptance_rb``, ``rb_ci_low``/``rb_ci_high``; NaN without those columns.
     """
     _check(df)
     L = df["proposal_len"].to_numpy(np.int64)
@@ -171,18 +211,27 @@ def position_table(
     stats = per_position_acceptance(L, A, max_position=K)
 
     att_s, acc_s = per_sample_position_counts(df, K)
-    lo, hi = _ratio_ci(acc_s, att_s, _bootstrap_weights(att_s.shape[0], n_boot, seed))
-    return pd.DataFrame(
-        {
-            "position": stats.position,
-            "attempts": stats.attempts,
-            "accepted": stats.accepted,
-            "acceptance": stats.conditional,
-            "ci_low": np.broadcast_to(lo, (K,)),
-            "ci_high": np.broadcast_to(hi, (K,)),
-            "survival": stats.survival,
-        }
-    )
+    bw = _bootstrap_weights(att_s.shape[0], n_boot, seed)
+    lo, hi = _ratio_ci(acc_s, att_s, bw)
+    out = {
+        "position": stats.position,
+        "attempts": stats.attempts,
+        "accepted": stats.accepted,
+        "acceptance": stats.conditional,
+        "ci_low": np.broadcast_to(lo, (K,)),
+        "ci_high": np.broadcast_to(hi, (K,)),
+        "survival": stats.survival,
+    }
+    nan = np.full(K, np.nan)
+    if has_rb_columns(df, K):
+        w_s, num_s = per_sample_rb_sums(df, K)
+        rlo, rhi = _ratio_ci(num_s, w_s, bw)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rb = np.where(w_s.sum(0) > 0, num_s.sum(0) / w_s.sum(0), np.nan)
+        out.update(expected_attempts=w_s.sum(0), acceptance_rb=rb, rb_ci_low=rlo, rb_ci_high=rhi)
+    else:
+        out.update(expected_attempts=nan, acceptance_rb=nan, rb_ci_low=nan, rb_ci_high=nan)
+    return pd.DataFrame(out)
 
 
 def confidence_selfcheck(df: pd.DataFrame) -> Dict[str, float]:

@@ -21,13 +21,17 @@ import pandas as pd
 
 from . import paper
 from .io import DeepSpecError, atomic_path, write_text_atomic
-from .metrics import bootstrap_weights, per_sample_position_counts, summarize_rounds
+from .metrics import bootstrap_weights, has_rb_columns, per_sample_position_counts, per_sample_rb_sums, summarize_rounds
 
 log = logging.getLogger(__name__)
 
 TABLE1_COLUMNS = ["target", "method", "benchmark", "domain", "n_samples", "rounds", "tau", "tau_ci_low",
                   "tau_ci_high", "verify_rate", "tokens_per_s", "speedup"]
 FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted", "acceptance", "ci_low", "ci_high"]
+# The Rao-Blackwellised estimate of the same rate (metrics.per_sample_rb_sums):
+# every round that verified position k contributes, weighted by the probability
+# that it reached k; NaN when the records lack the per-position probabilities.
+FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
 
 
 def eval_dir(cfg) -> Path:
@@ -74,7 +78,9 @@ def build_table1(cfg) -> pd.DataFrame:
 def build_fig2(cfg, gamma: int | None = None) -> pd.DataFrame:
     """Per-benchmark conditional acceptance, averaged over each domain's
     benchmarks without weights (as the paper does); the interval is a bootstrap
-    of that average, resampling samples within every benchmark."""
+    of that average, resampling samples within every benchmark. Both the count
+    estimate (accepted / attempts, as the paper) and the Rao-Blackwellised one
+    (FIG2_RB_COLUMNS) use the same resamples."""
     gamma = gamma or cfg["drafter"]["block_size"]
     n_boot, seed = cfg["eval"]["n_boot"], cfg["eval"]["seed"]
     domains: dict[str, list[str]] = {}
@@ -83,24 +89,40 @@ def build_fig2(cfg, gamma: int | None = None) -> pd.DataFrame:
     rows = []
     for method in cfg["train"]["methods"]:
         for domain, benches in domains.items():
-            att_sum, acc_sum, rates, reps = 0, 0, [], []
+            att_sum, acc_sum, ew_sum = 0, 0, 0
+            est = {"count": ([], []), "rb": ([], [])}  # per-benchmark rates and bootstrap replicates
             for i, bench in enumerate(benches):
-                att, acc = per_sample_position_counts(_records(cfg, method, bench), gamma)
+                df = _records(cfg, method, bench)
+                att, acc = per_sample_position_counts(df, gamma)
                 att_sum, acc_sum = att_sum + att.sum(0), acc_sum + acc.sum(0)
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    rates.append(acc.sum(0) / att.sum(0))
-                    w = bootstrap_weights(att.shape[0], n_boot, seed + i)
-                    reps.append((w @ acc) / (w @ att))
-            with warnings.catch_warnings():  # positions never attempted in a benchmark are NaN
-                warnings.simplefilter("ignore", RuntimeWarning)
-                mean = np.nanmean(np.stack(rates), 0)
-                boot = np.nanmean(np.stack(reps), 0)  # [n_boot, K]
-                lo, hi = np.nanquantile(boot, 0.025, 0), np.nanquantile(boot, 0.975, 0)
+                w = bootstrap_weights(att.shape[0], n_boot, seed + i)  # the same resamples for both estimators
+                pairs = [("count", acc, att)]
+                if has_rb_columns(df, gamma):
+                    ew, num = per_sample_rb_sums(df, gamma)
+                    ew_sum = ew_sum + ew.sum(0)
+                    pairs.append(("rb", num, ew))
+                for name, num, den in pairs:
+                    with np.errstate(invalid="ignore", divide="ignore"):
+                        est[name][0].append(num.sum(0) / den.sum(0))
+                        est[name][1].append((w @ num) / (w @ den))
+            stats = {}
+            for name, (rates, reps) in est.items():
+                if len(rates) != len(benches):  # the RB estimate needs every benchmark's records
+                    stats[name] = [np.full(gamma, np.nan)] * 3
+                    continue
+                with warnings.catch_warnings():  # positions never attempted in a benchmark are NaN
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    boot = np.nanmean(np.stack(reps), 0)  # [n_boot, K]
+                    stats[name] = [np.nanmean(np.stack(rates), 0),
+                                   np.nanquantile(boot, 0.025, 0), np.nanquantile(boot, 0.975, 0)]
+            (mean, lo, hi), (rb, rlo, rhi) = stats["count"], stats["rb"]
+            ew_sum = ew_sum if len(est["rb"][0]) == len(benches) else np.full(gamma, np.nan)
             for k in range(gamma):
                 rows.append(dict(target=cfg["target"]["name"], method=method, domain=domain, position=k + 1,
                                  attempts=int(att_sum[k]), accepted=int(acc_sum[k]), acceptance=mean[k],
-                                 ci_low=lo[k], ci_high=hi[k]))
-    return pd.DataFrame(rows, columns=FIG2_COLUMNS)
+                                 ci_low=lo[k], ci_high=hi[k], expected_attempts=float(ew_sum[k]),
+                                 acceptance_rb=rb[k], rb_ci_low=rlo[k], rb_ci_high=rhi[k]))
+    return pd.DataFrame(rows, columns=FIG2_COLUMNS + FIG2_RB_COLUMNS)
 
 
 def table1_markdown(t1: pd.DataFrame, cfg) -> str:
@@ -131,9 +153,23 @@ def table1_markdown(t1: pd.DataFrame, cfg) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fig2_curves(fig2: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The curve Figure 2 and the claims use: the Rao-Blackwellised estimate
+    when every row has it, else the count estimate. Returns the rows with
+    columns rate, low, high, n (expected attempts or attempts) and its name."""
+    rb = "acceptance_rb" in fig2 and fig2["acceptance_rb"].notna().any() and fig2["expected_attempts"].notna().all()
+    cols = (["acceptance_rb", "rb_ci_low", "rb_ci_high", "expected_attempts"] if rb
+            else ["acceptance", "ci_low", "ci_high", "attempts"])
+    out = fig2.rename(columns=dict(zip(cols, ["rate", "low", "high", "n"])))
+    return out, ("Rao-Blackwellised" if rb else "count")
+
+
 def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str = "", min_attempts: int = 10) -> None:
-    """The paper's Figure 2 layout; positions with fewer than `min_attempts`
-    attempts (pooled over the domain) are not drawn: their rates are noise."""
+    """The paper's Figure 2 layout. The line and band are the Rao-Blackwellised
+    estimate and its 95 % interval when the records carry it (`fig2_curves`);
+    hollow markers are the count estimate (accepted / attempts). Positions with
+    fewer than `min_attempts` (expected) attempts pooled over the domain are
+    not drawn: their rates are noise."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,26 +177,32 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
 
     colors = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
     markers = {"dflash": "s", "eagle3": "^", "dspark": "o"}
+    curves, kind = fig2_curves(fig2)
     domains = [d for d in ["Math", "Code", "Chat"] if d in set(fig2["domain"])]
     fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.4), squeeze=False)
     for ax, domain in zip(axes[0], domains):
-        sub = fig2[fig2["domain"] == domain]
+        sub = curves[curves["domain"] == domain]
         for method in [m for m in paper.METHOD_ORDER if m in set(sub["method"])] + \
                 sorted(set(sub["method"]) - set(paper.METHOD_ORDER)):
-            d = sub[(sub["method"] == method) & (sub["attempts"] >= min_attempts)].sort_values("position")
+            d = sub[(sub["method"] == method) & (sub["n"] >= min_attempts)].sort_values("position")
             c = colors.get(method)
-            ax.plot(d["position"], d["acceptance"], marker=markers.get(method, "o"), color=c, lw=1.8, ms=5,
+            ax.plot(d["position"], d["rate"], marker=markers.get(method, "o"), color=c, lw=1.8, ms=5,
                     label=paper.METHOD_LABEL.get(method, method))
-            ax.fill_between(d["position"], d["ci_low"], d["ci_high"], color=c, alpha=0.15, lw=0)
+            ax.fill_between(d["position"], d["low"], d["high"], color=c, alpha=0.15, lw=0)
+            if kind != "count":
+                e = d[d["attempts"] >= min_attempts]
+                ax.plot(e["position"], e["acceptance"], ls="none", marker=markers.get(method, "o"), ms=7,
+                        mfc="none", mec=c, alpha=0.7)
         ax.set_title(domain)
         ax.set_xlabel("Draft position")
         ax.set_xlim(0.7, fig2["position"].max() + 0.3)
         ax.set_xticks(sorted(set(sub["position"])))
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"Conditional acceptance (≥ {min_attempts} attempts)")
+    axes[0][0].set_ylabel("Conditional acceptance")
     axes[0][-1].legend(loc="lower right", fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
+    note = (f"lines: {kind} estimate, 95 % bootstrap band" + ("; hollow: accepted / attempts" if kind != "count" else "")
+            + f"; positions with < {min_attempts} {'expected ' if kind != 'count' else ''}attempts omitted")
+    fig.suptitle((title + "\n" if title else "") + note, fontsize=8)
     fig.tight_layout()
     for out in [pdf] + ([png] if png else []):
         with atomic_path(out, suffix=out.suffix) as tmp:
@@ -173,29 +215,34 @@ MIN_ATTEMPTS = 30  # a position enters the shape claims only with this many atte
 
 def _claims(fig2: pd.DataFrame, t1: pd.DataFrame) -> list[str]:
     """The paper's qualitative claims (Sec. 4.3.1), checked on our numbers.
-    Shape claims use only positions with at least MIN_ATTEMPTS attempts."""
-    out = []
-    ok = fig2[fig2["attempts"] >= MIN_ATTEMPTS]
-    f = ok.pivot_table(index=["domain", "position"], columns="method", values="acceptance")
-    p1 = fig2[fig2["position"] == 1].groupby("method")["acceptance"].min()
+    Shape claims use only positions with at least MIN_ATTEMPTS (expected)
+    attempts, on the curve of `fig2_curves`."""
+    curves, kind = fig2_curves(fig2)
+    n_word = "expected attempts" if kind != "count" else "attempts"
+    out = [f"Estimator: the {kind} estimate of the conditional acceptance"
+           + (" (every verified round counts at every position, weighted by the probability that it got there; "
+              "same quantity as accepted / attempts, lower variance)." if kind != "count" else ".")]
+    ok = curves[curves["n"] >= MIN_ATTEMPTS]
+    f = ok.pivot_table(index=["domain", "position"], columns="method", values="rate")
+    p1 = curves[curves["position"] == 1].groupby("method")["rate"].min()
     out.append("Position-1 acceptance (lowest domain) per drafter: "
                + ", ".join(f"{paper.METHOD_LABEL.get(m, m)} {v:.2f}" for m, v in p1.items())
                + f" ({'all' if (p1 > 0.3).all() else 'not all'} above 0.3; below that the curves are dominated by an "
                "undertrained drafter, not by the drafting paradigm).")
-    last = fig2[fig2["position"] == fig2["position"].max()]
-    half = ((last["ci_high"] - last["ci_low"]) / 2).fillna(np.inf).max()
-    out.append(f"Widest 95 % half-interval at position {int(fig2['position'].max())}: "
+    last = curves[curves["position"] == curves["position"].max()]
+    half = ((last["high"] - last["low"]) / 2).fillna(np.inf).max()
+    out.append(f"Widest 95 % half-interval at position {int(curves['position'].max())}: "
                + (f"±{half:.2f}" if np.isfinite(half) else "undefined (too few attempts)")
-               + f" (target ±0.05; {int(last['attempts'].min())} attempts in the sparsest domain × drafter).")
+               + f" (target ±0.05; {last['n'].min():.0f} {n_word} in the sparsest domain × drafter).")
     both = f.dropna(subset=[m for m in ("dspark", "dflash", "eagle3") if m in f.columns])
     if {"dspark", "dflash", "eagle3"} <= set(f.columns) and len(both):
         best = both["dspark"] >= both[["dflash", "eagle3"]].max(axis=1)
         out.append(f"DSpark highest at every position in each domain: {'holds' if best.all() else 'does not hold'} "
-                   f"({int(best.sum())}/{len(best)} domain×position points with ≥ {MIN_ATTEMPTS} attempts).")
+                   f"({int(best.sum())}/{len(best)} domain×position points with ≥ {MIN_ATTEMPTS} {n_word}).")
     for domain in sorted(set(fig2["domain"])):
         d = f.loc[domain] if domain in f.index.get_level_values(0) else pd.DataFrame()
         if len(d) < 2:
-            out.append(f"{domain}: fewer than two positions with ≥ {MIN_ATTEMPTS} attempts; shapes not judged.")
+            out.append(f"{domain}: fewer than two positions with ≥ {MIN_ATTEMPTS} {n_word}; shapes not judged.")
             continue
         for m, verb, paper_says in (("dflash", "drops after position 1", "suffix decay"),
                                     ("eagle3", "rises with position", "rises"), ("dspark", "is flat", "flat")):
@@ -224,6 +271,8 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path) -> None:
     drafts = t1[t1["tau"].notna()]
     macro = drafts.groupby("method")[["tau", "tau_selfcheck", "speedup"]].mean()
     f2 = fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance").round(3)
+    att = fig2.pivot_table(index=["method", "domain"], columns="position", values="attempts")
+    has_rb = fig2_curves(fig2)[1] != "count"
     lines = [
         f"# DeepSpec replication report: {cfg['target']['name']}", "",
         f"Preset `{cfg['preset']}`: {cfg.get('description', '')}", "",
@@ -239,7 +288,15 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path) -> None:
         "Macro means (τ, the self-check 1 + Σ_k Π_{i≤k} c_k from the measured conditional rates, and speedup "
         "over plain decoding):", "", macro.round(3).to_string(), "",
         "## Figure 2: conditional acceptance per draft position", "",
-        f2.to_string(), "",
+        "Count estimate (accepted / attempts, as the paper):", "", f2.to_string(), "",
+        "Attempts (rounds that reached the position):", "", att.to_string(), "",
+        *(["Rao-Blackwellised estimate (every verified round contributes at every position, weighted by "
+           "Π_{i<k} min(1, p_t/p_d) of its drafted tokens; the curve of `figures/fig2.pdf`):", "",
+           fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance_rb").round(3).to_string(),
+           "", "Its half-width of the 95 % interval:", "",
+           ((fig2["rb_ci_high"] - fig2["rb_ci_low"]) / 2).to_frame("h").join(fig2[["method", "domain", "position"]])
+           .pivot_table(index=["method", "domain"], columns="position", values="h").round(3).to_string(), ""]
+          if has_rb else []),
         "## The paper's qualitative claims at this scale", "",
         *[f"- {c}" for c in _claims(fig2, t1)], "",
     ]

@@ -41,6 +41,13 @@ class VerifyResult:
     accepted: torch.Tensor  # [B] number of draft tokens accepted
     tokens: torch.Tensor  # [B, gamma+1] accepted prefix then correction/bonus, -1 padded
     num_emitted: torch.Tensor  # [B]
+    # Per position k, the probability of accepting draft token k given 1..k-1
+    # were accepted: a_k = min(1, p_t(x_k)/p_d(x_k)) for the realised token, and
+    # its expectation over x_k ~ p_d, alpha_k = sum_v min(p_d, p_t) (Eq. 8).
+    # Greedy: both are 1{x_k = argmax p_t}. Used by the Rao-Blackwellised
+    # Figure-2 estimator (metrics.position_table); [B, gamma] each.
+    accept_prob: Optional[torch.Tensor] = None
+    alpha: Optional[torch.Tensor] = None
 
 
 def _first_true(mask: torch.Tensor, default: int) -> torch.Tensor:
@@ -78,6 +85,7 @@ def verify_chain(
     if is_greedy(temperature):
         greedy = target_logits.argmax(-1)  # [B, g+1]
         ok = draft_tokens == greedy[:, :g]
+        accept_prob = alpha = ok.float()
         accepted = _first_true(~ok, g)
         fill = greedy[rows, accepted]  # correction (or bonus when accepted == g)
     else:
@@ -89,6 +97,8 @@ def verify_chain(
         pd_x = p_d.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).clamp_min(DRAFT_PROB_FLOOR)
         u = torch.rand((B, g), generator=generator, device=device)
         ok = u < pt_x / pd_x  # min(1, ratio) is implicit: u < 1 always
+        accept_prob = (pt_x / pd_x).clamp(max=1.0)
+        alpha = acceptance_rate(p_d, p_t[:, :g])
         accepted = _first_true(~ok, g)
         # Residual at the first rejected position; at position g+1 p_d is zero,
         # so the same expression yields p_t itself (the bonus distribution).
@@ -116,7 +126,7 @@ def verify_chain(
     put = ~eos_stop
     tokens[rows[put], accepted[put]] = fill[put]
     num_emitted = accepted + put.long()
-    return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted)
+    return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted, accept_prob=accept_prob, alpha=alpha)
 
 
 def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ Greedy decoding must reproduce plain greedy decoding token for token.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -185,6 +186,9 @@ def test_greedy_equals_plain_and_feature_bookkeeping(tiny_target):
         assert sum(emitted) + 1 >= len(gen.tokens) and sum(emitted[:-1]) + 1 < len(gen.tokens) + (not emitted)
         if max_new == 24:
             assert {r["accepted"] for r in gen.rounds} >= {0, 3}, gen.rounds  # both paths exercised
+        for r in gen.rounds:  # greedy: accept_prob_k = 1{draft k = target argmax}
+            a = [r[f"accept_prob_{k}"] for k in (1, 2, 3)]
+            assert a[: r["accepted"]] == [1.0] * r["accepted"] and (r["accepted"] == 3 or a[r["accepted"]] == 0.0)
 
 
 def test_round_records_and_threshold(tiny_target):
@@ -196,10 +200,16 @@ def test_round_records_and_threshold(tiny_target):
         assert 0 <= r["accepted"] <= r["proposal_len"] <= 3 and r["emitted"] == r["accepted"] + 1
         assert r["draft_time_s"] > 0 and r["verify_time_s"] > 0
         assert r["conf_logit_1"] == pytest.approx(2.0) and r["conf_logit_3"] == pytest.approx(-2.0)
+        a = [r[f"accept_prob_{k}"] for k in (1, 2, 3)]
+        alpha = [r[f"alpha_{k}"] for k in (1, 2, 3)]
+        assert all(0 <= x <= 1 for x in a + alpha)
+        assert all(x > 0 for x in a[: r["accepted"]])  # a token with min(1, p_t/p_d) = 0 is never accepted
     # sigmoid(conf) = 0.88, 0.5, 0.12: threshold 0.6 keeps one token per round
     gen = speculative_generate(tiny_target, drafter, PROMPT, feature_layers=[-1, 0], max_new_tokens=12,
                                generator=torch.Generator().manual_seed(1), confidence_threshold=0.6)
     assert all(r["proposal_len"] == 1 for r in gen.rounds[:-1])
+    for r in gen.rounds:  # only the verified position carries acceptance probabilities
+        assert 0 <= r["accept_prob_1"] <= 1 and math.isnan(r["accept_prob_2"]) and math.isnan(r["alpha_3"])
 
 
 def test_accepted_eos_ends_round(tiny_target):

@@ -135,3 +135,60 @@ def test_confidence_selfcheck_respects_proposal_len_and_nan():
     assert out["predicted_tau"] == pytest.approx((1.75 + 1.875) / 2)
     nan = confidence_selfcheck(_records(rows, gamma=3))
     assert np.isnan(nan["predicted_tau"]) and nan["n_rounds"] == 0
+
+
+def _verified_rounds(n_rounds, gamma=4, V=6, seed=0, per_sample=20):
+    """Real chain verification (sampling.verify_chain) of drafts from two kinds of
+    context: 'easy' (p_d a mild distortion of p_t) and 'hard' (unrelated
+    Dirichlet draws), half the rounds each. Acceptance then depends on the
+    context, so the conditional rate at k (given 1..k-1 accepted) differs from
+    the plain mean of alpha_k. Returns the records and the exact conditional rates."""
+    from deepspec.sampling import acceptance_rate, sample, verify_chain
+
+    g = torch.Generator().manual_seed(seed)
+    dirichlet = lambda *s: (lambda x: x / x.sum(-1, keepdim=True))(-torch.log(torch.rand(*s, V, generator=g)))
+    pt = dirichlet(2, gamma)
+    pd_ = torch.stack([0.8 * pt[0] + 0.2 * dirichlet(gamma), dirichlet(gamma)])
+    alpha = acceptance_rate(pd_, pt).double()  # [2, gamma]
+    reach = torch.cat([torch.ones(2, 1, dtype=torch.float64), alpha.cumprod(1)[:, :-1]], 1)
+    truth = ((reach * alpha).mean(0) / reach.mean(0)).numpy()
+    naive = alpha.mean(0).numpy()
+
+    kind = torch.randint(0, 2, (n_rounds,), generator=g)
+    p_d = pd_[kind]
+    tokens = sample(p_d, g)
+    logits = torch.cat([pt[kind], pt[kind][:, :1]], 1).log()
+    res = verify_chain(logits, p_d, tokens, generator=g)
+    acc = res.accepted.numpy()
+    df = pd.DataFrame({"sample_id": np.arange(n_rounds) // per_sample, "round": np.arange(n_rounds) % per_sample,
+                       "proposal_len": gamma, "accepted": acc, "emitted": acc + 1})
+    for k in range(gamma):
+        df[f"accept_prob_{k + 1}"] = res.accept_prob[:, k].numpy()
+        df[f"alpha_{k + 1}"] = res.alpha[:, k].numpy()
+    return df, truth, naive
+
+
+def test_rao_blackwell_estimate_is_unbiased_and_tighter():
+    df, truth, naive = _verified_rounds(20_000)
+    assert np.abs(naive - truth)[1:].min() > 0.05  # the test can tell weighting from a plain mean
+    t = position_table(df, gamma=4, n_boot=300)
+    for col, lo, hi in (("acceptance", "ci_low", "ci_high"), ("acceptance_rb", "rb_ci_low", "rb_ci_high")):
+        half = (t[hi] - t[lo]).to_numpy() / 2
+        assert np.all(np.abs(t[col].to_numpy() - truth) < 2.5 * half + 1e-3), (col, t[col].to_numpy(), truth)
+    # Lower variance: a narrower interval at every position, much narrower at the last.
+    w_count, w_rb = (t.ci_high - t.ci_low).to_numpy(), (t.rb_ci_high - t.rb_ci_low).to_numpy()
+    assert np.all(w_rb < w_count) and w_rb[-1] < 0.7 * w_count[-1]
+    # Expected attempts track the real ones.
+    assert np.allclose(t.expected_attempts, t.attempts, rtol=0.05)
+
+
+def test_rao_blackwell_skips_unverified_positions():
+    df, _, _ = _verified_rounds(2_000)
+    full = position_table(df, gamma=4, n_boot=50)
+    cut = df.copy()
+    cut.loc[::2, ["accept_prob_4", "alpha_4"]] = np.nan  # half the rounds verified only 3 positions
+    part = position_table(cut, gamma=4, n_boot=50)
+    assert np.allclose(part.acceptance_rb[:3], full.acceptance_rb[:3])
+    assert part.expected_attempts[3] < 0.6 * full.expected_attempts[3]
+    no_rb = position_table(df.drop(columns=[c for c in df if c.startswith(("alpha_", "accept_prob_"))]), gamma=4, n_boot=50)
+    assert no_rb.acceptance_rb.isna().all() and np.allclose(no_rb.acceptance, full.acceptance)

@@ -6,17 +6,25 @@ import pandas as pd
 import pytest
 
 from deepspec.config import load_config
-from deepspec.report import FIG2_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
+from deepspec.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
          "dspark": [0.85, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]}
 
 
 def _fake_records(rates, n_samples, rounds, rng):
+    """Position k of a round is accepted w.p. a_k, a per-token probability with
+    mean alpha_k = rates[k] (uniform around it), as verification records them."""
     c = np.asarray(rates)
-    acc = np.cumprod(rng.random((n_samples * rounds, 7)) < c, 1).sum(1)
-    return pd.DataFrame({"sample_id": np.repeat(np.arange(n_samples), rounds), "round": np.tile(np.arange(rounds), n_samples),
-                         "proposal_len": 7, "accepted": acc, "emitted": acc + 1, "draft_time_s": 0.01, "verify_time_s": 0.02})
+    n = n_samples * rounds
+    half = np.minimum(c, 1 - c)
+    a = c - half + 2 * half * rng.random((n, 7))
+    acc = np.cumprod(rng.random((n, 7)) < a, 1).sum(1)
+    df = pd.DataFrame({"sample_id": np.repeat(np.arange(n_samples), rounds), "round": np.tile(np.arange(rounds), n_samples),
+                       "proposal_len": 7, "accepted": acc, "emitted": acc + 1, "draft_time_s": 0.01, "verify_time_s": 0.02})
+    for k in range(7):
+        df[f"accept_prob_{k + 1}"], df[f"alpha_{k + 1}"] = a[:, k], c[k]
+    return df
 
 
 @pytest.fixture
@@ -42,12 +50,15 @@ def test_table1_and_fig2(fake_results):
     assert len(drafts) == 3 * len(cfg['data']['benchmarks']) and (drafts.speedup == 2.0).all()
     assert set(t1.method) == {"dflash", "eagle3", "dspark", "plain", "prompt_lookup"}
     fig2 = build_fig2(cfg)
-    assert list(fig2.columns) == FIG2_COLUMNS and len(fig2) == 3 * 3 * 7
+    assert list(fig2.columns) == FIG2_COLUMNS + FIG2_RB_COLUMNS and len(fig2) == 3 * 3 * 7
     for m, r in RATES.items():
         got = fig2[(fig2.method == m) & (fig2.domain == "Math")].sort_values("position")
         # 2400 rounds per domain: the conditional rates are recovered, within the intervals.
         assert np.all(np.abs(got.acceptance.to_numpy()[:4] - r[:4]) < 0.05)
         assert np.all(got.ci_low <= got.acceptance) and np.all(got.acceptance <= got.ci_high)
+        # The Rao-Blackwellised estimate recovers all seven, with narrower intervals.
+        assert np.all(np.abs(got.acceptance_rb.to_numpy() - r) < 0.03)
+        assert np.all(got.rb_ci_high - got.rb_ci_low < got.ci_high - got.ci_low)
 
 
 def test_report_cli_writes_everything(fake_results, monkeypatch):
@@ -60,6 +71,7 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
     report = (tmp / "results" / "REPORT.md").read_text()
     assert "DSpark highest at every position in each domain: holds" in report
     assert "DFlash drops after position 1" in report
+    assert "Estimator: the Rao-Blackwellised estimate" in report and "Rao-Blackwellised estimate (every" in report
     md = (tmp / "results" / "tables" / "table1.md").read_text()
     assert "| DSpark |" in md
 

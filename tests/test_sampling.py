@@ -147,6 +147,26 @@ def test_greedy_exact():
         a = int(n_ok[b])
         assert torch.equal(res.tokens[b, : a + 1], argmax[b, : a + 1])
         assert (res.tokens[b, a + 1 :] == -1).all()
+    assert torch.equal(res.accept_prob, (draft == argmax[:, :g]).float()) and torch.equal(res.alpha, res.accept_prob)
+
+
+def test_acceptance_probabilities_of_a_verification():
+    """accept_prob_k = min(1, p_t(x_k)/p_d(x_k)); alpha_k = sum min(p_d, p_t), its
+    mean over x_k ~ p_d; and token k is accepted (given 1..k-1) at rate accept_prob_k."""
+    gen = torch.Generator().manual_seed(0)
+    B, g, Vv = 200_000, 3, 5
+    pt = torch.softmax(torch.randn(1, g + 1, Vv, generator=gen), -1)
+    pd_ = torch.softmax(torch.randn(1, g, Vv, generator=gen), -1)
+    draft = sample(pd_.expand(B, g, Vv), gen)
+    res = verify_chain(pt.log().expand(B, -1, -1), pd_.expand(B, -1, -1), draft, generator=gen)
+    ratio = (pt[0, :g].gather(-1, draft.T).T / pd_[0].gather(-1, draft.T).T).clamp(max=1)
+    assert torch.allclose(res.accept_prob, ratio)
+    assert torch.allclose(res.alpha, acceptance_rate(pd_, pt[:, :g]).expand(B, g))
+    assert torch.allclose(res.accept_prob.mean(0), res.alpha[0], atol=5 / np.sqrt(B))
+    for k in range(g):  # empirical acceptance at k among rounds that reached it
+        reached = res.accepted >= k
+        got = (res.accepted[reached] > k).float().mean()
+        assert abs(got - res.accept_prob[reached, k].mean()) < 5 / np.sqrt(int(reached.sum()))
 
 
 @pytest.mark.parametrize("T", [0.0, 1.0])

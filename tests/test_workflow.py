@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from deepspec.config import PRESETS_DIR
-from deepspec.report import FIG2_COLUMNS, TABLE1_COLUMNS
+from deepspec.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,9 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     assert len(drafts) == 3 * 3 and (drafts.tau >= 1).all() and (drafts.tau <= 8).all()
     assert set(t1.method) >= {"plain", "prompt_lookup"} and (t1.tokens_per_s > 0).all()
     f2 = pd.read_csv(tmp_path / "results" / "tables" / "fig2.csv")
-    assert list(f2.columns) == FIG2_COLUMNS and set(f2.domain) == {"Math", "Code", "Chat"}
+    assert list(f2.columns) == FIG2_COLUMNS + FIG2_RB_COLUMNS and set(f2.domain) == {"Math", "Code", "Chat"}
+    p1 = f2[f2.position == 1]
+    assert p1.acceptance_rb.between(0, 1).all() and (p1.rb_ci_low <= p1.rb_ci_high).all()
     assert (tmp_path / "results" / "REPORT.md").read_text().startswith("# DeepSpec replication report")
     # A rerun has nothing to do.
     r2 = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
