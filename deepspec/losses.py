@@ -50,18 +50,40 @@ def _restrict(drafter, pt):
     return pin, (1.0 - pin.sum(-1)).clamp_min(0.0)
 
 
-def block_head_terms(drafter, h, prev, target_hidden, labels):
-    """Per-position terms for blocks [m, g]: CE, L1, c* (detached), label-in-vocab."""
+def block_head_terms(drafter, h, prev, labels, pt, out_mass):
+    """Per-position terms for blocks [m, g]: CE, L1, c* (detached), label-in-vocab.
+    pt / out_mass: p_t on the draft vocabulary and the mass outside it (None
+    when the vocabularies coincide); pt None skips L1 and c* (returned as zeros)."""
     logp = torch.log_softmax(drafter.block_logits(h, prev).float(), -1)
     lab = drafter.to_draft_ids(labels)
     in_vocab = lab >= 0
     ce = -logp.gather(-1, lab.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    pt, out_mass = _restrict(drafter, drafter.target_probs(target_hidden))
+    if pt is None:
+        return ce, torch.zeros_like(ce), torch.zeros_like(ce), in_vocab.float()
     pd = logp.exp()
     l1 = (pd - pt).abs().sum(-1)
     if out_mass is not None:
         l1 = l1 + out_mass
     return ce, l1, acceptance_rate(pd.detach(), pt), in_vocab.float()
+
+
+@torch.no_grad()
+def block_target_probs(drafter, last_hidden, src, keep):
+    """p_t (draft vocabulary) and the mass outside it for the block slots
+    src[keep] (src: [B, N, g] sequence positions, keep: [B, N] valid anchors).
+
+    Overlapping blocks read the same sequence positions, so the frozen
+    full-vocabulary head - the dominant cost on a small drafter - runs once per
+    distinct (sequence, position), then the rows are gathered. Returns
+    ([M, g, K], [M, g] or None)."""
+    B, L = last_hidden.shape[:2]
+    rows = (torch.arange(B, device=src.device).view(B, 1, 1) * L + src)[keep]  # [M, g] flat row ids
+    uniq, inv = torch.unique(rows, return_inverse=True)
+    flat = last_hidden.reshape(B * L, -1)[uniq]
+    parts = [_restrict(drafter, drafter.target_probs(x)) for x in flat.split(CHUNK_POSITIONS)]
+    pt = torch.cat([p for p, _ in parts])[inv]
+    out_mass = None if parts[0][1] is None else torch.cat([m for _, m in parts])[inv]
+    return pt, out_mass
 
 
 def soft_ce_terms(drafter, h, target_hidden):
@@ -118,7 +140,7 @@ def _gather_rows(x, idx):
     return out.view(*idx.shape, x.shape[-1])
 
 
-def block_step(drafter, batch, cfg, generator=None):
+def block_step(drafter, batch, cfg, generator=None, log_step=True):
     ids, lm = batch["input_ids"], batch["loss_mask"]
     am = batch.get("attention_mask")
     dev = drafter.fc.weight.device
@@ -132,10 +154,18 @@ def block_step(drafter, batch, cfg, generator=None):
         return _zero_loss(drafter), {**metrics, "loss": 0.0}
     h = drafter(ids, batch["features"].to(dev), anchors, am)  # [B,N,g,d]
     labels, valid, src, prev = block_targets(ids, lm, am, anchors, avalid, g)
-    th = _gather_rows(batch["last_hidden"].to(dev), src)
-    h, labels, valid, prev, th = (x[avalid] for x in (h, labels, valid, prev, th))  # [M, g, ...]
+    # p_t feeds DSpark's L1 term and the c* targets of its confidence head; DFlash's
+    # loss is CE only, so there p_t is needed for the logged c* metrics alone.
+    need_pt = drafter.method != "dflash" or log_step
+    pt, out_mass = block_target_probs(drafter, batch["last_hidden"].to(dev), src, avalid) if need_pt else (None, None)
+    h, labels, valid, prev = (x[avalid] for x in (h, labels, valid, prev))  # [M, g, ...]
     chunk = max(1, CHUNK_POSITIONS // g)
-    ce, l1, cstar, inv = _chunked(lambda a, b, c, d: block_head_terms(drafter, a, b, c, d), chunk, h, prev, th, labels)
+    extra = [t for t in (pt, out_mass) if t is not None]  # out_mass only exists with pt
+
+    def terms(h_, prev_, labels_, *pt_mass):
+        return block_head_terms(drafter, h_, prev_, labels_, *pt_mass, *[None] * (2 - len(pt_mass)))
+
+    ce, l1, cstar, inv = _chunked(terms, chunk, h, prev, labels, *extra)
     w = position_weights(g, cfg["loss"]["decay_gamma"], device=h.device)
     W = w * valid.float()
     loss_ce = weighted_mean(ce, W * inv)
@@ -154,7 +184,8 @@ def block_step(drafter, batch, cfg, generator=None):
             loss = loss + L["conf_alpha"] * loss_conf
             metrics["loss_conf"] = float(loss_conf.detach())
     metrics["loss"] = float(loss.detach())
-    _cstar_metrics(metrics, cstar, valid, g)
+    if need_pt:
+        _cstar_metrics(metrics, cstar, valid, g)
     return loss, metrics
 
 
@@ -213,10 +244,12 @@ def eagle3_step(drafter, batch, cfg, generator=None):
     return loss, metrics
 
 
-def training_step(drafter, batch, cfg, generator=None):
+def training_step(drafter, batch, cfg, generator=None, log_step=True):
     """One forward + loss (no backward). Returns (scalar loss, float metrics):
     per-term losses, c_star_1..c_star_gamma (mean analytic acceptance per
-    position, Eq. 8), tau_expected, and n_anchors (block drafters)."""
+    position, Eq. 8), tau_expected, and n_anchors (block drafters).
+    log_step=False lets DFlash skip the c* metrics (and with them the target
+    head); the loss is the same either way."""
     if drafter.method == "eagle3":
         return eagle3_step(drafter, batch, cfg, generator)
-    return block_step(drafter, batch, cfg, generator)
+    return block_step(drafter, batch, cfg, generator, log_step=log_step)

@@ -2,7 +2,7 @@
 
 The loop knows nothing about drafters. It takes a model (a ``PreTrainedModel``
 whose frozen parts have ``requires_grad=False``), a map-style dataset of
-samples, a ``collate_fn`` and ``step_fn(model, batch, generator) -> (loss,
+samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
 metrics)``, and implements the paper's recipe (paper-notes §3):
 
 * AdamW (lr 6e-4, weight decay 0) over the trainable parameters only, linear
@@ -320,13 +320,15 @@ def train(
     positions_run = 0.0
     for step in range(start, total):
         t0 = time.perf_counter()
+        done = step + 1
+        log_step = done % int(train_cfg["log_every"]) == 0 or done == total or done == 1
         micro_batches = split_batch(sampler.indices(step), rank, world, int(train_cfg["micro_batch"]))
         sums: dict[str, list] = {}  # metric -> [sum, micro batches reporting it]
         positions = 0.0
         for idx in micro_batches:
             batch = _to_device(collate_fn([dataset[i] for i in idx]), dev)
             with acc.autocast():
-                loss, metrics = step_fn(model, batch, gen)
+                loss, metrics = step_fn(model, batch, gen, log_step=log_step)
             if not torch.isfinite(loss):
                 raise DeepSpecError(f"non-finite training loss {loss.item()} at step {step + 1}")
             acc.backward(loss)  # divides by the accumulation steps
@@ -346,10 +348,9 @@ def train(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        done = step + 1
         positions_run += positions
 
-        if done % int(train_cfg["log_every"]) == 0 or done == total or done == 1:
+        if log_step:
             row = _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g,
                            time.perf_counter() - t0, elapsed_before + time.perf_counter() - t_run)
             train_log.write(row)
@@ -455,8 +456,8 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
     drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
 
-    def step_fn(model, batch, generator):
-        return losses.training_step(model, batch, cfg, generator)
+    def step_fn(model, batch, generator, log_step=True):
+        return losses.training_step(model, batch, cfg, generator, log_step=log_step)
 
     out = Path(out_dir) if out_dir else default_out_dir(cfg, method)
     log.info("training %s (%s) on %s -> %s", method, base, cfg["target"]["name"], out)

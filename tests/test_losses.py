@@ -39,7 +39,7 @@ def test_block_head_terms_hand_computed():
     # p_d = softmax(log(0.5, 0.25, 0.25)); p_t = (0.7, 0.2, 0.1); label = 1
     logits = torch.tensor([[[math.log(0.5), math.log(0.25), math.log(0.25)]]])
     pt = torch.tensor([[[0.7, 0.2, 0.1]]])
-    ce, l1, cstar, inv = losses.block_head_terms(StubDrafter(logits, pt), None, None, None, torch.tensor([[1]]))
+    ce, l1, cstar, inv = losses.block_head_terms(StubDrafter(logits, pt), None, None, torch.tensor([[1]]), pt, None)
     assert ce.item() == pytest.approx(-math.log(0.25))
     assert l1.item() == pytest.approx(0.2 + 0.05 + 0.15)  # full L1, not halved
     assert cstar.item() == pytest.approx(0.5 + 0.2 + 0.1)  # sum min = 1 - L1/2
@@ -52,7 +52,7 @@ def test_reduced_vocab_terms_count_unreachable_mass():
     pt_full = torch.zeros(1, 1, 10)
     pt_full[0, 0, 2], pt_full[0, 0, 5], pt_full[0, 0, 7] = 0.6, 0.3, 0.1
     d = StubDrafter(logits, pt_full, d2t=torch.tensor([2, 5]))
-    ce, l1, cstar, inv = losses.block_head_terms(d, None, None, None, torch.tensor([[7]]))
+    ce, l1, cstar, inv = losses.block_head_terms(d, None, None, torch.tensor([[7]]), *losses._restrict(d, pt_full))
     assert l1.item() == pytest.approx(0.1 + 0.2 + 0.1)
     assert cstar.item() == pytest.approx(0.5 + 0.3)
     assert inv.item() == 0.0  # label outside the draft vocab: no CE term
@@ -153,3 +153,35 @@ def test_eagle3_precomputed_target_probs_match_per_step(tiny_target, tiny_cfg, b
     l1, m1, g1 = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch)
     assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-5)
     assert m0["c_star_1"] == pytest.approx(m1["c_star_1"], abs=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_block_target_probs_once_per_position_match_per_slot(tiny_target, tiny_cfg, batch, vocab):
+    """p_t computed once per distinct (sequence, position) and gathered equals
+    p_t computed for every block slot, with the full and a reduced draft vocabulary."""
+    cfg = {**tiny_cfg, "drafter": {**tiny_cfg["drafter"], "draft_vocab_size": vocab}}
+    counts = torch.arange(tiny_target.vocab_size, 0, -1) if vocab else None
+    d = build_drafter("dspark", tiny_target, cfg, token_counts=counts)
+    anchors, ok = sample_anchors(batch["loss_mask"], batch["attention_mask"], 8, torch.Generator().manual_seed(0))
+    _, _, src, _ = block_targets(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], anchors, ok, d.gamma)
+    pt, out = losses.block_target_probs(d, batch["last_hidden"], src, ok)
+    want_pt, want_out = losses._restrict(d, d.target_probs(losses._gather_rows(batch["last_hidden"], src)[ok]))
+    assert torch.allclose(pt, want_pt, atol=1e-7)
+    assert (out is None and want_out is None) or torch.allclose(out, want_out, atol=1e-7)
+    assert (out is None) == (vocab is None)
+
+
+def test_dflash_skips_target_head_off_log_steps(tiny_target, tiny_cfg, batch, monkeypatch):
+    """DFlash's loss is CE only: off log steps p_t is not computed at all, and
+    the loss and gradients are those of a log step."""
+    l0, m0, g0 = _loss_metrics_grads("dflash", tiny_target, tiny_cfg, batch)
+    assert "c_star_1" in m0
+    calls = []
+    monkeypatch.setattr(losses, "block_target_probs", lambda *a: calls.append(1))
+    torch.manual_seed(0)
+    d = build_drafter("dflash", tiny_target, tiny_cfg)
+    loss, m = losses.training_step(d, batch, tiny_cfg, torch.Generator().manual_seed(0), log_step=False)
+    loss.backward()
+    g1 = torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
+    assert not calls and "c_star_1" not in m and m["n_anchors"] == m0["n_anchors"]
+    assert torch.allclose(l0, loss.detach(), atol=1e-7) and torch.allclose(g0, g1, atol=1e-7)
