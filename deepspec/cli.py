@@ -24,6 +24,7 @@ COMMANDS = {
     "baseline": ("deepspec.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
     "schedule": ("deepspec.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
     "report": ("deepspec.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
+    "convert-checkpoint": ("deepspec.convert", "convert a released DeepSpec DFlash/DSpark drafter into a deepspec drafter"),
     "plot": ("deepspec.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
 }
 

@@ -149,13 +149,15 @@ def cli_evaluate(argv) -> int:
     p.add_argument("--out", help="records CSV (default R/T/eval/<method>/<benchmark>.csv); the JSON goes beside it")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
+    from .convert import resolve_drafter
     from .drafters import load_drafter
     from .targets import target_from_config
 
     out_csv = Path(args.out) if args.out else eval_dir(cfg) / args.method / f"{args.benchmark}.csv"
     target = target_from_config(cfg)
     prompts = load_prompts(cfg, target, args.benchmark)
-    path = drafter_path(cfg, args.method, args.drafter)
+    # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
+    path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path, len(prompts), args.benchmark)
     drafter = load_drafter(path, target).eval()
     domain = cfg["data"]["benchmarks"][args.benchmark]["domain"]

@@ -1,0 +1,261 @@
+"""Loading released DeepSpec DFlash/DSpark checkpoints (deepspec/convert.py):
+synthetic reference-layout checkpoints made from random tiny drafters convert
+into drafters with bit-identical outputs; malformed ones fail with one line and
+leave nothing behind."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from deepspec import convert
+from deepspec.cli import main as cli_main
+from deepspec.drafters import build_drafter, load_drafter
+from deepspec.drafters.common import DrafterBase
+from deepspec.io import DeepSpecError
+
+SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]
+MASK_ID = 7  # stands in for Qwen3's reserved 151669
+
+
+def _original(method, target, cfg, **drafter):
+    """A random tiny drafter whose mask embedding is the target's embedding of
+    MASK_ID, i.e. the reference's block input."""
+    c = copy.deepcopy(cfg)
+    c["drafter"].update(drafter)
+    torch.manual_seed(0)
+    d = build_drafter(method, target, c).eval()
+    with torch.no_grad():
+        d.mask_embedding.copy_(target.embed_tokens.weight[MASK_ID])
+    return d
+
+
+def _reference_config(d, target) -> dict:
+    """A reference-style config.json for drafter d (target config + reference fields)."""
+    c = {k: v for k, v in d.config.to_dict().items() if not k.startswith("deepspec_")}
+    r = d.config.deepspec_markov_rank
+    c.update(architectures=["Qwen3DSparkModel"], num_target_layers=target.num_layers,
+             block_size=d.config.deepspec_block_size, target_layer_ids=d.config.deepspec_feature_layers,
+             mask_token_id=MASK_ID, num_anchors=512, enable_confidence_head=d.config.deepspec_confidence_head,
+             markov_rank=r)
+    if d.config.deepspec_confidence_head:
+        c["confidence_head_with_markov"] = d.config.deepspec_confidence_with_markov
+    if r > 0:
+        c["markov_head_type"] = d.config.deepspec_markov_head_type
+    return c
+
+
+def write_reference(d, target, path, *, with_target_copies=False, shards=1, config=None, extra=None, drop=(),
+                    dtype=torch.float32):
+    """Write drafter d in the reference layout (top-level names, reference head names)."""
+    path.mkdir(parents=True)
+    sd = {convert.to_reference(k): v.detach().clone().contiguous()
+          for k, v in d.state_dict().items() if k not in convert.NOT_IN_CHECKPOINT}
+    if with_target_copies:
+        sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
+        sd["lm_head.weight"] = target.lm_head.weight.detach().clone()
+    sd = {k: v.to(dtype) for k, v in sd.items()}
+    sd.update(extra or {})
+    for k in drop:
+        sd.pop(k)
+    (path / "config.json").write_text(json.dumps(config or _reference_config(d, target)))
+    if shards == 1:
+        save_file(sd, str(path / "model.safetensors"))
+        return path
+    names = sorted(sd)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: sd[k] for k in names[i::shards]}
+        save_file(part, str(path / fname))
+        weight_map.update({k: fname for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_target, tiny_cfg):
+    ids = torch.tensor([SEQ])
+    feats, _ = tiny_target.features(ids, tiny_cfg["target"]["feature_layers"])
+    return ids, feats
+
+
+CASES = {
+    "dspark-with-target-copies": ("dspark", {}, dict(with_target_copies=True)),
+    "dflash-sharded": ("dflash", {}, dict(shards=2)),
+    "dspark-rnn-sharded": ("dspark", {"markov_head_type": "rnn"}, dict(shards=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_converted_drafter_is_identical(tiny_target, tiny_cfg, batch, tmp_path, case):
+    method, drafter_kw, write_kw = CASES[case]
+    d = _original(method, tiny_target, tiny_cfg, **drafter_kw)
+    src = write_reference(d, tiny_target, tmp_path / "ref", **write_kw)
+    out = convert.convert_reference_checkpoint(src, tiny_target, tmp_path / "out")
+    e = load_drafter(out, tiny_target)
+    assert type(e) is type(d) and e.method == method
+    assert e.config.deepspec_source["mask_token_id"] == MASK_ID
+    assert torch.equal(e.d2t, torch.arange(tiny_target.vocab_size))
+    _compare(d, e, *batch)
+
+
+def _compare(d, e, ids, f):
+    """d and e give bit-identical hidden states, block logits, confidence logits and proposals."""
+    sd0, sd1 = d.state_dict(), e.state_dict()
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    # Tensors loaded from safetensors may sit at unaligned addresses, where CPU matmul
+    # kernels round differently in the last bit; fresh (aligned) copies compare bitwise.
+    for t in list(e.parameters()) + list(e.buffers()):
+        t.data = t.data.clone()
+    anchors = torch.tensor([[4, 9]])
+    with torch.no_grad():
+        h0, h1 = d(ids, f, anchors), e(ids, f, anchors)
+        prev = torch.stack([ids[0, anchors[0] + j] for j in range(d.gamma)], -1).unsqueeze(0)
+        assert torch.equal(h0, h1)
+        assert torch.equal(d.block_logits(h0, prev), e.block_logits(h1, prev))
+        c0, c1 = d.confidence_logits(h0, prev), e.confidence_logits(h1, prev)
+        assert (c0 is None and c1 is None) or torch.equal(c0, c1)
+    for temperature in (0.0, 1.0):
+        props = []
+        for m in (d, e):
+            st = m.init_state()
+            m.propose(st, f[:, :5], ids[:, :6], temperature=temperature, generator=torch.Generator().manual_seed(3))
+            props.append(m.propose(st, f[:, 5:9], ids[:, 5:10], temperature=temperature,
+                                   generator=torch.Generator().manual_seed(4)))
+        p0, p1 = props
+        assert torch.equal(p0.tokens, p1.tokens) and torch.equal(p0.probs, p1.probs)
+        assert (p0.conf_logits is None and p1.conf_logits is None) or torch.equal(p0.conf_logits, p1.conf_logits)
+
+
+def test_qwen3_layout_bf16(tiny_cfg, tmp_path):
+    """A Qwen3 target (per-head q/k norms in the keys) and a bf16 checkpoint with bf16
+    copies of the target's embedding and head, as DeepSeek's releases are stored."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from deepspec.targets import Target
+
+    torch.manual_seed(1)
+    qc = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    target = Target(model=Qwen3ForCausalLM(qc).eval().requires_grad_(False), tokenizer=None, target_id="qwen3-tiny")
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["target"]["feature_layers"] = [0, 1, 2]
+    d = _original("dspark", target, cfg)
+    with torch.no_grad():
+        for name, p in d.named_parameters():  # bf16-representable: the bf16 checkpoint is lossless
+            if name != "mask_embedding":  # (not in the checkpoint: the target's row, float32)
+                p.copy_(p.bfloat16().float())
+    assert any(k.endswith("self_attn.q_norm.weight") for k in d.state_dict())
+    src = write_reference(d, target, tmp_path / "ref", with_target_copies=True, dtype=torch.bfloat16, shards=2)
+    e = load_drafter(convert.convert_reference_checkpoint(src, target, tmp_path / "out"), target)
+    ids = torch.tensor([[x % 512 for x in SEQ]])
+    _compare(d, e, ids, target.features(ids, [0, 1, 2])[0])
+
+
+def _fails(src, target, out, match):
+    with pytest.raises(DeepSpecError, match=match) as ei:
+        convert.convert_reference_checkpoint(src, target, out)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+    return msg
+
+
+def test_eagle3_checkpoint_is_refused(tiny_target, tiny_cfg, tmp_path):
+    d = _original("dflash", tiny_target, tiny_cfg)
+    cfg = dict(_reference_config(d, tiny_target), architectures=["Qwen3Eagle3Model"])
+    src = write_reference(d, tiny_target, tmp_path / "ref", config=cfg)
+    _fails(src, tiny_target, tmp_path / "out", "Eagle3 checkpoint.*cannot represent")
+
+
+def test_unexpected_missing_and_misshapen_tensors(tiny_target, tiny_cfg, tmp_path):
+    d = _original("dspark", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "a", extra={"layers.0.self_attn.foo.weight": torch.zeros(2)})
+    msg = _fails(src, tiny_target, tmp_path / "out", "unexpected tensor 'layers.0.self_attn.foo.weight'")
+    assert "model.safetensors" in msg
+    src = write_reference(d, tiny_target, tmp_path / "b", drop=["markov_head.markov_w2.weight"])
+    _fails(src, tiny_target, tmp_path / "out", "tensor 'markov_head.markov_w2.weight' missing")
+    bad = d.state_dict()["fc.weight"].t().contiguous()
+    src = write_reference(d, tiny_target, tmp_path / "c", extra={"fc.weight": bad}, shards=2)
+    msg = _fails(src, tiny_target, tmp_path / "out", r"tensor 'fc.weight' has shape \[128, 64\], expected \[64, 128\]")
+    assert "-of-00002.safetensors" in msg
+    # a gated Markov head has no deepspec counterpart
+    cfg = dict(_reference_config(d, tiny_target), markov_head_type="gated")
+    src = write_reference(d, tiny_target, tmp_path / "d", config=cfg)
+    _fails(src, tiny_target, tmp_path / "out", "markov_head_type 'gated' is not supported")
+
+
+def test_target_mismatch(tiny_target, tiny_cfg, tmp_path):
+    d = _original("dflash", tiny_target, tiny_cfg)
+    ref = _reference_config(d, tiny_target)
+    src = write_reference(d, tiny_target, tmp_path / "a", config=dict(ref, hidden_size=128))
+    _fails(src, tiny_target, tmp_path / "out", "hidden_size is 128 but the target 'tiny' has 64")
+    src = write_reference(d, tiny_target, tmp_path / "b", config=dict(ref, num_target_layers=36))
+    _fails(src, tiny_target, tmp_path / "out", "made for a 36-layer target")
+    src = write_reference(d, tiny_target, tmp_path / "c", config=dict(ref, target_layer_ids=[0, 1]))
+    _fails(src, tiny_target, tmp_path / "out", "target_layer_ids: feature layer 1 out of range")
+    other = torch.randn_like(tiny_target.embed_tokens.weight)
+    src = write_reference(d, tiny_target, tmp_path / "d", extra={"embed_tokens.weight": other})
+    _fails(src, tiny_target, tmp_path / "out", "embed_tokens.weight differs from the target's")
+
+
+def test_failed_save_leaves_nothing(tiny_target, tiny_cfg, tmp_path, monkeypatch):
+    d = _original("dflash", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "ref")
+
+    def broken_save(self, path, **kw):
+        (tmp_path / "seen").write_text(str(path))
+        open(f"{path}/model.safetensors", "wb").write(b"half")
+        raise DeepSpecError("disk full")
+
+    monkeypatch.setattr(DrafterBase, "save_pretrained", broken_save)
+    _fails(src, tiny_target, tmp_path / "out", "disk full")
+    seen = (tmp_path / "seen").read_text()
+    assert seen.startswith(str(tmp_path / ".out.")) and not os.path.exists(seen)
+
+
+def test_cli_and_resolve(tiny_target, tiny_cfg, tmp_path, capsys):
+    d = _original("dspark", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "dspark_tiny_block7")
+    sets = ["--preset", "tiny", "--set", f"resources_dir={tiny_cfg['resources_dir']}",
+            "--set", f"data.root={tiny_cfg['data']['root']}"]
+    assert cli_main(["convert-checkpoint", "--src", str(src), "--out", str(tmp_path / "out"), *sets]) == 0
+    assert load_drafter(tmp_path / "out", tiny_target).method == "dspark"
+    assert cli_main(["convert-checkpoint", "--src", str(src), "--out", str(tmp_path / "out"), *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("deepspec convert-checkpoint: error:") and "exists" in err
+
+    cfg = dict(tiny_cfg, resources_dir=str(tmp_path / "resources"))
+    path = convert.resolve_drafter(str(src), tiny_target, cfg, method="dspark")
+    done = tmp_path / "resources" / "drafters" / "tiny" / "dspark_tiny_block7" / "config.json"
+    assert path == str(done.parent)
+    mtime = done.stat().st_mtime_ns
+    assert convert.resolve_drafter(str(src), tiny_target, cfg) == path  # converted once, then reused
+    assert done.stat().st_mtime_ns == mtime
+    assert convert.resolve_drafter(path, tiny_target, cfg) == path  # a deepspec drafter is returned as is
+    with pytest.raises(DeepSpecError, match="is a dspark checkpoint, not dflash"):
+        convert.resolve_drafter(str(src), tiny_target, cfg, method="dflash")
+    with pytest.raises(DeepSpecError, match="cannot download it from the hub"):
+        convert.resolve_drafter("deepseek-ai/no_such_drafter_for_tests", tiny_target, cfg)
+
+
+def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_data):
+    """eval.released_checkpoints (what the evaluate rule passes) pointing at a
+    reference checkpoint: evaluate converts it once and scores it."""
+    from deepspec.evaluate import cli_evaluate
+
+    d = _original("dflash", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "dflash_tiny_block7", shards=2)
+    resources = tmp_path / "resources"
+    (resources / "targets").mkdir(parents=True)
+    (resources / "targets" / "tiny").symlink_to(os.path.join(tiny_cfg["resources_dir"], "targets", "tiny"))
+    args = ["--preset", "tiny", "--set", f"resources_dir={resources}", "--set", f"data.root={tiny_cfg['data']['root']}",
+            "--set", f"results_dir={tmp_path / 'results'}", "--set", "data.benchmarks.gsm8k.cap=1",
+            "--set", "eval.max_new_tokens=8", "--set", "eval.n_boot=20",
+            "--set", f"eval.released_checkpoints.dflash={src}", "--method", "dflash", "--benchmark", "gsm8k"]
+    assert cli_evaluate(args) == 0
+    summary = json.loads((tmp_path / "results" / "tiny" / "eval" / "dflash" / "gsm8k.json").read_text())
+    assert summary["drafter"] == str(resources / "drafters" / "tiny" / "dflash_tiny_block7") and summary["rounds"] >= 1
