@@ -146,12 +146,19 @@ class Target:
         return self.model.config
 
     @property
+    def text_config(self):
+        """The decoder's config: the config itself for text models; `text_config` of a
+        multimodal wrapper (the Gemma4 hub checkpoints load as Gemma4ForConditionalGeneration)."""
+        c = self.model.config
+        return c.get_text_config() if hasattr(c, "get_text_config") else c
+
+    @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.text_config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.text_config.hidden_size
 
     @property
     def vocab_size(self) -> int:

@@ -15,7 +15,8 @@
 * Context features H_ctx = RMSNorm(W_c [h^(l1); ...; h^(lm)]) (Eq. 2): `fc` +
   `hidden_norm` built by `feature_projection`.
 * Building blocks (attention, RMSNorm, rotary embedding, MLP, decoder layer)
-  come from the target's transformers modeling module (`blocks_for`).
+  come from the target's transformers modeling module (`blocks_for`); Gemma4
+  targets get a dense, all-full-attention draft config (`gemma4_draft_config`).
 * `sample_anchors` / `block_targets`: DFlash/DSpark training anchors.
 * `Proposal`: the return value of `propose` (docs/INTERFACES.md).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,20 +54,58 @@ class Proposal:
 # transformers building blocks of the target's architecture
 
 
-def blocks_for(config) -> SimpleNamespace:
-    """Attention / MLP / RMSNorm / rotary / decoder-layer classes of the target's
-    architecture (e.g. Qwen3Attention with its q/k norms); Llama's otherwise."""
+def _modeling_module(config):
+    """The transformers modeling module of a config: by model_type
+    (transformers.models.<type>.modeling_<type>), else next to the config class
+    (gemma4_text -> transformers.models.gemma4.modeling_gemma4), else Llama's."""
     mt = getattr(config, "model_type", "llama")
     try:
-        mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+        return importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
     except ImportError:
-        mod = modeling_llama
+        pass
+    cm = type(config).__module__
+    if cm.startswith("transformers.models.") and ".configuration_" in cm:
+        try:
+            return importlib.import_module(cm.replace(".configuration_", ".modeling_"))
+        except ImportError:
+            pass
+    return modeling_llama
+
+
+def _pair_rope(apply):
+    """HF's rotary helper as a (q, k) pair function: Gemma4's rotates one tensor."""
+    if "k" in inspect.signature(apply).parameters:
+        return apply
+    return lambda q, k, cos, sin: (apply(q, cos, sin), apply(k, cos, sin))
+
+
+def blocks_for(config) -> SimpleNamespace:
+    """Attention / MLP / RMSNorm / rotary / decoder-layer classes of the target's
+    architecture (e.g. Qwen3Attention with its q/k norms); Llama's otherwise.
+
+    A class is looked up as <Prefix><Name>, then without a trailing "Text" in the
+    prefix (Gemma4: Gemma4TextAttention/MLP/RotaryEmbedding/DecoderLayer but
+    Gemma4RMSNorm). `family` is "gemma4" for Gemma4 targets, whose draft layers
+    follow Gemma4 semantics (dflash.Gemma4KVInjectionLayer), else "default";
+    `rope_kwargs` are the rotary embedding's extra forward arguments (Gemma4's
+    needs the layer type; the drafts are all full attention, as in the reference)."""
+    mod = _modeling_module(config)
     pre = next((n[: -len("DecoderLayer")] for n in dir(mod) if n.endswith("DecoderLayer")), None)
     need = ("Attention", "MLP", "RMSNorm", "RotaryEmbedding", "DecoderLayer")
-    if pre is None or not all(hasattr(mod, pre + n) for n in need):
-        mod, pre = modeling_llama, "Llama"
-    ns = SimpleNamespace(**{n: getattr(mod, pre + n) for n in need})
-    ns.apply_rotary_pos_emb = getattr(mod, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+
+    def find(name):
+        for p in (pre, pre[: -len("Text")] if pre.endswith("Text") else None):
+            if p and hasattr(mod, p + name):
+                return getattr(mod, p + name)
+        return None
+
+    found = {n: find(n) for n in need} if pre is not None else {}
+    if pre is None or any(c is None for c in found.values()):
+        mod, found = modeling_llama, {n: getattr(modeling_llama, "Llama" + n) for n in need}
+    ns = SimpleNamespace(**found)
+    ns.apply_rotary_pos_emb = _pair_rope(getattr(mod, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb))
+    ns.family = "gemma4" if mod.__name__.endswith(".modeling_gemma4") else "default"
+    ns.rope_kwargs = {"layer_type": "full_attention"} if ns.family == "gemma4" else {}
     return ns
 
 
@@ -109,12 +149,43 @@ class KVStore:
 # config
 
 
+def gemma4_draft_config(tc, n: int):
+    """Draft config for a Gemma4 text config `tc`: n dense full-attention layers.
+
+    Facts from the reference (deepseek-ai/DeepSpec gemma4/config.py and
+    modeling.py): every draft layer is "full_attention" and uses the target's
+    full-attention geometry, head_dim = global_head_dim and, with
+    attention_k_eq_v, num_global_key_value_heads K/V heads (keys reused as
+    values); no MoE block, no per-layer inputs. transformers keeps the global
+    geometry only in `per_layer_config` (keyed by target layer index), so it is
+    resolved here and made the draft's homogeneous head_dim / KV heads. The
+    draft layers also own their K/V (no KV sharing across layers)."""
+    full = tc.per_layer_config["full_attention"]  # the target's full-attention layer config
+    d = copy.deepcopy(tc.to_dict())
+    d.pop("per_layer_config", None)
+    d.update(
+        num_hidden_layers=n,
+        layer_types=["full_attention"] * n,
+        head_dim=full.head_dim,
+        num_key_value_heads=full.num_key_value_heads,
+        global_head_dim=full.head_dim,
+        num_global_key_value_heads=full.num_key_value_heads,
+        num_kv_shared_layers=0,
+        enable_moe_block=False,
+        hidden_size_per_layer_input=0,
+    )
+    return tc.__class__.from_dict(d)
+
+
 def draft_config(method: str, target, cfg: dict):
-    """Copy of the target config with the draft depth and the deepspec_* fields."""
+    """Copy of the target's (text) config with the draft depth and the deepspec_* fields."""
     d = cfg["drafter"]
-    tc = target.config
-    c = tc.__class__.from_dict(copy.deepcopy(tc.to_dict()))
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     n = int(d["num_layers"][method]) if method in d["num_layers"] else {"eagle3": 1}.get(method, 5)
+    if blocks_for(tc).family == "gemma4":
+        c = gemma4_draft_config(tc, n)
+    else:
+        c = tc.__class__.from_dict(copy.deepcopy(tc.to_dict()))
     c.num_hidden_layers = n
     if getattr(c, "layer_types", None) is not None:
         c.layer_types = ["full_attention"] * n  # the drafts use full attention (reference)
@@ -183,6 +254,19 @@ class DrafterBase(PreTrainedModel):
         self.register_buffer("d2t", torch.arange(K, dtype=torch.long), persistent=True)
         self._shared = SimpleNamespace(embed=None, lm_head=None, head_w=None, head_b=None, t2d=None, softcap=None)
 
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # Gemma4TextRotaryEmbedding keeps one (non-persistent) inv_freq per layer type,
+        # which PreTrainedModel's generic init does not rebuild when loading; recompute
+        # them as transformers' Gemma4PreTrainedModel does.
+        fns = getattr(module, "rope_init_fns", None)
+        if isinstance(fns, dict):
+            with torch.no_grad():
+                for layer_type, fn in fns.items():
+                    inv_freq, _ = fn(module.config.per_layer_config[layer_type], layer_type=layer_type)
+                    getattr(module, f"{layer_type}_inv_freq").copy_(inv_freq)
+                    getattr(module, f"{layer_type}_original_inv_freq").copy_(inv_freq)
+
     # -- loading: the config is the target architecture's config class
     @classmethod
     def from_pretrained(cls, path, *args, **kwargs):
@@ -219,6 +303,8 @@ class DrafterBase(PreTrainedModel):
             raise DeepSpecError("drafter has no target attached (use build_drafter/load_drafter)")
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The target's (frozen) input embedding; Gemma4's scales by sqrt(d), as the
+        reference draft embedding does."""
         self._need()
         return self._shared.embed(ids.to(self._shared.embed.weight.device)).to(self.d2t.device)
 
@@ -279,18 +365,28 @@ class DrafterBase(PreTrainedModel):
         """Target ids -> draft indices (-1 outside the draft vocabulary)."""
         return self._shared.t2d[ids] if self.reduced_vocab else ids
 
+    def rotary(self, x: torch.Tensor, pos: torch.Tensor):
+        """(cos, sin) at positions `pos` from the draft's rotary embedding (Gemma4's
+        takes the layer type: full attention)."""
+        return self.rotary_emb(x, pos, **self.blocks.rope_kwargs)
+
     def init_layers_from_target(self, target, layers: nn.ModuleList, final_norm: Optional[nn.Module]) -> None:
         """init_from_target: draft layer i <- target layer (L - k + i), i.e. the last
         k target layers; the final norm from the target's."""
-        tl = target.model.model.layers
+        decoder = target.model.get_decoder()  # the text decoder (also inside a multimodal Gemma4 wrapper)
+        tl = decoder.layers
         k = len(layers)
         for i, layer in enumerate(layers):
             src = tl[len(tl) - k + i].state_dict()
+            # Gemma4: a sliding-attention source layer has a narrower attention than the
+            # full-attention draft layer; only tensors of matching shape are copied.
+            own = layer.state_dict()
+            src = {n: w for n, w in src.items() if n not in own or own[n].shape == w.shape}
             missing, _ = layer.load_state_dict(src, strict=False)
             if len(missing) == len(layer.state_dict()):
                 raise DeepSpecError("init_from_target: draft and target layers share no weights")
         if final_norm is not None:
-            final_norm.load_state_dict(target.model.model.norm.state_dict())
+            final_norm.load_state_dict(decoder.norm.state_dict())
 
     def feature_projection(self):
         c = self.config

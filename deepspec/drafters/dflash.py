@@ -18,6 +18,11 @@ are extra query rows after the context, with one boolean mask (sdpa).
 Inference (`propose`) caches per-layer context K/V in the state; the block's own
 K/V are never stored, so the cache holds only verified context.
 
+Gemma4 targets (`Gemma4KVInjectionLayer`) follow the reference's Gemma4 DSpark
+layer instead: q/k RMSNorms per head, a scale-free RMSNorm on values, keys
+reused as values when attention_k_eq_v, attention scale 1, Gemma's norms after
+attention and around the MLP, and the output times `layer_scalar`.
+
 Differences from the reference: the mask embedding is a learned vector (the
 reference uses the frozen embedding of a reserved token id, e.g. 151669 on
 Qwen3; SmolLM2 has no reserved token). The DSpark heads (Markov bias, confidence)
@@ -75,6 +80,57 @@ class KVInjectionLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Gemma4KVInjectionLayer(KVInjectionLayer):
+    """The injection layer with Gemma4 semantics (reference: deepseek-ai/DeepSpec
+    deepspec/modeling/dspark/gemma4/modeling.py, Gemma4DSparkAttention and
+    Gemma4DSparkDecoderLayer), built from transformers' Gemma4 modules:
+
+    * attention = Gemma4TextAttention of the all-full-attention draft config:
+      head_dim = global_head_dim, K/V heads = num_global_key_value_heads with
+      attention_k_eq_v (then v_proj is None and the un-normed keys are the
+      values), q_norm/k_norm per head, v_norm without scale, scaling 1.0;
+    * RoPE after the q/k norms, at full-attention frequencies;
+    * x = x + post_attention_layernorm(attn(input_layernorm(x)));
+      x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)));
+      out = x * layer_scalar (a buffer of ones, as in the reference).
+    Parameter names match transformers' Gemma4TextDecoderLayer (init_from_target)."""
+
+    def __init__(self, config, layer_idx: int, blocks):
+        nn.Module.__init__(self)
+        self.self_attn = blocks.Attention(config=config, layer_idx=layer_idx)
+        self.mlp = blocks.MLP(config, layer_idx)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.pre_feedforward_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.post_feedforward_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self._rope_fn = blocks.apply_rotary_pos_emb
+
+    def _kv(self, x):
+        """Un-rotated K (k_norm) and V (scale-free v_norm) of x, [B, Hkv, L, hd]."""
+        a = self.self_attn
+        k = a.k_proj(x).view(*x.shape[:-1], -1, a.head_dim)
+        v = k if a.v_proj is None else a.v_proj(x).view(*x.shape[:-1], -1, a.head_dim)  # attention_k_eq_v
+        return a.k_norm(k).transpose(1, 2), a.v_norm(v).transpose(1, 2)
+
+    def context_kv(self, ctx, cos, sin):
+        k, v = self._kv(ctx)
+        return rope(k, cos, sin, self._rope_fn), v
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, mask: Optional[torch.Tensor]):
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = self._proj(a.q_proj, a.q_norm, h)
+        k, v = self._kv(h)
+        q, k = self._rope_fn(q, k, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        x = x + self.post_attention_layernorm(a.o_proj(attention(a, q, k, v, mask)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * self.layer_scalar
+
+
 def block_attention_mask(anchors: torch.Tensor, ctx_len: int, gamma: int) -> torch.Tensor:
     """Training mask [B, 1, N*g, Lc + N*g] (True = attend): block rows of anchor p
     see context keys i < p and every row of their own block."""
@@ -101,9 +157,8 @@ class DFlashDrafter(DrafterBase):
         super().__init__(config)
         d = config.hidden_size
         self.fc, self.hidden_norm = self.feature_projection()
-        self.layers = nn.ModuleList(
-            KVInjectionLayer(config, i, self.blocks) for i in range(config.num_hidden_layers)
-        )
+        layer_cls = Gemma4KVInjectionLayer if self.blocks.family == "gemma4" else KVInjectionLayer
+        self.layers = nn.ModuleList(layer_cls(config, i, self.blocks) for i in range(config.num_hidden_layers))
         self.norm = self.blocks.RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = self.blocks.RotaryEmbedding(config=config)
         self.mask_embedding = nn.Parameter(torch.zeros(d))
@@ -143,8 +198,8 @@ class DFlashDrafter(DrafterBase):
         x = self.block_inputs(input_ids.gather(1, anchors)).reshape(B, N * g, -1)
         ctx_pos = torch.arange(L, device=ctx.device).expand(B, L)
         blk_pos = (anchors.unsqueeze(-1) + torch.arange(g, device=ctx.device)).reshape(B, N * g)
-        cos_c, sin_c = self.rotary_emb(ctx, ctx_pos)
-        cos_b, sin_b = self.rotary_emb(x, blk_pos)
+        cos_c, sin_c = self.rotary(ctx, ctx_pos)
+        cos_b, sin_b = self.rotary(x, blk_pos)
         mask = block_attention_mask(anchors, L, g)
         for layer in self.layers:
             ck, cv = layer.context_kv(ctx, cos_c, sin_c)
@@ -181,7 +236,7 @@ class DFlashDrafter(DrafterBase):
         if n > 0:
             ctx = self.context(feats.to(dev))
             pos = torch.arange(state.n, state.n + n, device=dev).unsqueeze(0)
-            cos, sin = self.rotary_emb(ctx, pos)
+            cos, sin = self.rotary(ctx, pos)
             for i, layer in enumerate(self.layers):
                 k, v = layer.context_kv(ctx, cos, sin)
                 state.k[i] = k if state.k[i] is None else torch.cat([state.k[i], k], 2)
@@ -190,7 +245,7 @@ class DFlashDrafter(DrafterBase):
         anchor = tokens[:, -1].to(dev)
         x = self.block_inputs(anchor)  # [1,g,d]
         pos = torch.arange(state.n, state.n + self.gamma, device=dev).unsqueeze(0)
-        cos, sin = self.rotary_emb(x, pos)
+        cos, sin = self.rotary(x, pos)
         for i, layer in enumerate(self.layers):
             ck = state.k[i] if state.k[i] is not None else x.new_zeros(1, layer.self_attn.config.num_key_value_heads, 0, layer.self_attn.head_dim)
             cv = state.v[i] if state.v[i] is not None else ck

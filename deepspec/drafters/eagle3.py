@@ -5,7 +5,9 @@ Input of the single decoder layer at row t:
     x = W_in [RMSNorm_e(emb(token)); RMSNorm_h(hidden)]      (Linear(2d -> d))
 where `hidden` is the fused target features fc([h^(l1); ...; h^(lm)]) at step 0
 and the draft's own (pre-norm) output hidden from the previous step afterwards;
-the layer is the target architecture's standard transformers decoder layer.
+the layer is the target architecture's standard transformers decoder layer
+(Gemma4: Gemma4TextDecoderLayer of the all-full-attention draft config, with
+its sandwich norms, q/k/v norms, attention_k_eq_v and layer_scalar).
 Design choice: the reference (SpecForge) instead feeds the 2d concatenation
 straight into a modified attention (q/k/v projections of width 2d). The
 Linear(2d -> d) variant reuses the stock decoder layer unchanged; the two are
@@ -68,12 +70,19 @@ class Eagle3Drafter(DrafterBase):
     def gamma(self) -> int:
         return self.config.deepspec_ttt_length
 
+    def _layer_kwargs(self) -> dict:
+        """Gemma4TextDecoderLayer stores the K/V of the last layer of each attention
+        type in a `shared_kv_states` dict (for KV-sharing layers); the draft shares
+        nothing, so it gets a fresh dict per step."""
+        return {"shared_kv_states": {}} if self.blocks.family == "gemma4" else {}
+
     def _step(self, tokens, hidden, pos, mask, cache):
         """One chain step over rows: returns the pre-norm output hidden [B, L, d]."""
         x = self.in_proj(torch.cat([self.emb_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1))
-        cos, sin = self.rotary_emb(x, pos)
+        cos, sin = self.rotary(x, pos)
         for layer in self.layers:
-            x = layer(x, attention_mask=mask, position_embeddings=(cos, sin), **{cache_kwarg(layer): cache}, use_cache=True)
+            kw = {cache_kwarg(layer): cache, **self._layer_kwargs()}
+            x = layer(x, attention_mask=mask, position_embeddings=(cos, sin), use_cache=True, **kw)
         return x
 
     def forward(self, input_ids, features, attention_mask=None, steps: Optional[int] = None):
