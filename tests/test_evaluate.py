@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -49,7 +50,10 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     assert cli_evaluate(args + ["--method", "dspark", "--benchmark", "gsm8k"]) == 0
     df = pd.read_csv(ev / "dspark/gsm8k.csv")
     head = ["sample_id", "round", "proposal_len", "accepted", "emitted", "draft_time_s", "verify_time_s"]
-    assert list(df.columns) == head + [f"conf_logit_{k}" for k in range(1, 8)] + ["method", "benchmark", "domain"]
+    per_pos = [f"{c}_{k}" for c in ("conf_logit", "accept_prob", "alpha") for k in range(1, 8)]
+    assert list(df.columns) == head + per_pos + ["method", "benchmark", "domain"]
+    a = df[[f"accept_prob_{k}" for k in range(1, 8)]].to_numpy()
+    assert ((a[~np.isnan(a)] >= 0) & (a[~np.isnan(a)] <= 1)).all() and df["alpha_1"].notna().all()
     assert (df["method"] == "dspark").all() and (df["domain"] == "Math").all()
     assert df["conf_logit_7"].notna().all() and (df["accepted"] <= df["proposal_len"]).all()
     s = json.loads((ev / "dspark/gsm8k.json").read_text())
