@@ -14,6 +14,9 @@ listed in `model.safetensors.index.json`) with top-level names. The mapping:
     markov_head.joint_proj.{weight,bias}     -> markov.cell.*       (RNN head; same
                                                 [s; W1[x]; h] -> [gate; cand; out] order)
     confidence_head.proj.{weight,bias}       -> confidence.*
+    layers.{i}.layer_scalar [1] (Gemma4)     -> layers.{i}.layer_scalar (the reference
+                                                layer's output scale, a buffer of ones
+                                                at init; ones when a checkpoint lacks it)
     embed_tokens.weight, lm_head.weight      -> not stored: frozen copies of the
                                                 target's, checked against it
     (nothing)                                -> mask_embedding = the target's embedding
@@ -24,6 +27,15 @@ The reference block input is the frozen embedding of a reserved token
 learned `mask_embedding` gives the same function at inference. Eagle3 reference
 checkpoints fuse [embedding; hidden] inside 2d-wide q/k/v projections, which
 deepspec's Eagle3 cannot represent: they are refused.
+
+The architecture fields of the checkpoint are checked against the draft config
+deepspec builds for the target (`drafters.common.draft_config`), which the
+converted drafter must match. On Gemma4 that is the target's full-attention
+geometry: the reference config is the target's text config, so its `head_dim` /
+`num_key_value_heads` are the sliding layers' and its draft layers use
+`global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads`
+(or, when written by a transformers that folds these into `per_layer_config`,
+the full-attention entries there); rope_theta is the full-attention one.
 
 Entry points: `convert_reference_checkpoint(src, target, out)`,
 `resolve_drafter(spec, target, cfg)` (used by `evaluate`: a deepspec drafter
@@ -143,21 +155,42 @@ def _method(ref: dict) -> tuple[str, dict]:
 
 
 def _rope_theta(cfg: dict):
+    """rope_theta, flat or in rope_parameters; per layer type (Gemma4): full attention's."""
     rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        rp = rp["full_attention"]
     return cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
 
 
-def check_reference_target(ref: dict, target, where: str) -> None:
-    """The checkpoint's architecture fields against the target's (text) config."""
+def _reference_arch(ref: dict, gemma4: bool) -> dict:
+    """ARCH_FIELDS of the reference's draft layers. A Gemma4 reference config is the
+    target's text config: head_dim / num_key_value_heads there are the sliding
+    layers'; the draft layers use global_head_dim and, with attention_k_eq_v,
+    num_global_key_value_heads (newer transformers: per_layer_config's entries)."""
+    arch = {key: _rope_theta(ref) if key == "rope_theta" else ref.get(key) for key in ARCH_FIELDS}
+    if not gemma4:
+        return arch
+    if ref.get("global_head_dim") is not None:
+        arch["head_dim"] = ref["global_head_dim"]
+        if ref.get("attention_k_eq_v") and ref.get("num_global_key_value_heads") is not None:
+            arch["num_key_value_heads"] = ref["num_global_key_value_heads"]
+    else:
+        plc = ref.get("per_layer_config")
+        for entry in (plc.values() if isinstance(plc, dict) else ()):  # full-attention overrides (all equal)
+            if isinstance(entry, dict):
+                arch.update({k: entry[k] for k in ("head_dim", "num_key_value_heads") if k in entry})
+    return arch
+
+
+def check_reference_target(ref: dict, target, where: str, config=None) -> None:
+    """The checkpoint's config against the target: model type, depth, mask token,
+    feature layers, and its architecture fields against `config`, the draft config
+    deepspec builds for the target (built from `ref` when not given)."""
+    from .drafters.common import blocks_for, draft_config
+
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    have = dict(tc.to_dict(), hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size))
     if ref.get("model_type") not in (None, tc.model_type, getattr(target.config, "model_type", None)):
         raise DeepSpecError(f"{where}: a {ref['model_type']} drafter, the target {target.target_id!r} is {tc.model_type}")
-    for key in ARCH_FIELDS:
-        a = _rope_theta(ref) if key == "rope_theta" else ref.get(key)
-        b = _rope_theta(have) if key == "rope_theta" else have.get(key)
-        if a is not None and b is not None and a != b:
-            raise DeepSpecError(f"{where}: {key} is {a!r} but the target {target.target_id!r} has {b!r}")
     n = ref.get("num_target_layers")
     if n is not None and int(n) != int(target.num_layers):
         raise DeepSpecError(f"{where}: made for a {n}-layer target, {target.target_id!r} has {target.num_layers}")
@@ -168,6 +201,19 @@ def check_reference_target(ref: dict, target, where: str) -> None:
         target.check_feature_layers(ref["target_layer_ids"])
     except DeepSpecError as e:
         raise DeepSpecError(f"{where}: target_layer_ids: {e}") from None
+    if config is None:
+        method, drafter_cfg = _method(ref)
+        config = draft_config(method, target, {"drafter": drafter_cfg,
+                                               "target": {"feature_layers": list(ref["target_layer_ids"])}})
+    # the draft config's own fields (Gemma4: homogeneous full-attention geometry, no
+    # ambiguous per-layer attribute); hidden and vocab size as the target has them
+    have = dict(config.to_dict(), hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size))
+    have_arch = {key: _rope_theta(have) if key == "rope_theta" else have.get(key) for key in ARCH_FIELDS}
+    ref_arch = _reference_arch(ref, blocks_for(config).family == "gemma4")
+    for key in ARCH_FIELDS:
+        a, b = ref_arch[key], have_arch[key]
+        if a is not None and b is not None and a != b:
+            raise DeepSpecError(f"{where}: {key} is {a!r} but the target {target.target_id!r} has {b!r}")
 
 
 def _check_same(name: str, w: torch.Tensor, ref_w: torch.Tensor, where: str, rows: int = 8192) -> None:
@@ -197,10 +243,10 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
         raise DeepSpecError(f"output {out} exists (use --overwrite)")
     ref = read_reference_config(src)
     where = str(src / "config.json")
-    check_reference_target(ref, target, where)
     method, drafter_cfg = _method(ref)
     config = draft_config(method, target, {"drafter": drafter_cfg,
                                            "target": {"feature_layers": list(ref["target_layer_ids"])}})
+    check_reference_target(ref, target, where, config)
     config.deepspec_source = {"checkpoint": str(src.resolve()), "architecture": ref["architectures"][0],
                               "mask_token_id": int(ref["mask_token_id"])}
     model = CLASSES[method](config).float()
@@ -223,8 +269,8 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
                     continue
                 ours = to_ours(name)
                 if ours not in want:
-                    if name.endswith("layer_scalar") and bool((f.get_tensor(name) == 1).all()):
-                        continue  # an identity scale (Gemma4 layers): nothing to carry over
+                    if name.endswith(".layer_scalar") and bool((f.get_tensor(name) == 1).all()):
+                        continue  # an identity output scale, in a drafter whose layers have none
                     raise DeepSpecError(f"{path}: unexpected tensor {name!r} (not in a {method} drafter of this config)")
                 if shape != want[ours]:
                     raise DeepSpecError(f"{path}: tensor {name!r} has shape {list(shape)}, expected {list(want[ours])}")
@@ -232,6 +278,9 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
                 if not t.is_floating_point():
                     raise DeepSpecError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a floating type")
                 state[ours] = t.float()
+    for name in want:  # Gemma4 layers without a stored output scale: the reference's init, ones
+        if name.endswith(".layer_scalar") and name not in state:
+            state[name] = torch.ones(want[name])
     missing = sorted(set(want) - set(state))
     if missing:
         raise DeepSpecError(f"{src}: tensor {to_reference(missing[0])!r} missing"

@@ -27,8 +27,8 @@ def _original(method, target, cfg, **drafter):
     c["drafter"].update(drafter)
     torch.manual_seed(0)
     d = build_drafter(method, target, c).eval()
-    with torch.no_grad():
-        d.mask_embedding.copy_(target.embed_tokens.weight[MASK_ID])
+    with torch.no_grad():  # the embedding module's output (Gemma4's scales by sqrt(d))
+        d.mask_embedding.copy_(target.embed_tokens(torch.tensor([MASK_ID]))[0])
     return d
 
 
@@ -182,6 +182,12 @@ def test_unexpected_missing_and_misshapen_tensors(tiny_target, tiny_cfg, tmp_pat
     src = write_reference(d, tiny_target, tmp_path / "c", extra={"fc.weight": bad}, shards=2)
     msg = _fails(src, tiny_target, tmp_path / "out", r"tensor 'fc.weight' has shape \[128, 64\], expected \[64, 128\]")
     assert "-of-00002.safetensors" in msg
+    # an output scale in a drafter whose layers have none: an identity one is dropped, another refused
+    one, two = torch.ones(1), torch.full((1,), 2.0)
+    src = write_reference(d, tiny_target, tmp_path / "e", extra={"layers.0.layer_scalar": one})
+    assert load_drafter(convert.convert_reference_checkpoint(src, tiny_target, tmp_path / "e_out"), tiny_target)
+    src = write_reference(d, tiny_target, tmp_path / "f", extra={"layers.0.layer_scalar": two})
+    _fails(src, tiny_target, tmp_path / "out", "unexpected tensor 'layers.0.layer_scalar'")
     # a gated Markov head has no deepspec counterpart
     cfg = dict(_reference_config(d, tiny_target), markov_head_type="gated")
     src = write_reference(d, tiny_target, tmp_path / "d", config=cfg)
@@ -259,3 +265,93 @@ def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_da
     assert cli_evaluate(args) == 0
     summary = json.loads((tmp_path / "results" / "tiny" / "eval" / "dflash" / "gsm8k.json").read_text())
     assert summary["drafter"] == str(resources / "drafters" / "tiny" / "dflash_tiny_block7") and summary["rounds"] >= 1
+
+
+# --------------------------------------------------------------------------- Gemma4
+
+
+@pytest.fixture(scope="module")
+def g4_target():
+    """The tiny random Gemma4 target of test_gemma4 (sliding + full attention layers,
+    a wider head and one K/V head on full-attention layers, keys as values)."""
+    from test_gemma4 import TINY_GEMMA4_SEED, _as_target, _text_config
+    from transformers import Gemma4ForCausalLM
+
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_GEMMA4_SEED)
+        return _as_target(Gemma4ForCausalLM(_text_config()))
+
+
+@pytest.fixture(scope="module")
+def g4_cfg(tiny_cfg):
+    from test_gemma4 import FEATURE_LAYERS
+
+    c = copy.deepcopy(tiny_cfg)
+    c["target"]["feature_layers"] = FEATURE_LAYERS
+    return c
+
+
+def _gemma4_reference_config(d, target, layout) -> dict:
+    """config.json as the reference writes it for Gemma4: the target's text config
+    (head_dim / num_key_value_heads of its sliding layers; the full-attention
+    geometry the draft layers use either as global_head_dim /
+    num_global_key_value_heads fields ("fields") or, from newer transformers, in
+    per_layer_config keyed by target layer ("per_layer")), draft depth, all
+    layers full attention, plus the reference fields."""
+    from test_gemma4 import TINY_GEMMA4_CONFIG
+
+    tc = target.config.get_text_config().to_dict()
+    if layout == "fields":
+        tc.pop("per_layer_config")
+        tc.update(global_head_dim=TINY_GEMMA4_CONFIG["global_head_dim"],
+                  num_global_key_value_heads=TINY_GEMMA4_CONFIG["num_global_key_value_heads"])
+    assert tc["head_dim"] != d.config.head_dim  # the sliding head, not the draft's
+    n = d.config.num_hidden_layers
+    ref = {k: v for k, v in _reference_config(d, target).items()
+           if k in ("num_target_layers", "block_size", "target_layer_ids", "mask_token_id", "num_anchors",
+                    "enable_confidence_head", "confidence_head_with_markov", "markov_rank", "markov_head_type")}
+    return dict(tc, **ref, architectures=["Gemma4DSparkModel"], target_model_type=tc["model_type"],
+                target_text_model_type=tc["model_type"], num_hidden_layers=n, layer_types=["full_attention"] * n,
+                enable_moe_block=False, hidden_size_per_layer_input=0, tie_word_embeddings=False)
+
+
+G4_CASES = {  # layer_scalar values (None: not in the checkpoint), config layout, write_reference kwargs
+    "with-layer-scalar": ([0.5, 1.25], "fields", dict(with_target_copies=True, shards=2)),
+    "ones-layer-scalar-per-layer-config": ([1.0, 1.0], "per_layer", {}),
+    "without-layer-scalar": (None, "fields", dict(shards=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(G4_CASES))
+def test_gemma4_converted_drafter_is_identical(g4_target, g4_cfg, tmp_path, case):
+    """A Gemma4 DSpark checkpoint: layers.{i}.layer_scalar copied exactly (ones when
+    absent, as the reference initialises it); the draft geometry checked against
+    the full-attention geometry, not the target's ambiguous per-layer fields."""
+    scalars, layout, write_kw = G4_CASES[case]
+    d = _original("dspark", g4_target, g4_cfg)
+    assert len(d.layers) == 2 and d.config.head_dim == 32 and d.config.num_key_value_heads == 1
+    with torch.no_grad():
+        for layer, s in zip(d.layers, scalars or [1.0] * len(d.layers)):
+            layer.layer_scalar.fill_(s)
+    drop = [f"layers.{i}.layer_scalar" for i in range(len(d.layers))] if scalars is None else []
+    src = write_reference(d, g4_target, tmp_path / "ref", config=_gemma4_reference_config(d, g4_target, layout),
+                          drop=drop, **write_kw)
+    out = convert.convert_reference_checkpoint(src, g4_target, tmp_path / "out")
+    e = load_drafter(out, g4_target)
+    assert type(e) is type(d) and e.method == "dspark" and e.config.head_dim == 32
+    want = torch.tensor(scalars or [1.0] * len(d.layers))
+    assert torch.equal(torch.cat([layer.layer_scalar for layer in e.layers]), want)
+    assert torch.equal(e.mask_embedding, g4_target.embed_tokens(torch.tensor([MASK_ID]))[0])
+    ids = torch.tensor([[x % 512 for x in SEQ]])
+    _compare(d, e, ids, g4_target.features(ids, g4_cfg["target"]["feature_layers"])[0])
+
+
+def test_gemma4_mismatches_are_refused(g4_target, g4_cfg, tmp_path):
+    d = _original("dspark", g4_target, g4_cfg)
+    ref = _gemma4_reference_config(d, g4_target, "fields")
+    src = write_reference(d, g4_target, tmp_path / "a", config=dict(ref, global_head_dim=64))
+    _fails(src, g4_target, tmp_path / "out", "head_dim is 64 but the target 'tiny-gemma4' has 32")
+    src = write_reference(d, g4_target, tmp_path / "b", config=dict(ref, num_global_key_value_heads=2))
+    _fails(src, g4_target, tmp_path / "out", "num_key_value_heads is 2 but the target 'tiny-gemma4' has 1")
+    src = write_reference(d, g4_target, tmp_path / "c", extra={"layers.1.layer_scalar": torch.ones(2)})
+    _fails(src, g4_target, tmp_path / "out", r"tensor 'layers.1.layer_scalar' has shape \[2\], expected \[1\]")
