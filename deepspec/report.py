@@ -233,7 +233,7 @@ def _claims(fig2: pd.DataFrame, t1: pd.DataFrame) -> list[str]:
     half = ((last["high"] - last["low"]) / 2).fillna(np.inf).max()
     out.append(f"Widest 95 % half-interval at position {int(curves['position'].max())}: "
                + (f"±{half:.2f}" if np.isfinite(half) else "undefined (too few attempts)")
-               + f" (target ±0.05; {last['n'].min():.0f} {n_word} in the sparsest domain × drafter).")
+               + f" (target ±0.05; {last['n'].min():.{0 if kind == 'count' else 1}f} {n_word} in the sparsest domain × drafter).")
     both = f.dropna(subset=[m for m in ("dspark", "dflash", "eagle3") if m in f.columns])
     if {"dspark", "dflash", "eagle3"} <= set(f.columns) and len(both):
         best = both["dspark"] >= both[["dflash", "eagle3"]].max(axis=1)
