@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .io import DeepSpecError, atomic_path, write_json_atomic
+from .io import DeepSpecError, atomic_path, read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -344,12 +344,7 @@ def build_cache(
 def read_manifest(cache_dir: str | os.PathLike) -> dict:
     d = Path(cache_dir)
     path = d / MANIFEST
-    if not path.exists():
-        raise DeepSpecError(f"no target cache at {d}: {MANIFEST} missing (run python -m deepspec build-cache)")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DeepSpecError(f"{path}: malformed JSON ({e.msg})") from None
+    m = read_json(path, f"no target cache at {d}: {MANIFEST} missing (run python -m deepspec build-cache)")
     if m.get("format") != FORMAT or m.get("version") != VERSION:
         raise DeepSpecError(f"{path}: not a {FORMAT} v{VERSION} manifest (format {m.get('format')!r}, version {m.get('version')!r})")
     return m

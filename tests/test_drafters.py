@@ -1,6 +1,9 @@
-"""Drafters on the tiny target: attention masks, train/inference agreement,
-KV-cache consistency, save/load, reduced vocabulary, init_from_target, and a
-small overfitting run per drafter."""
+"""Drafters on the tiny targets: attention masks, train/inference agreement,
+KV-cache consistency, a training step, save/load, reduced vocabulary,
+init_from_target, and a small overfitting run per drafter.
+
+Tests taking `target` / `target_cfg` run on both the Llama-style tiny target and
+the tiny Gemma4 one (conftest.py); Gemma4-only checks are in test_gemma4.py."""
 import copy
 
 import pytest
@@ -22,9 +25,9 @@ def _cfg(tiny_cfg, **drafter):
 
 
 @pytest.fixture(scope="module")
-def seq_batch(tiny_target, tiny_cfg):
-    ids = torch.tensor([SEQ])
-    feats, last = tiny_target.features(ids, tiny_cfg["target"]["feature_layers"])
+def seq_batch(target, target_cfg):
+    ids = torch.tensor([SEQ]) % target.vocab_size  # Gemma4's vocabulary has 512 tokens
+    feats, last = target.features(ids, target_cfg["target"]["feature_layers"])
     lm = torch.ones_like(ids, dtype=torch.bool)
     lm[:, :3] = False
     return dict(input_ids=ids, loss_mask=lm, attention_mask=torch.ones_like(lm), features=feats, last_hidden=last)
@@ -54,8 +57,8 @@ def test_ttt_mask_tensor():
     assert torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
 
 
-def test_block_sees_only_earlier_context(tiny_target, tiny_cfg, seq_batch):
-    d = _drafter("dspark", tiny_target, tiny_cfg)
+def test_block_sees_only_earlier_context(target, target_cfg, seq_batch):
+    d = _drafter("dspark", target, target_cfg)
     ids, f = seq_batch["input_ids"], seq_batch["features"]
     p = 8
     anchors = torch.tensor([[p, 11]])
@@ -73,14 +76,14 @@ def test_block_sees_only_earlier_context(tiny_target, tiny_cfg, seq_batch):
 
 
 @pytest.mark.parametrize("method,kw", [("dflash", {}), ("dspark", {}), ("dspark", {"markov_head_type": "rnn"})])
-def test_propose_matches_training_forward(tiny_target, tiny_cfg, seq_batch, method, kw):
-    d = _drafter(method, tiny_target, tiny_cfg, **kw)
+def test_propose_matches_training_forward(target, target_cfg, seq_batch, method, kw):
+    d = _drafter(method, target, target_cfg, **kw)
     ids, f = seq_batch["input_ids"], seq_batch["features"]
     st = d.init_state()
     d.propose(st, f[:, :5], ids[:, :6], temperature=1.0, generator=torch.Generator().manual_seed(0))
     P = 9  # second call: positions 5..8 verified, anchor at 9
     prop = d.propose(st, f[:, 5:P], ids[:, 5 : P + 1], temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert st.n == P and prop.tokens.shape == (1, d.gamma) and prop.probs.shape == (1, d.gamma, tiny_target.vocab_size)
+    assert st.n == P and prop.tokens.shape == (1, d.gamma) and prop.probs.shape == (1, d.gamma, target.vocab_size)
     with torch.no_grad():
         h = d(ids, f, torch.tensor([[P]]))[0]  # [1, g, d]
         prev = torch.cat([ids[:, P : P + 1], prop.tokens[:, :-1]], 1)
@@ -93,7 +96,7 @@ def test_propose_matches_training_forward(tiny_target, tiny_cfg, seq_batch, meth
         assert prop.conf_logits is None
     # position 1's distribution never depends on the drafted tokens
     g = prop.tokens.clone()
-    g[:, :-1] = (g[:, :-1] + 1) % tiny_target.vocab_size
+    g[:, :-1] = (g[:, :-1] + 1) % target.vocab_size
     with torch.no_grad():
         ref2 = torch.softmax(d.block_logits(h, torch.cat([ids[:, P : P + 1], g[:, :-1]], 1)), -1)
     assert torch.allclose(ref2[:, 0], ref[:, 0])
@@ -115,8 +118,8 @@ def test_markov_bias_depends_only_on_previous_token(tiny_target, tiny_cfg):
     assert torch.allclose(b0, b2, atol=1e-5)
 
 
-def test_eagle3_chain_cache_equals_recompute(tiny_target, tiny_cfg, seq_batch):
-    d = _drafter("eagle3", tiny_target, tiny_cfg)
+def test_eagle3_chain_cache_equals_recompute(target, target_cfg, seq_batch):
+    d = _drafter("eagle3", target, target_cfg)
     ids, f = seq_batch["input_ids"], seq_batch["features"]
     st = d.init_state()
     d.propose(st, f[:, :4], ids[:, :5], temperature=0.0)
@@ -131,15 +134,30 @@ def test_eagle3_chain_cache_equals_recompute(tiny_target, tiny_cfg, seq_batch):
     assert torch.allclose(prop.probs, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_training_step_gives_finite_gradients(target, target_cfg, seq_batch, method):
+    d = _drafter(method, target, target_cfg).train()
+    loss, m = training_step(d, seq_batch, _cfg(target_cfg), torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss) and 0.0 <= m["c_star_1"] <= 1.0
+    loss.backward()
+    grads = {n: p.grad for n, p in d.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if ".self_attn." in n)
+
+
 @pytest.mark.parametrize("method", ["dflash", "dspark", "eagle3"])
-def test_save_load_roundtrip(tiny_target, tiny_cfg, seq_batch, tmp_path, method):
-    d = _drafter(method, tiny_target, tiny_cfg, draft_vocab_size=300 if method == "dspark" else None)
+def test_save_load_roundtrip(target, target_cfg, seq_batch, tmp_path, method):
+    d = _drafter(method, target, target_cfg, draft_vocab_size=300 if method == "dspark" else None)
     if method == "dspark":
-        d.set_draft_vocab(torch.arange(tiny_target.vocab_size).flip(0).float())  # ids reversed: a non-trivial d2t
+        d.set_draft_vocab(torch.arange(target.vocab_size).flip(0).float())  # ids reversed: a non-trivial d2t
     d.save_pretrained(tmp_path / method)
-    e = load_drafter(tmp_path / method, tiny_target)
+    e = load_drafter(tmp_path / method, target)
     assert type(e) is type(d) and torch.equal(e.d2t, d.d2t)
-    assert e.config.deepspec_feature_layers == list(tiny_cfg["target"]["feature_layers"])
+    assert type(e.config) is type(d.config) and e.config.head_dim == d.config.head_dim
+    assert getattr(e.config, "layer_types", None) == getattr(d.config, "layer_types", None)
+    assert e.config.deepspec_feature_layers == list(target_cfg["target"]["feature_layers"])
+    sd, se = d.state_dict(), e.state_dict()
+    assert sd.keys() == se.keys() and all(torch.equal(sd[k], se[k]) for k in sd)
     ids, f = seq_batch["input_ids"], seq_batch["features"]
     for m in (d, e):
         m.eval()
@@ -150,7 +168,7 @@ def test_save_load_roundtrip(tiny_target, tiny_cfg, seq_batch, tmp_path, method)
             an = torch.tensor([[4, 9]])
             a, b = d(ids, f, an), e(ids, f, an)
         assert torch.equal(d.draft_logits(a), e.draft_logits(b))
-    other = copy.copy(tiny_target)
+    other = copy.copy(target)
     other.target_id = "other-target"
     with pytest.raises(DeepSpecError, match="target id"):
         load_drafter(tmp_path / method, other)
@@ -171,14 +189,14 @@ def test_load_rejects_other_vocab_or_width(tiny_target, tiny_cfg, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["dspark", "eagle3"])
-def test_reduced_vocab_probs_are_full_distributions(tiny_target, tiny_cfg, seq_batch, method):
-    d = _drafter(method, tiny_target, tiny_cfg, draft_vocab_size=256)
-    counts = torch.zeros(tiny_target.vocab_size)
-    counts[torch.randperm(tiny_target.vocab_size, generator=torch.Generator().manual_seed(0))[:256]] = 1
+def test_reduced_vocab_probs_are_full_distributions(target, target_cfg, seq_batch, method):
+    d = _drafter(method, target, target_cfg, draft_vocab_size=256)
+    counts = torch.zeros(target.vocab_size)
+    counts[torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:256]] = 1
     d.set_draft_vocab(counts)
     ids, f = seq_batch["input_ids"], seq_batch["features"]
     prop = d.propose(d.init_state(), f[:, :8], ids[:, :9], temperature=1.0, generator=torch.Generator().manual_seed(0))
-    V = tiny_target.vocab_size
+    V = target.vocab_size
     assert prop.probs.shape == (1, d.gamma, V)
     assert torch.allclose(prop.probs.sum(-1), torch.ones(1, d.gamma), atol=1e-5)
     outside = torch.ones(V, dtype=torch.bool)
@@ -189,26 +207,26 @@ def test_reduced_vocab_probs_are_full_distributions(tiny_target, tiny_cfg, seq_b
     assert torch.all(g > 0)
 
 
-def test_init_from_target_copies_last_layers(tiny_target, tiny_cfg):
+def test_init_from_target_copies_last_layers(target, target_cfg):
     for method in ("dspark", "eagle3"):
-        c = _cfg(tiny_cfg, init_from_target=True)
+        c = _cfg(target_cfg, init_from_target=True)
         c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 1}
-        d = build_drafter(method, tiny_target, c)
-        t_layer = tiny_target.model.model.layers[-1]
+        d = build_drafter(method, target, c)
+        t_layer = target.model.get_decoder().layers[-1]  # Gemma4: a full-attention layer
         assert torch.equal(d.layers[0].self_attn.q_proj.weight, t_layer.self_attn.q_proj.weight)
         assert torch.equal(d.layers[0].mlp.down_proj.weight, t_layer.mlp.down_proj.weight)
         assert d.layers[0].self_attn.q_proj.weight.data_ptr() != t_layer.self_attn.q_proj.weight.data_ptr()
 
 
-def test_shared_head_frozen_and_not_trainable(tiny_target, tiny_cfg):
-    d = _drafter("dspark", tiny_target, tiny_cfg)
-    n_embed = tiny_target.embed_tokens.weight.numel()
+def test_shared_head_frozen_and_not_trainable(target, target_cfg):
+    d = _drafter("dspark", target, target_cfg)
+    n_embed = target.embed_tokens.weight.numel()
     names = [n for n, _ in d.named_parameters()]
     assert all(p.requires_grad for p in d.parameters())
     assert not any("embed_tokens" in n or "lm_head" in n for n in names)
-    assert sum(p.numel() for p in d.parameters()) < sum(p.numel() for p in tiny_target.model.parameters()) + n_embed
+    assert sum(p.numel() for p in d.parameters()) < sum(p.numel() for p in target.model.parameters()) + n_embed
     with pytest.raises(DeepSpecError, match="unknown drafter"):
-        build_drafter("medusa", tiny_target, tiny_cfg)
+        build_drafter("medusa", target, target_cfg)
 
 
 def _overfit(method, target, cfg, batch, steps, lr, K=512, **kw):
