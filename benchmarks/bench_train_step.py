@@ -24,13 +24,6 @@ from deepspec.targets import target_from_config
 from deepspec.train import token_counts
 
 
-def per_slot_target_probs(drafter, last_hidden, src, keep):
-    """The reference point: p_t for every block slot, overlapping blocks recomputed."""
-    with torch.no_grad():
-        rows = losses._gather_rows(last_hidden, src)[keep]
-        return losses._restrict(drafter, drafter.target_probs(rows))
-
-
 def time_steps(drafter, batches, cfg, log_step):
     times = []
     for i, batch in enumerate(batches):
@@ -56,13 +49,13 @@ def main():
     counts = token_counts(data, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
     g, n = int(cfg["train"]["global_batch"]), len(data)
     batches = [datasets.collate([data[(i * g + j) % n] for j in range(g)]) for i in range(args.steps)]
-    shipped = losses.block_target_probs
+    shipped = losses.PRECOMPUTE_PT_BYTES
     for method in ("dflash", "dspark"):
         torch.manual_seed(0)
         d = build_drafter(method, target, cfg, token_counts=counts)
-        losses.block_target_probs = per_slot_target_probs
+        losses.PRECOMPUTE_PT_BYTES = 0  # no shared table: p_t for every block slot, as before
         naive = time_steps(d, batches, cfg, log_step=True)
-        losses.block_target_probs = shipped
+        losses.PRECOMPUTE_PT_BYTES = shipped
         fast = time_steps(d, batches, cfg, log_step=method != "dflash")
         print(f"{method:7s} {cfg['drafter']['num_layers'][method]} layers: p_t per slot {naive:.3f} s/step, "
               f"shipped {fast:.3f} s/step ({'no p_t off log steps' if method == 'dflash' else 'p_t per position'}): "

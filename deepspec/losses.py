@@ -69,21 +69,24 @@ def block_head_terms(drafter, h, prev, labels, pt, out_mass):
 
 @torch.no_grad()
 def block_target_probs(drafter, last_hidden, src, keep):
-    """p_t (draft vocabulary) and the mass outside it for the block slots
-    src[keep] (src: [B, N, g] sequence positions, keep: [B, N] valid anchors).
+    """p_t (draft vocabulary) and the mass outside it, once per distinct
+    (sequence, position) read by the block slots src[keep] (src: [B, N, g]
+    sequence positions, keep: [B, N] valid anchors).
 
-    Overlapping blocks read the same sequence positions, so the frozen
-    full-vocabulary head - the dominant cost on a small drafter - runs once per
-    distinct (sequence, position), then the rows are gathered. Returns
-    ([M, g, K], [M, g] or None)."""
+    Overlapping blocks read the same positions, and the frozen full-vocabulary
+    head is the dominant cost on a small drafter. Returns (pt [U, K], out_mass
+    [U] or None, idx [M, g]) with row idx[m, j] for slot (m, j); or None when the
+    U x K table would exceed PRECOMPUTE_PT_BYTES (long sequences with a large
+    vocabulary): then each chunk computes its own rows."""
     B, L = last_hidden.shape[:2]
     rows = (torch.arange(B, device=src.device).view(B, 1, 1) * L + src)[keep]  # [M, g] flat row ids
-    uniq, inv = torch.unique(rows, return_inverse=True)
-    flat = last_hidden.reshape(B * L, -1)[uniq]
-    parts = [_restrict(drafter, drafter.target_probs(x)) for x in flat.split(CHUNK_POSITIONS)]
-    pt = torch.cat([p for p, _ in parts])[inv]
-    out_mass = None if parts[0][1] is None else torch.cat([m for _, m in parts])[inv]
-    return pt, out_mass
+    uniq, idx = torch.unique(rows, return_inverse=True)
+    K = drafter.d2t.numel() if drafter.reduced_vocab else drafter.vocab_size
+    if uniq.numel() * K * 4 > PRECOMPUTE_PT_BYTES:
+        return None
+    parts = [_restrict(drafter, drafter.target_probs(x)) for x in last_hidden.reshape(B * L, -1)[uniq].split(CHUNK_POSITIONS)]
+    out_mass = None if parts[0][1] is None else torch.cat([m for _, m in parts])
+    return torch.cat([p for p, _ in parts]), out_mass, idx
 
 
 def soft_ce_terms(drafter, h, target_hidden):
@@ -157,13 +160,20 @@ def block_step(drafter, batch, cfg, generator=None, log_step=True):
     # p_t feeds DSpark's L1 term and the c* targets of its confidence head; DFlash's
     # loss is CE only, so there p_t is needed for the logged c* metrics alone.
     need_pt = drafter.method != "dflash" or log_step
-    pt, out_mass = block_target_probs(drafter, batch["last_hidden"].to(dev), src, avalid) if need_pt else (None, None)
+    last = batch["last_hidden"].to(dev)
+    table = block_target_probs(drafter, last, src, avalid) if need_pt else None
+    # per slot: a row of the p_t table, or (too large a table) the final hidden state itself
+    extra = [] if not need_pt else [table[2]] if table is not None else [_gather_rows(last, src)[avalid]]
     h, labels, valid, prev = (x[avalid] for x in (h, labels, valid, prev))  # [M, g, ...]
     chunk = max(1, CHUNK_POSITIONS // g)
-    extra = [t for t in (pt, out_mass) if t is not None]  # out_mass only exists with pt
 
-    def terms(h_, prev_, labels_, *pt_mass):
-        return block_head_terms(drafter, h_, prev_, labels_, *pt_mass, *[None] * (2 - len(pt_mass)))
+    def terms(h_, prev_, labels_, *src_):
+        if not src_:
+            return block_head_terms(drafter, h_, prev_, labels_, None, None)
+        if table is None:
+            return block_head_terms(drafter, h_, prev_, labels_, *_restrict(drafter, drafter.target_probs(src_[0])))
+        pt, out_mass, _ = table
+        return block_head_terms(drafter, h_, prev_, labels_, pt[src_[0]], None if out_mass is None else out_mass[src_[0]])
 
     ce, l1, cstar, inv = _chunked(terms, chunk, h, prev, labels, *extra)
     w = position_weights(g, cfg["loss"]["decay_gamma"], device=h.device)

@@ -164,11 +164,23 @@ def test_block_target_probs_once_per_position_match_per_slot(tiny_target, tiny_c
     d = build_drafter("dspark", tiny_target, cfg, token_counts=counts)
     anchors, ok = sample_anchors(batch["loss_mask"], batch["attention_mask"], 8, torch.Generator().manual_seed(0))
     _, _, src, _ = block_targets(batch["input_ids"], batch["loss_mask"], batch["attention_mask"], anchors, ok, d.gamma)
-    pt, out = losses.block_target_probs(d, batch["last_hidden"], src, ok)
+    pt, out, idx = losses.block_target_probs(d, batch["last_hidden"], src, ok)
+    assert pt.shape[0] < idx.numel()  # overlapping blocks share rows
+    pt, out = pt[idx], None if out is None else out[idx]
     want_pt, want_out = losses._restrict(d, d.target_probs(losses._gather_rows(batch["last_hidden"], src)[ok]))
     assert torch.allclose(pt, want_pt, atol=1e-7)
     assert (out is None and want_out is None) or torch.allclose(out, want_out, atol=1e-7)
     assert (out is None) == (vocab is None)
+
+
+def test_block_step_without_the_precomputed_table(tiny_target, tiny_cfg, batch, monkeypatch):
+    """Too large a p_t table falls back to per-chunk p_t: same loss, gradients, c*."""
+    l0, m0, g0 = _loss_metrics_grads("dspark", tiny_target, tiny_cfg, batch)
+    monkeypatch.setattr(losses, "PRECOMPUTE_PT_BYTES", 0)
+    monkeypatch.setattr(losses, "CHUNK_POSITIONS", 7)  # and checkpointed chunks
+    l1, m1, g1 = _loss_metrics_grads("dspark", tiny_target, tiny_cfg, batch)
+    assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-5)
+    assert m0["c_star_2"] == pytest.approx(m1["c_star_2"], abs=1e-6)
 
 
 def test_dflash_skips_target_head_off_log_steps(tiny_target, tiny_cfg, batch, monkeypatch):
