@@ -14,10 +14,10 @@ import time
 import torch
 
 from deepspec.config import load_config, parse_set
-from deepspec.decode import plain_generate, prompt_lookup_generate, speculative_generate
+from deepspec.core.decode import plain_generate, prompt_lookup_generate, speculative_generate
 from deepspec.drafters import load_drafter
-from deepspec.evaluate import drafter_path, load_prompts
-from deepspec.targets import target_from_config
+from deepspec.pipeline.evaluate import drafter_path, load_prompts
+from deepspec.pipeline.target import target_from_config
 
 
 def main():

@@ -20,7 +20,7 @@ import torch
 from deepspec import datasets, losses
 from deepspec.config import load_config
 from deepspec.drafters import build_drafter
-from deepspec.targets import target_from_config
+from deepspec.pipeline.target import target_from_config
 from deepspec.train import token_counts
 
 

@@ -1,4 +1,6 @@
-"""`python -m deepspec <command>`: one entry point, one module per concern.
+"""`python -m deepspec <command>`: one entry point; each command lives in the
+pipeline module of its rule file (workflow/rules/<rule>.smk ->
+deepspec/pipeline/<module>.py).
 
 The top-level parser only lists commands; the chosen command's module is
 imported lazily (torch import costs seconds) and parses its own arguments with
@@ -11,21 +13,21 @@ import importlib
 import logging
 import sys
 
-from .io import DeepSpecError
+from .errors import DeepSpecError
 
 COMMANDS = {
-    "prepare-target": ("deepspec.targets_cli", "convert or download a target into a plain HF checkpoint"),
-    "show-config": ("deepspec.targets_cli", "print a preset with defaults filled in, after validation"),
-    "regenerate": ("deepspec.regenerate", "answer training prompts with the target itself"),
-    "build-cache": ("deepspec.cache", "cache the target's feature-layer and final hidden states"),
-    "validate-cache": ("deepspec.cache", "check a target cache's manifest and shard checksums"),
-    "train": ("deepspec.train", "train a drafter (eagle3, dflash, dspark)"),
-    "evaluate": ("deepspec.evaluate", "speculative-decoding evaluation of a drafter on a benchmark"),
-    "baseline": ("deepspec.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
-    "schedule": ("deepspec.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
-    "report": ("deepspec.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
-    "convert-checkpoint": ("deepspec.convert", "convert a released DeepSpec DFlash/DSpark drafter into a deepspec drafter"),
-    "plot": ("deepspec.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
+    "show-config": ("deepspec.config", "print a preset with defaults filled in, after validation"),
+    "prepare-target": ("deepspec.pipeline.target", "convert or download a target into a plain HF checkpoint"),
+    "regenerate": ("deepspec.pipeline.regenerate", "answer training prompts with the target itself"),
+    "build-cache": ("deepspec.pipeline.cache", "cache the target's feature-layer and final hidden states"),
+    "validate-cache": ("deepspec.pipeline.cache", "check a target cache's manifest and shard checksums"),
+    "train": ("deepspec.pipeline.train", "train a drafter (eagle3, dflash, dspark)"),
+    "evaluate": ("deepspec.pipeline.evaluate", "speculative-decoding evaluation of a drafter on a benchmark"),
+    "baseline": ("deepspec.pipeline.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
+    "schedule": ("deepspec.pipeline.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
+    "report": ("deepspec.pipeline.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
+    "plot": ("deepspec.pipeline.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
+    "convert-checkpoint": ("deepspec.pipeline.convert", "convert a released DeepSpec DFlash/DSpark drafter into a deepspec drafter"),
 }
 
 

@@ -5,6 +5,7 @@ Unknown or ill-typed keys stop with a one-line message naming the key; defaults
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .io import DeepSpecError
+from .errors import DeepSpecError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -115,5 +116,11 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
     return validate(raw, source=str(path))
 
 
-def dumps(cfg: Mapping) -> str:
-    return json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+def cli_show_config(argv) -> int:
+    from .cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec show-config")
+    add_config_args(p)
+    args = p.parse_args(argv)
+    print(json.dumps(config_from_args(args), indent=2))
+    return 0

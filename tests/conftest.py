@@ -2,7 +2,7 @@
 a test says otherwise. Session-scoped fixtures build each target once.
 
 `target` / `target_cfg` run a test on both tiny targets (`target_kind`): the
-Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.targets.build_tiny)."""
+Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.pipeline.target.build_tiny)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,7 +36,7 @@ def tiny_cfg(resources_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_cfg):
-    from deepspec.targets import target_from_config
+    from deepspec.pipeline.target import target_from_config
 
     return target_from_config(tiny_cfg)
 
@@ -52,7 +52,7 @@ GEMMA4_FEATURE_LAYERS = [0, 1, 2]  # sliding, full, sliding (the final layer is 
 
 
 def _gemma4_target(target_id: str, multimodal: bool = False):
-    from deepspec.targets import Target, build_tiny, eos_ids_of
+    from deepspec.pipeline.target import Target, build_tiny, eos_ids_of
 
     model = build_tiny("gemma4", multimodal=multimodal).eval().requires_grad_(False)
     return Target(model=model, tokenizer=None, target_id=target_id, eos_token_ids=eos_ids_of(model, None))

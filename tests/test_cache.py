@@ -4,11 +4,12 @@ import shutil
 import pytest
 import torch
 
-from deepspec.cache import FAIL_AFTER_ENV, PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
+from deepspec.pipeline import cache
+from deepspec.pipeline.cache import PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
 from deepspec.cli import main
 from deepspec.config import load_config, parse_set
-from deepspec.datasets import collate, make_train_dataset
-from deepspec.io import DeepSpecError
+from deepspec.pipeline.train_data import collate, make_train_dataset
+from deepspec.errors import DeepSpecError
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +99,21 @@ def test_corrupt_or_missing_shard_is_reported_and_repaired(setup, tiny_target, t
 
 def test_killed_build_resumes_byte_identical(setup, tiny_target, tmp_path, monkeypatch):
     d = tmp_path / "cache"
-    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
+    write_shard, written = cache._write_shard, []
+
+    def dies_after_one_shard(*args):  # a kill right after the first shard landed
+        if written:
+            raise RuntimeError("injected failure")
+        write_shard(*args)
+        written.append(1)
+
+    monkeypatch.setattr(cache, "_write_shard", dies_after_one_shard)
     with pytest.raises(RuntimeError, match="injected failure"):
         build_cache(setup["cfg"], setup["convs"], d, target=tiny_target)
     assert not (d / "manifest.json").exists()
     assert sorted(p.name for p in d.glob("shard-*")) == ["shard-00000.safetensors"]
     first = sha256_file(d / "shard-00000.safetensors")
-    monkeypatch.delenv(FAIL_AFTER_ENV)
+    monkeypatch.setattr(cache, "_write_shard", write_shard)
     build_cache(setup["cfg"], setup["convs"], d, target=tiny_target)
     assert not (d / PROGRESS).exists()
     assert sha256_file(d / "shard-00000.safetensors") == first

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from deepspec.config import PRESETS_DIR, load_config
-from deepspec.io import DeepSpecError
+from deepspec.errors import DeepSpecError
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))

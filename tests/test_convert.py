@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepspec import convert
+from deepspec.pipeline import convert
 from deepspec.cli import main as cli_main
 from deepspec.drafters import build_drafter, load_drafter
-from deepspec.drafters.common import DrafterBase
-from deepspec.io import DeepSpecError
+from deepspec.drafters.base import DrafterBase
+from deepspec.errors import DeepSpecError
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]
 MASK_ID = 7  # stands in for Qwen3's reserved 151669
@@ -135,7 +135,7 @@ def test_qwen3_layout_bf16(tiny_cfg, tmp_path):
     copies of the target's embedding and head, as DeepSeek's releases are stored."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from deepspec.targets import Target
+    from deepspec.pipeline.target import Target
 
     torch.manual_seed(1)
     qc = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -251,7 +251,7 @@ def test_cli_and_resolve(tiny_target, tiny_cfg, tmp_path, capsys):
 def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_data):
     """eval.released_checkpoints (what the evaluate rule passes) pointing at a
     reference checkpoint: evaluate converts it once and scores it."""
-    from deepspec.evaluate import cli_evaluate
+    from deepspec.pipeline.evaluate import cli_evaluate
 
     d = _original("dflash", tiny_target, tiny_cfg)
     src = write_reference(d, tiny_target, tmp_path / "dflash_tiny_block7", shards=2)
@@ -277,7 +277,7 @@ def _gemma4_reference_config(d, target, layout) -> dict:
     num_global_key_value_heads fields ("fields") or, from newer transformers, in
     per_layer_config keyed by target layer ("per_layer")), draft depth, all
     layers full attention, plus the reference fields."""
-    from deepspec.targets import TINY_GEMMA4_CONFIG
+    from deepspec.pipeline.target import TINY_GEMMA4_CONFIG
 
     tc = target.config.get_text_config().to_dict()
     if layout == "fields":

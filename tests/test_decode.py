@@ -20,10 +20,10 @@ import pytest
 import torch
 from scipy import stats
 
-from deepspec import decode
-from deepspec.decode import plain_generate, speculative_generate
-from deepspec.io import DeepSpecError
-from deepspec.sampling import logits_to_probs, sample, verify_chain
+from deepspec.core import decode
+from deepspec.core.decode import plain_generate, speculative_generate
+from deepspec.errors import DeepSpecError
+from deepspec.core.verify import logits_to_probs, sample, verify_chain
 
 # A short prompt whose first token is near-certain under the tiny target (p = 0.99), so the
 # samples concentrate on a few (t1, t2) cells where the over-confident double's residual

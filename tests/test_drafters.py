@@ -12,8 +12,8 @@ import torch
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.dflash import block_attention_mask
 from deepspec.drafters.eagle3 import ttt_mask
-from deepspec.io import DeepSpecError
-from deepspec.losses import training_step
+from deepspec.errors import DeepSpecError
+from deepspec.pipeline.train import step_spec
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]
 
@@ -137,7 +137,7 @@ def test_eagle3_chain_cache_equals_recompute(target, target_cfg, seq_batch):
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_training_step_gives_finite_gradients(target, target_cfg, seq_batch, method):
     d = _drafter(method, target, target_cfg).train()
-    loss, m = training_step(d, seq_batch, _cfg(target_cfg), torch.Generator().manual_seed(0))
+    loss, m = d.training_step(seq_batch, step_spec(_cfg(target_cfg)), torch.Generator().manual_seed(0))
     assert torch.isfinite(loss) and 0.0 <= m["c_star_1"] <= 1.0
     loss.backward()
     grads = {n: p.grad for n, p in d.named_parameters()}
@@ -242,7 +242,7 @@ def _overfit(method, target, cfg, batch, steps, lr, K=512, **kw):
     opt = torch.optim.AdamW(d.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
-        loss, m = training_step(d, batch, c, gen)
+        loss, m = d.training_step(batch, step_spec(c), gen)
         assert torch.isfinite(loss)
         if m["c_star_1"] > 0.9:
             return step, m

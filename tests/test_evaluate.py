@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepspec.cli import main
-from deepspec.evaluate import cli_baseline, cli_evaluate, cli_schedule
+from deepspec.pipeline.evaluate import cli_baseline, cli_evaluate, cli_schedule
 
 N_PROMPTS = 4
 

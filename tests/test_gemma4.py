@@ -1,5 +1,5 @@
 """Gemma4-only checks on the tiny random Gemma4 target (conftest.py `gemma4_target`,
-built by deepspec.targets.build_tiny("gemma4"): the gemma4-12b preset's architecture).
+built by deepspec.pipeline.target.build_tiny("gemma4"): the gemma4-12b preset's architecture).
 
 The target is transformers' Gemma4ForCausalLM with the real Gemma 4 structure:
 sliding and full attention layers (the last one full), a wider head
@@ -25,12 +25,12 @@ from transformers import Gemma4TextConfig, LlamaConfig
 from transformers.models.gemma4 import modeling_gemma4 as g4
 from transformers.models.llama import modeling_llama
 
-from deepspec.decode import plain_generate, speculative_generate
+from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.drafters import build_drafter
-from deepspec.drafters.common import blocks_for, gemma4_draft_config
+from deepspec.drafters.blocks import blocks_for, gemma4_draft_config
 from deepspec.drafters.dflash import Gemma4KVInjectionLayer
-from deepspec.losses import training_step
-from deepspec.targets import tiny_config
+from deepspec.pipeline.train import step_spec
+from deepspec.pipeline.target import tiny_config
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]
 PROMPT = [5, 6, 7, 8]
@@ -157,7 +157,7 @@ def _fit(d, target, cfg, seq, n_prompt, steps, lr):
     gen = torch.Generator().manual_seed(0)
     d.train()
     for _ in range(steps):
-        loss, _ = training_step(d, batch, c, gen)
+        loss, _ = d.training_step(batch, step_spec(c), gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -188,7 +188,7 @@ def test_multimodal_wrapper_target(gemma4_wrapped_target, gemma4_cfg, method):
     assert isinstance(d.config, Gemma4TextConfig) and d._shared.softcap == 30.0
     assert torch.equal(d.layers[0].self_attn.q_proj.weight, t.model.get_decoder().layers[-1].self_attn.q_proj.weight)
     d.train()
-    loss, _ = training_step(d, _batch(t, c, SEQ), c, torch.Generator().manual_seed(0))
+    loss, _ = d.training_step(_batch(t, c, SEQ), step_spec(c), torch.Generator().manual_seed(0))
     assert torch.isfinite(loss)
     d.eval()
     plain = plain_generate(t, PROMPT, max_new_tokens=12, temperature=0.0).tokens

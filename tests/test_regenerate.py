@@ -6,9 +6,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from deepspec.data import Prompt
-from deepspec.io import DeepSpecError
-from deepspec.regenerate import errors_path, filter_logits, regenerate, sample_next
+from deepspec.pipeline.prompts import Prompt
+from deepspec.errors import DeepSpecError
+from deepspec.pipeline.regenerate import errors_path, filter_logits, regenerate, sample_next
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),

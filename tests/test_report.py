@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from deepspec.config import load_config
-from deepspec.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
+from deepspec.core.acceptance import summarize_rounds
+from deepspec.pipeline.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
          "dspark": [0.85, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]}
@@ -27,6 +28,15 @@ def _fake_records(rates, n_samples, rounds, rng):
     return df
 
 
+def _write_eval(ev, method, bench, df, cfg):
+    """Records and evaluate's summary (tau and its CI from the records), as the evaluate rule writes them."""
+    (ev / method).mkdir(parents=True, exist_ok=True)
+    df.to_csv(ev / method / f"{bench}.csv", index=False)
+    s = summarize_rounds(df, n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
+    s.update(n_samples_with_rounds=s["n_samples"], tokens_per_s=20.0)
+    (ev / method / f"{bench}.json").write_text(json.dumps(s))
+
+
 @pytest.fixture
 def fake_results(tmp_path):
     cfg = load_config("tiny", {"results_dir": str(tmp_path / "results"), "figures_dir": str(tmp_path / "figures")})
@@ -34,9 +44,7 @@ def fake_results(tmp_path):
     ev = tmp_path / "results" / "tiny" / "eval"
     for bench in cfg["data"]["benchmarks"]:
         for m, r in RATES.items():
-            (ev / m).mkdir(parents=True, exist_ok=True)
-            _fake_records(r, 80, 30, rng).to_csv(ev / m / f"{bench}.csv", index=False)
-            (ev / m / f"{bench}.json").write_text(json.dumps({"tokens_per_s": 20.0}))
+            _write_eval(ev, m, bench, _fake_records(r, 80, 30, rng), cfg)
         (ev / "baseline").mkdir(exist_ok=True)
         (ev / "baseline" / f"{bench}.json").write_text(json.dumps({"plain": {"tokens_per_s": 10.0}, "prompt_lookup": {"tokens_per_s": 12.0}}))
     return cfg, tmp_path
@@ -77,16 +85,15 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
 
 
 def test_ablation_figures_from_records(fake_results, monkeypatch):
-    from deepspec.ablations import cli_plot
-    from deepspec.variants import fig3_methods, fig4_methods, resolve_method
+    from deepspec.pipeline.ablations import cli_plot
+    from deepspec.pipeline.methods import fig3_methods, fig4_methods, resolve_method
 
     cfg, tmp = fake_results
     ev = tmp / "results" / "tiny" / "eval"
     rng = np.random.default_rng(1)
-    for m in set(fig3_methods(cfg) + fig4_methods(cfg)) - set(RATES):
-        (ev / m).mkdir(parents=True, exist_ok=True)
+    for m in sorted(set(fig3_methods(cfg) + fig4_methods(cfg)) - set(RATES)):
         for bench in cfg["data"]["benchmarks"]:
-            _fake_records(RATES["dspark"], 5, 5, rng).to_csv(ev / m / f"{bench}.csv", index=False)
+            _write_eval(ev, m, bench, _fake_records(RATES["dspark"], 5, 5, rng), cfg)
     s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
     for fig in ["fig3", "fig4"]:
         assert cli_plot([fig, *s]) == 0

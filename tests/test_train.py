@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from deepspec import train as T
+from deepspec.pipeline import train as T
 
 # --------------------------------------------------------------------------- stand-ins
 
@@ -156,7 +156,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path):
         torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch):
+def test_kill_and_resume_is_bit_identical(tmp_path):
     data = toy_dataset()
     cfg = train_cfg(checkpoint_every=2, epochs=2, lr=1e-2)  # 6 steps/epoch -> 12 steps
     step_fn = make_step_fn(True)
@@ -166,10 +166,17 @@ def test_kill_and_resume_is_bit_identical(tmp_path, monkeypatch):
     assert res.steps == 12 and res.steps_this_process == 12
 
     out = tmp_path / "killed"
-    monkeypatch.setenv(T.FAIL_ENV, "5")  # dies between the checkpoints at 4 and 6
+    micro_per_step = cfg["global_batch"] // cfg["micro_batch"]
+    calls = []
+
+    def dies_in_step_6(model, batch, generator, log_step=True):  # between the checkpoints at 4 and 6
+        calls.append(1)
+        if len(calls) > 5 * micro_per_step:
+            raise RuntimeError("injected failure after step 5")
+        return step_fn(model, batch, generator, log_step=log_step)
+
     with pytest.raises(RuntimeError, match="injected failure after step 5"):
-        T.train(toy_model(), data, step_fn, cfg, out, collate_fn=collate)
-    monkeypatch.delenv(T.FAIL_ENV)
+        T.train(toy_model(), data, dies_in_step_6, cfg, out, collate_fn=collate)
     assert not (out / "config.json").exists()  # incomplete runs have no config.json
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
     assert len(read_log(out / T.LOG_NAME)) == 5

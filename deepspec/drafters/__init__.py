@@ -1,4 +1,7 @@
-"""Drafters: Eagle3, DFlash, DSpark (paper Sec. 3-4; docs/INTERFACES.md).
+"""Drafters: Eagle3, DFlash, DSpark (paper Sec. 3-4; docs/INTERFACES.md), one
+per file: `eagle3.py`, `dflash.py`, `dspark.py` (MarkovHead, ConfidenceHead);
+`base.py` is what they share and `blocks.py` the transformers building blocks
+per target architecture.
 
 build_drafter(method, target, cfg) -> a fresh drafter attached to `target`
     (shared frozen embedding / LM head; init_from_target copies the last k
@@ -9,8 +12,8 @@ load_drafter(path, target) -> a saved drafter, checked against `target`
 """
 from __future__ import annotations
 
-from ..io import DeepSpecError
-from .common import METHODS, Proposal, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
+from ..errors import DeepSpecError
+from .base import METHODS, Proposal, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
 from .dflash import DFlashDrafter
 from .dspark import DSparkDrafter
 from .eagle3 import Eagle3Drafter

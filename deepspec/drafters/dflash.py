@@ -37,8 +37,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import sampling
-from .common import DrafterBase, Proposal, attention, rope
+from ..core import verify
+from ..core.train_step import block_step
+from .base import DrafterBase, Proposal
+from .blocks import attention, rope
 
 
 class KVInjectionLayer(nn.Module):
@@ -153,6 +155,8 @@ class BlockState:
 
 
 class DFlashDrafter(DrafterBase):
+    training_step = block_step
+
     def __init__(self, config):
         super().__init__(config)
         d = config.hidden_size
@@ -216,11 +220,11 @@ class DFlashDrafter(DrafterBase):
 
     def _sample_block(self, h, anchor, temperature, generator):
         """DFlash: positions are independent given the block pass."""
-        probs = sampling.logits_to_probs(self.draft_logits(h), temperature)  # [1,g,K]
-        if sampling.is_greedy(temperature):
+        probs = verify.logits_to_probs(self.draft_logits(h), temperature)  # [1,g,K]
+        if verify.is_greedy(temperature):
             idx = probs.argmax(-1)
         else:
-            idx = sampling.sample(probs, generator)
+            idx = verify.sample(probs, generator)
         return self.to_target_ids(idx), probs, None
 
     # -- inference ----------------------------------------------------------------------
@@ -231,7 +235,7 @@ class DFlashDrafter(DrafterBase):
     def propose(self, state: BlockState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
         """feats [1, n, m*d] of the newly verified positions, tokens [1, n+1] (their
         tokens then the anchor). Appends context K/V, drafts gamma tokens."""
-        dev = self.fc.weight.device
+        dev = self.device
         n = feats.shape[1]
         if n > 0:
             ctx = self.context(feats.to(dev))

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import sampling
+from ..core import verify
 from .dflash import DFlashDrafter
 
 
@@ -63,7 +63,26 @@ class MarkovHead(nn.Module):
         return torch.stack(bs, -2), torch.stack(es, -2)
 
 
+class ConfidenceHead(nn.Module):
+    """Eq. 7: the logit of c_k = sig(w^T [h_k; W1[x_{k-1}]] + b), one
+    Linear(d + r -> 1) over the draft hidden state and the Markov head's
+    embedding of the previous token (`with_markov`; Linear(d -> 1) on h_k
+    alone without it). It predicts the conditional acceptance of position k."""
+
+    def __init__(self, hidden: int, rank: int, with_markov: bool):
+        super().__init__()
+        self.with_markov = with_markov
+        self.proj = nn.Linear(hidden + (rank if with_markov else 0), 1)
+
+    def forward(self, h: torch.Tensor, e: Optional[torch.Tensor]) -> torch.Tensor:
+        """h [..., d], e = W1[x_{k-1}] [..., r] (ignored without the Markov input) -> logits [...]."""
+        z = torch.cat([h, e.to(h.dtype)], -1) if self.with_markov else h
+        return self.proj(z).squeeze(-1)
+
+
 class DSparkDrafter(DFlashDrafter):
+    distills = True  # Eq. 12: CE + L1 to p_t + the confidence BCE
+
     def _build_heads(self, config) -> None:
         r = config.deepspec_markov_rank
         d = config.hidden_size
@@ -72,15 +91,9 @@ class DSparkDrafter(DFlashDrafter):
             MarkovHead(config.deepspec_target_vocab_size, K, r, d, config.deepspec_markov_head_type) if r > 0 else None
         )
         self.confidence = None
-        self._conf_uses_markov = False
         if config.deepspec_confidence_head:
-            with_markov = config.deepspec_confidence_with_markov and self.markov is not None
-            self.confidence = nn.Linear(d + (r if with_markov else 0), 1)
-            self._conf_uses_markov = with_markov
-
-    def _conf(self, h: torch.Tensor, e: Optional[torch.Tensor]) -> torch.Tensor:
-        z = torch.cat([h, e.to(h.dtype)], -1) if self._conf_uses_markov else h
-        return self.confidence(z).squeeze(-1)
+            with_markov = bool(config.deepspec_confidence_with_markov and self.markov is not None)
+            self.confidence = ConfidenceHead(d, r, with_markov)
 
     def block_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """U_k + B_k (teacher forced), [..., g, K]."""
@@ -94,8 +107,7 @@ class DSparkDrafter(DFlashDrafter):
         """Teacher-forced confidence logits [..., g] (Eq. 7), or None."""
         if self.confidence is None:
             return None
-        e = self.markov.embed(prev) if self._conf_uses_markov else None
-        return self._conf(h, e)
+        return self.confidence(h, self.markov.embed(prev) if self.confidence.with_markov else None)
 
     def _sample_block(self, h, anchor, temperature, generator):
         if self.markov is None and self.confidence is None:
@@ -108,10 +120,10 @@ class DSparkDrafter(DFlashDrafter):
             if self.markov is not None:
                 bias, e, s = self.markov.step(prev, h[:, k], s)
                 logits = logits + bias.to(logits.dtype)  # before softmax and before temperature
-            p = sampling.logits_to_probs(logits, temperature)
-            idx = p.argmax(-1) if sampling.is_greedy(temperature) else sampling.sample(p, generator)
+            p = verify.logits_to_probs(logits, temperature)
+            idx = p.argmax(-1) if verify.is_greedy(temperature) else verify.sample(p, generator)
             if self.confidence is not None:
-                confs.append(self._conf(h[:, k], e))
+                confs.append(self.confidence(h[:, k], e))
             tok = self.to_target_ids(idx)
             toks.append(tok)
             probs.append(p)

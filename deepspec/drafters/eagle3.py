@@ -33,9 +33,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .. import sampling
-from ..targets import cache_kwarg
-from .common import DrafterBase, KVStore, Proposal
+from ..core import verify
+from ..core.target import cache_kwarg
+from ..core.train_step import chain_step
+from .base import DrafterBase, Proposal
+from .blocks import KVStore
 
 
 def ttt_mask(L: int, step: int, device=None) -> torch.Tensor:
@@ -54,6 +56,8 @@ class ChainState:
 
 
 class Eagle3Drafter(DrafterBase):
+    training_step = chain_step
+
     def __init__(self, config):
         super().__init__(config)
         d = config.hidden_size
@@ -110,7 +114,7 @@ class Eagle3Drafter(DrafterBase):
 
     @torch.no_grad()
     def propose(self, state: ChainState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
-        dev = self.fc.weight.device
+        dev = self.device
         n = feats.shape[1]
         if n > 0:
             P0 = state.n
@@ -124,8 +128,8 @@ class Eagle3Drafter(DrafterBase):
         g = state.last_hidden
         toks, probs = [], []
         for k in range(self.gamma):
-            p = sampling.logits_to_probs(self.draft_logits(self.norm(g))[:, -1], temperature)
-            idx = p.argmax(-1) if sampling.is_greedy(temperature) else sampling.sample(p, generator)
+            p = verify.logits_to_probs(self.draft_logits(self.norm(g))[:, -1], temperature)
+            idx = p.argmax(-1) if verify.is_greedy(temperature) else verify.sample(p, generator)
             tok = self.to_target_ids(idx)
             toks.append(tok)
             probs.append(p)

@@ -1,4 +1,4 @@
-# Ablations, on demand only (not part of figures/fig2.pdf):
+# Ablations, on demand only (not part of figures/fig2.pdf; deepspec/pipeline/ablations.py):
 #   snakemake --cores all figures/fig3.pdf   # DSpark 1/2/5 layers vs DFlash 5
 #   snakemake --cores all figures/fig4.pdf   # draft length 4/8/12/16: Markov, RNN, DFlash
 #   snakemake --cores all figures/fig5.pdf   # confidence-threshold sweep
@@ -8,55 +8,26 @@ FIG5_BENCHMARKS = [b for b in ("gsm8k", "humaneval", "mt-bench") if b in BENCHMA
 FIG6_BENCHMARK = CFG["ablations"]["calibration_benchmark"]
 if FIG6_BENCHMARK not in BENCHMARKS:
     FIG6_BENCHMARK = next((b for b in BENCHMARKS if CFG["data"]["benchmarks"][b]["domain"] == "Chat"), BENCHMARKS[0])
+ABLATION_INPUTS = {
+    "fig3": all_records(FIG3_METHODS),
+    "fig4": all_records(FIG4_METHODS),
+    "fig5": [str(PATHS.schedule(b, "sweep.csv")) for b in FIG5_BENCHMARKS],
+    "fig6": [str(PATHS.schedule(FIG6_BENCHMARK, "calibration.csv"))],
+}
 
 
-def _ablation_records(methods):
-    return expand(f"{RESULTS}/{TARGET}/eval/{{method}}/{{benchmark}}.csv", method=methods, benchmark=BENCHMARKS)
-
-
-rule fig3:
+rule ablation:
     input:
-        _ablation_records(FIG3_METHODS),
+        lambda wc: ABLATION_INPUTS[wc.fig],
     output:
-        pdf=report(f"{FIGURES}/fig3.pdf", category="Ablations"),
-        csv=f"{RESULTS}/tables/fig3.csv",
+        pdf=report(str(PATHS.figure("{fig}.pdf")), category="Ablations"),
+        png=str(PATHS.figure("{fig}.png")),
+        csv=str(PATHS.table("{fig}.csv")),
+    wildcard_constraints:
+        fig="fig3|fig4|fig5|fig6",
     log:
-        f"{LOGS}/{TARGET}/fig3.log",
+        str(PATHS.log("{fig}")),
+    params:
+        config=CONFIG_ARGS,
     shell:
-        "python -m deepspec plot fig3 {CONFIG_ARGS} > {log:q} 2>&1"
-
-
-rule fig4:
-    input:
-        _ablation_records(FIG4_METHODS),
-    output:
-        pdf=report(f"{FIGURES}/fig4.pdf", category="Ablations"),
-        csv=f"{RESULTS}/tables/fig4.csv",
-    log:
-        f"{LOGS}/{TARGET}/fig4.log",
-    shell:
-        "python -m deepspec plot fig4 {CONFIG_ARGS} > {log:q} 2>&1"
-
-
-rule fig5:
-    input:
-        expand(f"{RESULTS}/{TARGET}/eval/dspark/{{benchmark}}.sweep.csv", benchmark=FIG5_BENCHMARKS),
-    output:
-        pdf=report(f"{FIGURES}/fig5.pdf", category="Ablations"),
-        csv=f"{RESULTS}/tables/fig5.csv",
-    log:
-        f"{LOGS}/{TARGET}/fig5.log",
-    shell:
-        "python -m deepspec plot fig5 {CONFIG_ARGS} > {log:q} 2>&1"
-
-
-rule fig6:
-    input:
-        f"{RESULTS}/{TARGET}/eval/dspark/{FIG6_BENCHMARK}.calibration.csv",
-    output:
-        pdf=report(f"{FIGURES}/fig6.pdf", category="Ablations"),
-        csv=f"{RESULTS}/tables/fig6.csv",
-    log:
-        f"{LOGS}/{TARGET}/fig6.log",
-    shell:
-        "python -m deepspec plot fig6 {CONFIG_ARGS} > {log:q} 2>&1"
+        "python -m deepspec plot {wildcards.fig} {params.config} --csv {output.csv:q} --pdf {output.pdf:q} > {log:q} 2>&1"

@@ -1,18 +1,19 @@
 # Cache the target's feature-layer and final hidden states (paper §3, "Target
-# cache"). The directory is the output, marked by its manifest (written last).
-# Resumable: finished shards survive a failed job and are checksum-verified
-# and kept by the rerun.
+# cache"; deepspec/pipeline/cache.py). The directory is the output, marked by
+# its manifest (written last). Resumable: finished shards survive a failed job
+# and are checksum-verified and kept by the rerun.
 rule build_cache:
     input:
-        conversations=f"{RESULTS}/{{target}}/regen/conversations.jsonl",
-        target=f"{RESOURCES}/targets/{{target}}/config.json",
+        conversations=str(P.conversations()),
+        target=target_checkpoint,
     output:
-        f"{RESULTS}/{{target}}/cache/manifest.json",
+        str(P.cache_dir() / "manifest.json"),
     log:
-        f"{LOGS}/{{target}}/build_cache.log",
+        str(P.log("build_cache")),
     benchmark:
-        f"{LOGS}/{{target}}/build_cache.benchmark.tsv"
+        str(P.log("build_cache").with_suffix(".benchmark.tsv"))
     params:
+        config=CONFIG_ARGS,
         out=lambda wc, output: str(Path(output[0]).parent),
     threads: res("build_cache", "threads", 2)
     resources:
@@ -20,4 +21,4 @@ rule build_cache:
         runtime=res("build_cache", "runtime", 60),
         gpu=res("build_cache", "gpu", 0),
     shell:
-        "python -m deepspec build-cache {CONFIG_ARGS} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m deepspec build-cache {params.config} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"

@@ -1,14 +1,17 @@
-# Shared setup: load and validate the preset, build wildcard constraints and
-# the command-line fragments every rule passes to `python -m deepspec`.
+# Shared setup: load and validate the preset, the path layout (deepspec/paths.py,
+# the same one the commands use), wildcard constraints, input functions and
+# the config arguments every rule passes to `python -m deepspec`.
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir)))
 from deepspec.config import load_config
-from deepspec.io import DeepSpecError
-from deepspec.variants import fig3_methods, fig4_methods
+from deepspec.errors import DeepSpecError
+from deepspec.paths import RunPaths
+from deepspec.pipeline.methods import fig3_methods, fig4_methods
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 _OVERRIDES = {k: v for k, v in config.items() if k != "preset"}
@@ -27,29 +30,70 @@ def _flatten(d, prefix=""):
             yield key, v
 
 
-# Passed verbatim to every deepspec command so it sees the same config.
+# Passed to every deepspec command (as params.config) so it sees the same config.
 CONFIG_ARGS = " ".join(
     [f"--preset {shlex.quote(PRESET)}"]
     + [f"--set {shlex.quote(k + '=' + json.dumps(v))}" for k, v in _flatten(_OVERRIDES)]
 )
 
 TARGET = CFG["target"]["name"]
-RESULTS = CFG["results_dir"]
-FIGURES = CFG["figures_dir"]
-RESOURCES = CFG["resources_dir"]
+PATHS = RunPaths.of(CFG)  # this preset's files
+P = RunPaths.of(CFG, target="{target}")  # the same layout as rule patterns
 METHODS = list(CFG["train"]["methods"])
 FIG3_METHODS = fig3_methods(CFG)
 FIG4_METHODS = fig4_methods(CFG)
 ALL_METHODS = list(dict.fromkeys(METHODS + FIG3_METHODS + FIG4_METHODS))
 BENCHMARKS = list(CFG["data"]["benchmarks"])
-LOGS = "logs"
+
+
+def _one_of(names):
+    return "|".join(re.escape(n) for n in names)
+
 
 wildcard_constraints:
-    target="|".join(map(shlex.quote, [TARGET])),
-    method="|".join(m.replace("-", "\\-") for m in ALL_METHODS),
-    benchmark="|".join(b.replace("-", "\\-") for b in BENCHMARKS),
+    target=_one_of([TARGET]),
+    method=_one_of(ALL_METHODS),
+    benchmark=_one_of(BENCHMARKS),
 
 
 def res(rule, key, default):
     """Per-rule scheduler resources from the preset (resources.<rule>.<key>)."""
     return CFG["resources"].get(rule, {}).get(key, default)
+
+
+def gpu_env(n):
+    """Expose GPUs 0..n-1 unless CUDA_VISIBLE_DEVICES is already set (SLURM):
+    Snakemake does not hand out GPU ids on a local machine."""
+    if n <= 0:
+        return ""
+    return f'CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, range(n)))}}}" '
+
+
+# ---------------------------------------------------------------- input functions
+
+
+def target_checkpoint(wc):
+    return str(P.target_checkpoint() / "config.json").format(target=wc.target)
+
+
+def train_data(wc):
+    """The cache manifest, or with cache.mode: online the conversations themselves."""
+    paths = RunPaths.of(CFG, target=wc.target)
+    if CFG["cache"]["mode"] == "online":
+        return str(paths.conversations())
+    return str(paths.cache_dir() / "manifest.json")
+
+
+def eval_inputs(wc):
+    """A method with a released checkpoint (eval.released_checkpoints) is
+    evaluated from the hub and needs no trained drafter; evaluate waits for its
+    benchmark's baseline so that its summary carries speedup_vs_plain."""
+    paths = RunPaths.of(CFG, target=wc.target)
+    inputs = {"target": target_checkpoint(wc), "baseline": str(paths.baseline(wc.benchmark))}
+    if wc.method not in CFG["eval"]["released_checkpoints"]:
+        inputs["drafter"] = str(paths.drafter_dir(wc.method) / "config.json")
+    return inputs
+
+
+def all_records(methods):
+    return [str(PATHS.records(m, b)) for m in methods for b in BENCHMARKS]

@@ -1,16 +1,22 @@
-# Table 1, Figure 2 and REPORT.md from every (method, benchmark) evaluation.
+# Table 1, Figure 2 and REPORT.md from every (method, benchmark) evaluation
+# (deepspec/pipeline/report.py).
 rule report:
     input:
-        records=expand(f"{RESULTS}/{TARGET}/eval/{{method}}/{{benchmark}}.csv", method=METHODS, benchmark=BENCHMARKS),
-        baselines=expand(f"{RESULTS}/{TARGET}/eval/baseline/{{benchmark}}.json", benchmark=BENCHMARKS),
+        records=all_records(METHODS),
+        summaries=[str(PATHS.summary(m, b)) for m in METHODS for b in BENCHMARKS],
+        baselines=[str(PATHS.baseline(b)) for b in BENCHMARKS],
     output:
-        table1=report(f"{RESULTS}/tables/table1.csv", category="Table 1"),
-        table1_md=f"{RESULTS}/tables/table1.md",
-        fig2_csv=f"{RESULTS}/tables/fig2.csv",
-        fig2=report(f"{FIGURES}/fig2.pdf", category="Figure 2"),
-        fig2_png=f"{FIGURES}/fig2.png",
-        report=f"{RESULTS}/REPORT.md",
+        table1=report(str(PATHS.table("table1.csv")), category="Table 1"),
+        table1_md=str(PATHS.table("table1.md")),
+        fig2_csv=str(PATHS.table("fig2.csv")),
+        fig2=report(str(PATHS.figure("fig2.pdf")), category="Figure 2"),
+        fig2_png=str(PATHS.figure("fig2.png")),
+        report=str(PATHS.report()),
     log:
-        f"{LOGS}/{TARGET}/report.log",
+        str(PATHS.log("report")),
+    params:
+        config=CONFIG_ARGS,
     shell:
-        "python -m deepspec report {CONFIG_ARGS} > {log:q} 2>&1"
+        "python -m deepspec report {params.config} --table1 {output.table1:q} --table1-md {output.table1_md:q} "
+        "--fig2-csv {output.fig2_csv:q} --fig2-pdf {output.fig2:q} --fig2-png {output.fig2_png:q} "
+        "--report {output.report:q} > {log:q} 2>&1"

@@ -1,9 +1,10 @@
-# Convert (builtin) or download (hub) the target into a plain HF checkpoint.
+# Convert (builtin) or download (hub) the target into a plain HF checkpoint
+# (deepspec/pipeline/target.py).
 rule prepare_target:
     output:
-        f"{RESOURCES}/targets/{{target}}/config.json",
+        str(P.target_checkpoint() / "config.json"),
     log:
-        f"{LOGS}/{{target}}/prepare_target.log",
+        str(P.log("prepare_target")),
     params:
         spec=CFG["target"]["spec"],
         out=lambda wc, output: str(Path(output[0]).parent),

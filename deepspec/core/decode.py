@@ -1,0 +1,253 @@
+"""The speculative decode loop and its baselines, batch size 1 (paper Sec. 2.1, notes §2, §4).
+
+`speculative_generate` drives every drafter through the API of docs/INTERFACES.md,
+one `speculative_round` at a time:
+
+    target prefill -> first token -> repeat {drafter proposes a block -> the target
+    scores anchor + block in one forward pass -> verify_chain -> keep the accepted
+    tokens, crop the target's KV cache to them -> next anchor}
+    until max_new_tokens or EOS.
+
+It records one dict per round (columns of the per-round records). `plain_generate`
+is autoregressive decoding with the same sampling code and seeds (the tokens/s
+baseline); `prompt_lookup_generate` is transformers' drafter-free prompt-lookup
+decoding. All three time themselves with time.perf_counter, prefill included.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import DeepSpecError
+from .scheduler import profile_sps, truncate_by_threshold
+from .target import Target, cache_kwarg, crop_cache, new_cache, select_features
+from .verify import is_greedy, logits_to_probs, sample, verify_chain
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new tokens (prompt excluded; a final EOS included)
+    time_s: float  # wall time of the whole generation, prefill included
+    rounds: list[dict] = field(default_factory=list)  # per-round records (speculative only)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence[int]], last_only: bool = False):
+    """One KV-cached target forward: logits [1, n or 1, V] and features [1, n, m*d] (or None)."""
+    out = target.model(
+        input_ids=ids,
+        **{cache_kwarg(target.model): cache},
+        use_cache=True,
+        output_hidden_states=layers is not None,
+        logits_to_keep=1 if last_only else 0,
+    )
+    return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
+
+
+def proposal_length(prop, threshold: float) -> int:
+    """Tokens of a proposal to verify: all gamma, cut at the first position with
+    sigmoid(conf_logit) < threshold (threshold > 0 and a confidence head)."""
+    n = prop.tokens.shape[1]
+    if threshold > 0 and prop.conf_logits is not None:
+        n = int(truncate_by_threshold(torch.sigmoid(prop.conf_logits[0].float()), threshold))
+    return max(0, n)
+
+
+def _check_proposal(prop, vocab: int) -> None:
+    g = prop.tokens.shape[-1]
+    if prop.tokens.shape != (1, g) or prop.probs.shape != (1, g, vocab):
+        raise DeepSpecError(
+            f"drafter/target mismatch: proposal tokens {tuple(prop.tokens.shape)} and probs "
+            f"{tuple(prop.probs.shape)}, expected [1, gamma] and [1, gamma, {vocab}] (the target vocabulary)"
+        )
+
+
+@dataclass
+class Round:
+    """What one speculative round produced (the source of its per-round record)."""
+
+    tokens: list[int]  # emitted: the accepted drafts, then the correction or bonus (none after an accepted EOS)
+    accepted: int
+    proposal_len: int  # verified draft length; an accepted EOS ends the proposal there
+    accept_prob: list[float]  # a_k = min(1, p_t(x_k)/p_d(x_k)) at each reachable verified position
+    alpha: list[float]  # alpha_k = sum_v min(p_d, p_t) at the same positions
+    conf_logits: Optional[list[float]]  # the drafter's confidence logits (None without a head)
+    gamma: int  # the drafter's proposal length
+    draft_time_s: float
+    verify_time_s: float
+    ctx: torch.Tensor  # [1, 1 + accepted]: anchor + accepted drafts, verified but unseen by the drafter
+    feats: torch.Tensor  # [1, 1 + accepted, m*d]: their target features
+
+
+def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor, *, feature_layers, temperature,
+                      generator, confidence_threshold) -> Round:
+    """One round of Sec. 2.1: the drafter proposes a block from the context it
+    has not seen yet (`ctx`, `feats`) and the anchor; the target scores anchor +
+    block in one KV-cached forward; chain verification accepts a prefix and
+    emits a correction or bonus token; the target's KV cache is cropped back to
+    the verified tokens."""
+    device = target.device
+    t_draft = time.perf_counter()
+    prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator)
+    _check_proposal(prop, target.vocab_size)
+    _sync(device)
+    t_verify = time.perf_counter()
+    # Full proposals even near the end (as the reference evaluator does), so the
+    # last round's acceptance is measured like any other; the caller trims the output.
+    n = proposal_length(prop, confidence_threshold)
+    draft = prop.tokens[:, :n].to(device)
+    n_cached = cache.get_seq_length()
+    logits, feats = _forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
+    if n > 0:
+        res = verify_chain(logits, prop.probs[:, :n].to(device), draft, temperature=temperature,
+                           eos_token_ids=target.eos_token_ids, generator=generator)
+        accepted, emitted = int(res.accepted[0]), res.tokens[0, : int(res.num_emitted[0])].tolist()
+        reach = int(res.reachable[0])  # positions past a drafted EOS cannot be reached
+        a_k, alpha_k = res.accept_prob[0, :reach].tolist(), res.alpha[0, :reach].tolist()
+        proposal_len = accepted if bool(res.eos_stop[0]) else n
+    else:  # nothing to verify: a plain decoding step
+        accepted, proposal_len, a_k, alpha_k = 0, 0, [], []
+        emitted = [int(sample(logits_to_probs(logits[:, -1], temperature), generator))]
+    crop_cache(cache, n_cached + 1 + accepted)  # anchor + accepted drafts are now verified
+    _sync(device)
+    conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
+    return Round(emitted, accepted, proposal_len, a_k, alpha_k, conf, prop.tokens.shape[1], t_verify - t_draft,
+                 time.perf_counter() - t_verify, torch.cat([anchor, draft[:, :accepted]], 1), feats[:, : accepted + 1])
+
+
+def round_record(index: int, r: Round) -> dict:
+    """The per-round record (docs/INTERFACES.md): NaN confidence logits without a
+    head, NaN a_k / alpha_k past the verified (reachable) positions."""
+    def padded(xs):
+        return list(xs) + [math.nan] * (r.gamma - len(xs))
+
+    return {
+        "round": index,
+        "proposal_len": r.proposal_len,
+        "accepted": r.accepted,
+        "emitted": len(r.tokens),
+        "draft_time_s": r.draft_time_s,
+        "verify_time_s": r.verify_time_s,
+        **{f"conf_logit_{k + 1}": c for k, c in enumerate(padded(r.conf_logits or []))},
+        **{f"accept_prob_{k + 1}": v for k, v in enumerate(padded(r.accept_prob))},
+        **{f"alpha_{k + 1}": v for k, v in enumerate(padded(r.alpha))},
+    }
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: Target,
+    drafter,
+    prompt_ids: Sequence[int],
+    *,
+    feature_layers: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    confidence_threshold: float = 0.0,
+) -> Generation:
+    """Speculative decoding of one prompt (chain verification, lossless): prefill,
+    first token, then `speculative_round`s until max_new_tokens or EOS; one
+    record per round (`round_record`)."""
+    device = target.device
+    cache, rounds, out = new_cache(), [], []
+    _sync(device)
+    t_start = time.perf_counter()
+    state = drafter.init_state()
+    ctx = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # verified, unseen by the drafter
+    logits, feats = _forward(target, ctx, cache, feature_layers, last_only=True)
+    out.append(int(sample(logits_to_probs(logits[:, -1], temperature), generator)))
+    while len(out) < max_new_tokens and out[-1] not in target.eos_token_ids:
+        anchor = torch.tensor([[out[-1]]], dtype=torch.long, device=device)
+        r = speculative_round(target, drafter, state, cache, ctx, feats, anchor, feature_layers=feature_layers,
+                              temperature=temperature, generator=generator, confidence_threshold=confidence_threshold)
+        ctx, feats = r.ctx, r.feats
+        out.extend(r.tokens[: max_new_tokens - len(out)])
+        rounds.append(round_record(len(rounds), r))
+    _sync(device)
+    return Generation(tokens=out, time_s=time.perf_counter() - t_start, rounds=rounds)
+
+
+@torch.no_grad()
+def plain_generate(
+    target: Target,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> Generation:
+    """Autoregressive decoding with a KV cache and the same sampling code as the loop above."""
+    device, eos = target.device, set(target.eos_token_ids)
+    cache, out = new_cache(), []
+    _sync(device)
+    t_start = time.perf_counter()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    while True:
+        logits, _ = _forward(target, ids, cache, None, last_only=True)
+        out.append(int(sample(logits_to_probs(logits[:, -1], temperature), generator)))
+        if len(out) >= max_new_tokens or out[-1] in eos:
+            break
+        ids = torch.tensor([[out[-1]]], dtype=torch.long, device=device)
+    _sync(device)
+    return Generation(tokens=out, time_s=time.perf_counter() - t_start)
+
+
+@torch.no_grad()
+def prompt_lookup_generate(
+    target: Target,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    num_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> Generation:
+    """transformers' prompt-lookup decoding (n-gram drafts from the prompt), pure
+    sampling at `temperature` (no top-k/top-p), seeded through the global RNG."""
+    device = target.device
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    sampling = {} if is_greedy(temperature) else {"temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+    torch.manual_seed(seed)
+    _sync(device)
+    t_start = time.perf_counter()
+    seq = target.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        prompt_lookup_num_tokens=num_tokens,
+        max_new_tokens=max_new_tokens,
+        do_sample=not is_greedy(temperature),
+        eos_token_id=list(target.eos_token_ids),
+        pad_token_id=target.tokenizer.pad_token_id,
+        **sampling,
+    )
+    _sync(device)
+    return Generation(tokens=seq[0, ids.shape[1]:].tolist(), time_s=time.perf_counter() - t_start)
+
+
+@torch.no_grad()
+def profile_target_sps(target: Target, batch_sizes, context_len: int = 256, seed: int = 0):
+    """SPS(B) of this target on this machine (Algorithm 1's hardware curve):
+    KV-cached target forwards per second over B new tokens after a context of
+    `context_len` random tokens (`scheduler.profile_sps`)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = target.device
+    ctx = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
+    cache = new_cache()
+    kw = cache_kwarg(target.model)
+    target.model(input_ids=ctx, use_cache=True, logits_to_keep=1, **{kw: cache})
+
+    def forward(B):
+        ids = torch.randint(0, target.vocab_size, (1, B), generator=g).to(dev)
+        target.model(input_ids=ids, use_cache=True, **{kw: cache})
+        crop_cache(cache, context_len)
+
+    return profile_sps(forward, batch_sizes, sync=torch.cuda.synchronize if dev.type == "cuda" else None)

@@ -1,0 +1,144 @@
+"""The frozen target as decoding and the drafters see it (paper Sec. 2-3):
+its forward with a KV cache, its feature layers (Eq. 2's h^(l)), its final
+hidden state, embedding and LM head, and its chat template. Loading targets
+(by spec, offline conversion, the tiny test models) is the pipeline's
+`deepspec.pipeline.target`.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import DeepSpecError
+
+
+@dataclass
+class Target:
+    """A frozen target model with what drafters and the decode loop need."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    target_id: str
+    revision: Optional[str] = None
+    eos_token_ids: tuple = field(default_factory=tuple)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def text_config(self):
+        """The decoder's config: the config itself for text models; `text_config` of a
+        multimodal wrapper (the Gemma4 hub checkpoints load as Gemma4ForConditionalGeneration)."""
+        c = self.model.config
+        return c.get_text_config() if hasattr(c, "get_text_config") else c
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        return self.model.get_output_embeddings()
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered by the target's chat template
+        (non-thinking; no system prompt is added by us)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+
+    def check_feature_layers(self, layers: Sequence[int]) -> list[int]:
+        return check_feature_layers(layers, self.num_layers)
+
+    @torch.no_grad()
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        layers: Sequence[int],
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenated outputs of `layers` [B, L, m*d] and the final-norm hidden
+        state [B, L, d] for a batch, without computing full logits."""
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return select_features(out.hidden_states, layers), out.hidden_states[-1]
+
+
+def cache_kwarg(module) -> str:
+    """Name of the KV-cache argument of a transformers forward: `cache` in recent
+    5.x releases, `past_key_values` before (and in 4.x)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def check_feature_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+    layers = [int(x) for x in layers]
+    for layer in layers:
+        if layer < -1 or layer >= num_layers - 1:
+            raise DeepSpecError(
+                f"feature layer {layer} out of range: use -1 (embeddings) .. {num_layers - 2}; the final "
+                f"layer {num_layers - 1} is not allowed (HF stores its post-norm value)"
+            )
+    return layers
+
+
+def select_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]) -> torch.Tensor:
+    """HF indexing: hidden_states[0] is the embedding output, hidden_states[l+1]
+    the output of decoder layer l; the last entry is after the final norm, which
+    is why the final layer may not be a feature layer."""
+    return torch.cat([hidden_states[layer + 1] for layer in layers], dim=-1)
+
+
+def render_chat(tokenizer, messages, add_generation_prompt=True, tokenize=False):
+    kwargs = dict(add_generation_prompt=add_generation_prompt, enable_thinking=False)
+    if tokenize:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def eos_ids_of(model, tokenizer) -> tuple[int, ...]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+def new_cache():
+    """An empty transformers DynamicCache."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a DynamicCache. A negative argument
+    removes that many tokens in transformers 4.x and 5.x alike (5.x rejects positive ones)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

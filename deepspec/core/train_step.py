@@ -1,0 +1,249 @@
+"""One training step per drafter family: how a batch of cached target states
+becomes the per-position tensors of the losses (`deepspec.core.losses`).
+
+Block drafters (DFlash, DSpark; `block_step`): up to `num_anchors` anchors
+per sequence, uniform without replacement (the step's generator), among
+positions p with loss_mask[p] and loss_mask[p+1] (the anchor and its first
+target are assistant tokens); block position j of anchor p predicts token
+p+1+j, which the target predicted from its final hidden state at p+j; block
+targets past the sequence or outside the loss mask are masked, and validity
+is a contiguous prefix of each block (`block_targets`).
+
+Chain drafter (Eagle3; `chain_step`): row t of TTT step s predicts token
+t+2+s, which the target predicted at t+1+s; each step's loss is the mean over
+its valid rows.
+
+p_t (the frozen full-vocabulary head on the cached final hidden states)
+dominates the cost of a small drafter, so it is computed once per distinct
+sequence position and gathered by the blocks / steps that read it, as long as
+that table fits in `pt_table_bytes`; beyond, each chunk computes its own rows.
+The head terms run in chunks of `chunk_positions` positions under activation
+checkpointing, so no [positions, V] tensor outlives its chunk. DFlash's loss is
+CE only: there p_t serves only the logged c* and is skipped off log steps.
+
+The drafter says what its loss needs: `drafter.distills` (L1 and confidence
+terms, DSpark) and `drafter.confidence_logits`; each drafter class binds its
+step as `training_step`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .losses import LossWeights, block_loss, chain_loss, position_weights, soft_ce_terms, token_terms
+from .verify import expected_tau
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything a training step needs besides the batch."""
+
+    num_anchors: int = 512  # anchors per sequence (block drafters)
+    coef: LossWeights = field(default_factory=LossWeights)
+    chunk_positions: int = 512  # positions per checkpointed head chunk
+    pt_table_bytes: int = 1 << 30  # the shared p_t table is built when it fits in this
+
+
+def sample_anchors(loss_mask, attention_mask, num_anchors: int, generator=None):
+    """Up to `num_anchors` anchors per sequence, uniformly without replacement.
+
+    A position p is eligible when the anchor token and its first target are both
+    assistant tokens: loss_mask[p] and loss_mask[p+1] (and both unpadded); so
+    every sampled block has at least one valid target. Returns anchors [B, N]
+    (sorted; padding anchors are 0) and valid [B, N] with N = min(num_anchors,
+    max eligible count in the batch).
+    """
+    lm = loss_mask.bool()
+    if attention_mask is not None:
+        lm = lm & attention_mask.bool()
+    elig = torch.zeros_like(lm)
+    elig[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    counts = elig.sum(1)
+    N = int(min(num_anchors, counts.max().item() if counts.numel() else 0))
+    if N == 0:
+        z = torch.zeros(lm.shape[0], 0, dtype=torch.long, device=lm.device)
+        return z, z.bool()
+    u = torch.rand(lm.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    u = u.to(lm.device).masked_fill(~elig, -1.0)
+    idx = u.topk(N, dim=1).indices
+    valid = elig.gather(1, idx)
+    idx = torch.where(valid, idx, torch.full_like(idx, lm.shape[1]))  # invalid last after sorting
+    idx, order = idx.sort(1)
+    valid = valid.gather(1, order)
+    return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def block_targets(input_ids, loss_mask, attention_mask, anchors, anchor_valid, gamma: int):
+    """Targets of each block: position j (0-based) of the block anchored at p
+    predicts token p+1+j, which the target predicted from its final hidden state
+    at p+j. Valid while p+1+j is inside the sequence and the assistant span;
+    validity is made a contiguous prefix. Returns labels [B,N,g], valid [B,N,g],
+    src [B,N,g] (= p+j, clamped), prev [B,N,g] (teacher-forced x_{k-1}: anchor, then labels)."""
+    B, L = input_ids.shape
+    j = torch.arange(gamma, device=input_ids.device)
+    tpos = anchors.unsqueeze(-1) + 1 + j  # [B,N,g]
+    inside = tpos < L
+    tc = tpos.clamp(max=L - 1)
+    lm = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
+    flat = lambda x: x.reshape(B, -1)  # noqa: E731
+    labels = input_ids.gather(1, flat(tc)).view_as(tpos)
+    ok = inside & lm.gather(1, flat(tc)).view_as(tpos) & anchor_valid.unsqueeze(-1)
+    ok = torch.cumprod(ok.long(), -1).bool()
+    anchor_tok = input_ids.gather(1, anchors)
+    prev = torch.cat([anchor_tok.unsqueeze(-1), labels[..., :-1]], -1)
+    return labels, ok, (tpos - 1).clamp(max=L - 1), prev
+
+
+def _chunked(fn, rows_per_chunk, *tensors):
+    """Apply fn over leading-dim chunks, checkpointed when gradients flow."""
+    n = tensors[0].shape[0]
+    outs = []
+    several = n > rows_per_chunk  # a single chunk is kept as is (no recomputation)
+    for i in range(0, n, max(1, rows_per_chunk)):
+        args = [t[i : i + rows_per_chunk] for t in tensors]
+        if several and torch.is_grad_enabled() and any(a.requires_grad for a in args if a.is_floating_point()):
+            outs.append(checkpoint(fn, *args, use_reentrant=False))
+        else:
+            outs.append(fn(*args))
+    return [torch.cat(x) for x in zip(*outs)]
+
+
+def _zero_loss(drafter):
+    return sum(p.sum() * 0.0 for p in drafter.parameters() if p.requires_grad)
+
+
+def _gather_rows(x, idx):
+    """x [B, L, d], idx [B, ...] -> [B, ..., d]."""
+    B = x.shape[0]
+    flat = idx.reshape(B, -1)
+    out = x.gather(1, flat.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    return out.view(*idx.shape, x.shape[-1])
+
+
+def _cstar_metrics(metrics, cs: list) -> None:
+    for k, c in enumerate(cs):
+        metrics[f"c_star_{k + 1}"] = c
+    metrics["tau_expected"] = float(expected_tau(torch.tensor(cs)))
+
+
+def _restricted_pt(drafter, last_hidden, chunk: int):
+    """p_t on the draft vocabulary and the mass outside it, for rows [N, d], in chunks."""
+    parts = [drafter.restrict_to_draft_vocab(drafter.target_probs(x)) for x in last_hidden.split(chunk)]
+    return torch.cat([p for p, _ in parts]), None if parts[0][1] is None else torch.cat([m for _, m in parts])
+
+
+@torch.no_grad()
+def block_target_probs(drafter, last_hidden, src, keep, spec: StepSpec):
+    """p_t (draft vocabulary) and the mass outside it, once per distinct
+    (sequence, position) read by the block slots src[keep] (src: [B, N, g]
+    sequence positions, keep: [B, N] valid anchors). Returns (pt [U, K],
+    out_mass [U] or None, idx [M, g]) with row idx[m, j] for slot (m, j); or
+    None when the U x K table would exceed spec.pt_table_bytes."""
+    B, L = last_hidden.shape[:2]
+    rows = (torch.arange(B, device=src.device).view(B, 1, 1) * L + src)[keep]  # [M, g] flat row ids
+    uniq, idx = torch.unique(rows, return_inverse=True)
+    if uniq.numel() * drafter.draft_vocab_size * 4 > spec.pt_table_bytes:
+        return None
+    pt, out_mass = _restricted_pt(drafter, last_hidden.reshape(B * L, -1)[uniq], spec.chunk_positions)
+    return pt, out_mass, idx
+
+
+def _block_terms(drafter, h, prev, labels, last, src, keep, need_pt: bool, spec: StepSpec):
+    """(ce, l1, c*, in-vocab) [M, g] of the valid blocks (h, prev, labels: the
+    rows of keep), computed in checkpointed chunks."""
+    table = block_target_probs(drafter, last, src, keep, spec) if need_pt else None
+    # per slot: a row of the p_t table, or (too large a table) the final hidden state itself
+    extra = [] if not need_pt else [table[2]] if table is not None else [_gather_rows(last, src)[keep]]
+
+    def terms(h_, prev_, labels_, *src_):
+        logp = torch.log_softmax(drafter.block_logits(h_, prev_).float(), -1)
+        lab = drafter.to_draft_ids(labels_)
+        if not src_:
+            return token_terms(logp, lab)
+        if table is None:
+            return token_terms(logp, lab, *drafter.restrict_to_draft_vocab(drafter.target_probs(src_[0])))
+        pt, out_mass, _ = table
+        return token_terms(logp, lab, pt[src_[0]], None if out_mass is None else out_mass[src_[0]])
+
+    return _chunked(terms, max(1, spec.chunk_positions // drafter.gamma), h, prev, labels, *extra)
+
+
+def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
+    """DFlash / DSpark: one forward + loss (no backward) -> (loss, metrics)."""
+    dev = drafter.device
+    ids, lm = batch["input_ids"].to(dev), batch["loss_mask"].to(dev)
+    am = batch.get("attention_mask")
+    am = None if am is None else am.to(dev)
+    g = drafter.gamma
+    anchors, avalid = sample_anchors(lm, am, spec.num_anchors, generator)
+    metrics = {"n_anchors": float(avalid.sum())}
+    if not avalid.any():
+        _cstar_metrics(metrics, [0.0] * g)
+        return _zero_loss(drafter), {**metrics, "loss": 0.0}
+    h = drafter(ids, batch["features"].to(dev), anchors, am)  # [B,N,g,d]
+    labels, valid, src, prev = block_targets(ids, lm, am, anchors, avalid, g)
+    # p_t feeds DSpark's L1 term and its confidence targets; DFlash's loss is CE only
+    need_pt = drafter.distills or log_step
+    h, labels, valid, prev = (x[avalid] for x in (h, labels, valid, prev))  # [M, g, ...]
+    ce, l1, cstar, inv = _block_terms(drafter, h, prev, labels, batch["last_hidden"].to(dev), src, avalid,
+                                      need_pt, spec)
+    conf = drafter.confidence_logits(h, prev) if drafter.distills else None
+    w = position_weights(g, spec.coef.decay_gamma, device=h.device)
+    loss, parts = block_loss(ce, l1, cstar, inv, conf, valid, w, spec.coef, distill=drafter.distills)
+    metrics.update(parts)
+    metrics["loss"] = float(loss.detach())
+    if need_pt:
+        _cstar_metrics(metrics, [float(cstar[..., k][valid[..., k]].mean()) if valid[..., k].any() else 0.0
+                                 for k in range(g)])
+    return loss, metrics
+
+
+def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
+    """Eagle3 (TTT): one forward + loss (no backward) -> (loss, metrics)."""
+    dev = drafter.device
+    ids, lm = batch["input_ids"].to(dev), batch["loss_mask"].to(dev).bool()
+    am = batch.get("attention_mask")
+    if am is not None:
+        lm = lm & am.to(dev).bool()
+    B, L = ids.shape
+    last = batch["last_hidden"].to(dev)
+    outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev))
+    t = torch.arange(L, device=dev)
+    # Every TTT step reads p_t at the same positions shifted by one, so when it
+    # fits, the full-vocabulary target head runs once per position, not per step
+    # (and not again in the checkpointed backward).
+    pt_all = None
+    if B * L * drafter.draft_vocab_size * 4 <= spec.pt_table_bytes:
+        pt_all = _restricted_pt(drafter, last.reshape(B * L, -1), spec.chunk_positions)[0].view(B, L, -1)
+    metrics, cs, step_losses, n_pos = {}, [], [], 0
+    for s, h in enumerate(outs):
+        tgt = t + 2 + s  # row t of step s predicts token t+2+s ...
+        valid = (tgt < L).expand(B, L) & lm.gather(1, tgt.clamp(max=L - 1).expand(B, L))
+        src = (t + 1 + s).clamp(max=L - 1).expand(B, L)  # ... which the target predicted at t+1+s
+        if not valid.any():
+            metrics[f"loss_step_{s + 1}"] = 0.0
+            cs.append(0.0)
+            step_losses.append(None)
+            continue
+        table = pt_all if pt_all is not None else last
+
+        def terms(h_, x_):
+            logp = torch.log_softmax(drafter.draft_logits(h_).float(), -1)
+            pt = x_ if pt_all is not None else drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
+            return soft_ce_terms(logp, pt)
+
+        sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(table, src)[valid])
+        # Mean over this step's valid rows. The reference divides each step by the
+        # local B*T instead (padding included); the mean keeps steps with fewer
+        # valid rows (later TTT steps, short answers) from being down-weighted
+        # beyond the paper's 0.8^step.
+        step_losses.append(sce.mean())
+        metrics[f"loss_step_{s + 1}"] = float(step_losses[-1].detach())
+        cs.append(float(cstar.mean()))
+        n_pos += int(valid.sum())
+    loss = _zero_loss(drafter) + chain_loss(step_losses, spec.coef.eagle3_step_decay)
+    _cstar_metrics(metrics, cs)
+    metrics.update(loss_ce=float(loss.detach()), loss=float(loss.detach()), n_positions=float(n_pos))
+    return loss, metrics

@@ -1,0 +1,146 @@
+"""Verification (paper Sec. 2.1, Eqs. 1 and 8; notes §2): rejection sampling
+of a drafted chain against the target, the acceptance probability of Eq. 8
+and the expected accepted length. Pure tensor code, batched over B rows; the
+single source of this math for the decode loop, the losses and the metrics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (reference convention)
+RESIDUAL_EPS = 1e-8  # residual mass at or below this falls back to p_t
+DRAFT_PROB_FLOOR = 1e-8  # the reference clamps p_d(x) before dividing
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature is None or temperature < GREEDY_EPS
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """softmax(logits / T) in fp32; one-hot argmax when T is (near) zero."""
+    logits = logits.float()
+    if is_greedy(temperature):
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Draw one index per row from probs [..., V]; returns [...] long."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return out.reshape(probs.shape[:-1])
+
+
+@dataclass
+class VerifyResult:
+    accepted: torch.Tensor  # [B] number of draft tokens accepted
+    tokens: torch.Tensor  # [B, gamma+1] accepted prefix then correction/bonus, -1 padded
+    num_emitted: torch.Tensor  # [B]
+    # Per position k, the probability of accepting draft token k given 1..k-1
+    # were accepted: a_k = min(1, p_t(x_k)/p_d(x_k)) for the realised token, and
+    # its expectation over x_k ~ p_d, alpha_k = sum_v min(p_d, p_t) (Eq. 8).
+    # Greedy: both are 1{x_k = argmax p_t}. Used by the Rao-Blackwellised
+    # Figure-2 estimator (core.acceptance.position_table); [B, gamma] each.
+    accept_prob: Optional[torch.Tensor] = None
+    alpha: Optional[torch.Tensor] = None
+    # An accepted EOS ended the round (no correction or bonus); and the draft
+    # positions verification can reach at all: up to and including the first
+    # drafted EOS (accepted or not), [B] each.
+    eos_stop: Optional[torch.Tensor] = None
+    reachable: Optional[torch.Tensor] = None
+
+
+def _first_true(mask: torch.Tensor, default: int) -> torch.Tensor:
+    """Index of the first True along the last dim, or `default` where none."""
+    n = mask.shape[-1]
+    idx = torch.arange(n, device=mask.device).expand_as(mask)
+    return torch.where(mask, idx, torch.full_like(idx, default)).min(-1).values
+
+
+def verify_chain(
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    eos_token_ids: Iterable[int] = (),
+    generator: Optional[torch.Generator] = None,
+) -> VerifyResult:
+    """Chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    target_logits [B, g+1, V] predict draft tokens 1..g and the bonus;
+    draft_probs [B, g, V] are the exact (tempered) distributions the draft
+    tokens [B, g] were sampled from. Token k is accepted with probability
+    min(1, p_t(x_k) / p_d(x_k)); the first rejection emits a token from
+    norm(max(0, p_t - p_d)); if all g are accepted a bonus comes from p_t at
+    g+1. An accepted EOS ends the round without a bonus. T < 1e-5 is greedy.
+    """
+    B, g = draft_tokens.shape
+    if target_logits.shape[:2] != (B, g + 1):
+        raise ValueError(f"target_logits must be [B, gamma+1, V] = [{B}, {g + 1}, V], got {tuple(target_logits.shape)}")
+    device = target_logits.device
+    draft_tokens = draft_tokens.long()
+    rows = torch.arange(B, device=device)
+
+    if is_greedy(temperature):
+        greedy = target_logits.argmax(-1)  # [B, g+1]
+        ok = draft_tokens == greedy[:, :g]
+        accept_prob = alpha = ok.float()
+        accepted = _first_true(~ok, g)
+        fill = greedy[rows, accepted]  # correction (or bonus when accepted == g)
+    else:
+        if draft_probs.shape[:2] != (B, g):
+            raise ValueError(f"draft_probs must be [B, gamma, V] = [{B}, {g}, V], got {tuple(draft_probs.shape)}")
+        p_t = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, g+1, V]
+        p_d = draft_probs.float()
+        pt_x = p_t[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+        pd_x = p_d.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).clamp_min(DRAFT_PROB_FLOOR)
+        u = torch.rand((B, g), generator=generator, device=device)
+        ok = u < pt_x / pd_x  # min(1, ratio) is implicit: u < 1 always
+        accept_prob = (pt_x / pd_x).clamp(max=1.0)
+        alpha = acceptance_rate(p_d, p_t[:, :g])
+        accepted = _first_true(~ok, g)
+        # Residual at the first rejected position; at position g+1 p_d is zero,
+        # so the same expression yields p_t itself (the bonus distribution).
+        p_d_pad = torch.cat([p_d, torch.zeros_like(p_d[:, :1])], dim=1)
+        residual = (p_t[rows, accepted] - p_d_pad[rows, accepted]).clamp_min(0.0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_t[rows, accepted])
+        fill = sample(residual, generator)
+
+    # An accepted EOS ends the round: no correction or bonus after it.
+    eos = list(eos_token_ids)
+    if eos:
+        is_eos = torch.isin(draft_tokens, torch.tensor(eos, device=device))
+        pos = torch.arange(g, device=device).expand(B, g)
+        first_eos = _first_true(is_eos & (pos < accepted.unsqueeze(-1)), g)
+        eos_stop = first_eos < g
+        accepted = torch.where(eos_stop, first_eos + 1, accepted)
+        reachable = (_first_true(is_eos, g) + 1).clamp(max=g)
+    else:
+        eos_stop = torch.zeros(B, dtype=torch.bool, device=device)
+        reachable = torch.full((B,), g, dtype=torch.long, device=device)
+
+    tokens = torch.full((B, g + 1), -1, dtype=torch.long, device=device)
+    pos = torch.arange(g + 1, device=device).expand(B, g + 1)
+    keep = pos < accepted.unsqueeze(-1)
+    tokens[:, :g] = torch.where(keep[:, :g], draft_tokens, tokens[:, :g])
+    put = ~eos_stop
+    tokens[rows[put], accepted[put]] = fill[put]
+    num_emitted = accepted + put.long()
+    return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted, accept_prob=accept_prob, alpha=alpha,
+                        eos_stop=eos_stop, reachable=reachable)
+
+
+def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
+    """Probability that a token drawn from p_d is accepted against p_t (Eq. 8):
+    sum_v min(p_d, p_t) = 1 - 0.5 * ||p_d - p_t||_1, over the last dim."""
+    return torch.minimum(p_d, p_t).sum(-1)
+
+
+def expected_tau(c: torch.Tensor) -> torch.Tensor:
+    """E[tau] = 1 + sum_k prod_{i<=k} c_i over the last dim (bonus included)."""
+    return 1.0 + torch.cumprod(c, dim=-1).sum(-1)

@@ -1,0 +1,125 @@
+"""transformers building blocks per target architecture (paper Sec. 3: the
+drafts are built from the target's own layer types).
+
+`blocks_for(config)` names, per supported architecture, the transformers
+classes a draft layer is made of (attention with its q/k norms where the
+architecture has them, MLP, RMSNorm, rotary embedding, decoder layer); an
+architecture outside `ARCHITECTURES` is refused with one line. Gemma4 targets
+get a dense, all-full-attention draft config (`gemma4_draft_config`).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama import modeling_llama
+
+from ..errors import DeepSpecError
+
+# model_type -> (transformers modeling module, class-name prefix of the layer
+# classes, class name of the RMSNorm). Gemma4's text classes carry "Text" in
+# their names but its RMSNorm does not.
+ARCHITECTURES = {
+    "llama": ("llama", "Llama", "LlamaRMSNorm"),
+    "mistral": ("mistral", "Mistral", "MistralRMSNorm"),
+    "qwen2": ("qwen2", "Qwen2", "Qwen2RMSNorm"),
+    "qwen3": ("qwen3", "Qwen3", "Qwen3RMSNorm"),
+    "gemma4_text": ("gemma4", "Gemma4Text", "Gemma4RMSNorm"),
+}
+
+
+def _pair_rope(apply):
+    """HF's rotary helper as a (q, k) pair function: Gemma4's rotates one tensor."""
+    if "k" in inspect.signature(apply).parameters:
+        return apply
+    return lambda q, k, cos, sin: (apply(q, cos, sin), apply(k, cos, sin))
+
+
+def blocks_for(config) -> SimpleNamespace:
+    """Attention / MLP / RMSNorm / rotary / decoder-layer classes of the target's
+    architecture (e.g. Qwen3Attention with its q/k norms). `family` is "gemma4"
+    for Gemma4 targets, whose draft layers follow Gemma4 semantics
+    (dflash.Gemma4KVInjectionLayer), else "default"; `rope_kwargs` are the
+    rotary embedding's extra forward arguments (Gemma4's needs the layer type;
+    the drafts are all full attention, as in the reference)."""
+    mt = getattr(config, "model_type", None)
+    if mt not in ARCHITECTURES:
+        raise DeepSpecError(f"unsupported target architecture {mt!r}: drafters support {', '.join(sorted(ARCHITECTURES))}")
+    module, prefix, norm = ARCHITECTURES[mt]
+    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    ns = SimpleNamespace(**{n: getattr(mod, prefix + n) for n in ("Attention", "MLP", "RotaryEmbedding", "DecoderLayer")})
+    ns.RMSNorm = getattr(mod, norm)
+    ns.apply_rotary_pos_emb = _pair_rope(mod.apply_rotary_pos_emb)
+    ns.family = "gemma4" if module == "gemma4" else "default"
+    ns.rope_kwargs = {"layer_type": "full_attention"} if ns.family == "gemma4" else {}
+    return ns
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply=modeling_llama.apply_rotary_pos_emb):
+    """Rotate one [B, H, L, hd] tensor (HF's helper rotates a q/k pair)."""
+    return apply(x, x, cos, sin)[0]
+
+
+def attention(attn: nn.Module, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """transformers' sdpa attention (GQA aware) with a boolean mask (True = attend)
+    or none (full attention); returns [B, Lq, H*hd] before o_proj."""
+    out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class KVStore:
+    """Minimal KV cache with the `update(k, v, layer_idx)` API HF attention calls;
+    `crop(n)` keeps the first n key positions."""
+
+    def __init__(self):
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        if layer_idx in self.k:
+            k = torch.cat([self.k[layer_idx], k], dim=2)
+            v = torch.cat([self.v[layer_idx], v], dim=2)
+        self.k[layer_idx], self.v[layer_idx] = k, v
+        return k, v
+
+    def length(self, layer_idx: int = 0) -> int:
+        return self.k[layer_idx].shape[2] if layer_idx in self.k else 0
+
+    def crop(self, n: int) -> None:
+        for i in list(self.k):
+            self.k[i] = self.k[i][:, :, :n]
+            self.v[i] = self.v[i][:, :, :n]
+
+
+def gemma4_draft_config(tc, n: int):
+    """Draft config for a Gemma4 text config `tc`: n dense full-attention layers.
+
+    Facts from the reference (deepseek-ai/DeepSpec gemma4/config.py and
+    modeling.py): every draft layer is "full_attention" and uses the target's
+    full-attention geometry, head_dim = global_head_dim and, with
+    attention_k_eq_v, num_global_key_value_heads K/V heads (keys reused as
+    values); no MoE block, no per-layer inputs. transformers keeps the global
+    geometry only in `per_layer_config` (keyed by target layer index), so it is
+    resolved here and made the draft's homogeneous head_dim / KV heads. The
+    draft layers also own their K/V (no KV sharing across layers)."""
+    full = tc.per_layer_config["full_attention"]  # the target's full-attention layer config
+    d = copy.deepcopy(tc.to_dict())
+    d.pop("per_layer_config", None)
+    d.update(
+        num_hidden_layers=n,
+        layer_types=["full_attention"] * n,
+        head_dim=full.head_dim,
+        num_key_value_heads=full.num_key_value_heads,
+        global_head_dim=full.head_dim,
+        num_global_key_value_heads=full.num_key_value_heads,
+        num_kv_shared_layers=0,
+        enable_moe_block=False,
+        hidden_size_per_layer_input=0,
+    )
+    return tc.__class__.from_dict(d)

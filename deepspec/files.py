@@ -1,0 +1,109 @@
+"""Files: atomic writes (temp file, then rename), JSON / JSONL / CSV reading and
+writing with one-line errors naming the file and line."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import DeepSpecError
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path next to `path`; rename it onto `path` on success.
+
+    Nothing half-written is ever visible under the final name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        if tmp.exists():  # mkstemp creates 0600; give the usual umask-based mode
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+_RAISE = object()
+
+
+def read_json(path: str | os.PathLike, missing: str = "", default: Any = _RAISE) -> Any:
+    """The JSON value stored in `path`. A missing file returns `default` when one
+    is given, else is a one-line DeepSpecError (message `missing`); malformed
+    JSON is always a one-line DeepSpecError."""
+    path = Path(path)
+    if not path.exists():
+        if default is not _RAISE:
+            return default
+        raise DeepSpecError(missing or f"file not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DeepSpecError(f"{path}: malformed JSON ({e.msg})") from None
+
+
+def json_safe(obj: Any) -> Any:
+    """A JSON-safe copy: NaN/inf -> null, numpy scalars -> Python numbers."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def write_csv_atomic(df, path: str | os.PathLike) -> None:
+    """A pandas DataFrame as CSV (no index), atomically."""
+    with atomic_path(path, suffix=".csv") as tmp:
+        df.to_csv(tmp, index=False)
+
+
+def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
+    """(line number, "file:line", record) for every non-blank line of a JSONL
+    file; a missing file or a malformed line is a one-line DeepSpecError."""
+    path = Path(path)
+    if not path.exists():
+        raise DeepSpecError(f"{what} not found: {path}{hint}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DeepSpecError(f"{where}: malformed JSON ({e.msg})") from None
+            yield lineno, where, rec
+
+
+def require_file(path: str | os.PathLike, what: str = "file") -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise DeepSpecError(f"{what} not found: {p}")
+    return p

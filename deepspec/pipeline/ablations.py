@@ -1,0 +1,163 @@
+"""The ablation rules (workflow/rules/ablations.smk), on demand: depth
+(Fig. 3), draft length (Fig. 4), confidence-threshold sweep (Fig. 5) and
+calibration before/after STS (Fig. 6).
+
+Each figure has a tidy CSV (default <results>/tables/) and a PDF with a PNG
+beside it (default figures/); the rules pass both paths.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import DeepSpecError
+from ..files import atomic_path, read_json, write_csv_atomic
+from ..paths import RunPaths
+from . import published as paper
+from .methods import fig3_methods, fig4_methods, resolve_method, variant_base
+
+log = logging.getLogger(__name__)
+
+
+def tau_table(cfg, methods: list[str]) -> pd.DataFrame:
+    """tau with its CI per variant and benchmark, from evaluate's summaries."""
+    paths, rows = RunPaths.of(cfg), []
+    for method in methods:
+        base, vcfg = resolve_method(cfg, method)
+        for bench, spec in cfg["data"]["benchmarks"].items():
+            s = read_json(paths.summary(method, bench), f"evaluation summary not found: {paths.summary(method, bench)}")
+            rows.append(dict(method=method, benchmark=bench, domain=spec["domain"], tau=s["tau"],
+                             tau_ci_low=s["tau_ci_low"], tau_ci_high=s["tau_ci_high"],
+                             block_size=vcfg["drafter"]["block_size"], layers=vcfg["drafter"]["num_layers"].get(base)))
+    return pd.DataFrame(rows)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, pdf: Path) -> None:
+    for out in (pdf, pdf.with_suffix(".png")):
+        with atomic_path(out, suffix=out.suffix) as tmp:
+            fig.savefig(tmp, format=out.suffix.lstrip("."), dpi=150)
+
+
+def fig3(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    df = tau_table(cfg, fig3_methods(cfg))
+    plt = _plt()
+    benches = list(cfg["data"]["benchmarks"])
+    methods = list(dict.fromkeys(df["method"]))
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        d = df[df.method == m].set_index("benchmark").reindex(benches)
+        label = ("DFlash" if m.startswith("dflash") else "DSpark") + f" {int(d['layers'].iloc[0])}L"
+        ax.bar(np.arange(len(benches)) + (i - (len(methods) - 1) / 2) * width, d["tau"], width, label=label,
+               yerr=[d["tau"] - d["tau_ci_low"], d["tau_ci_high"] - d["tau"]], capsize=2)
+    ax.set_xticks(range(len(benches)), [paper.BENCHMARK_LABEL.get(b, b) for b in benches], fontsize=8)
+    ax.set_ylabel("Accepted length τ")
+    ax.set_title("Drafter depth (paper Figure 3)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, out_pdf)
+    return df
+
+
+def fig4(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    df = tau_table(cfg, fig4_methods(cfg))
+    heads = {"dspark": "DSpark (Markov)", "dspark_rnn": "DSpark (RNN)", "dflash": "DFlash"}
+    df["head"] = df["method"].map(lambda m: heads[variant_base(m)])
+    df["draft_length"] = df["block_size"] + 1
+    dom = df.groupby(["head", "domain", "draft_length"], as_index=False)["tau"].mean()
+    plt = _plt()
+    domains = [d for d in ["Math", "Code", "Chat"] if d in set(dom.domain)]
+    fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.2), squeeze=False)
+    for ax, d in zip(axes[0], domains):
+        for head, g in dom[dom.domain == d].groupby("head"):
+            ax.plot(g["draft_length"], g["tau"], marker="o", label=head)
+        ax.set_title(d)
+        ax.set_xlabel("Draft length (block + 1)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("τ (domain mean)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, out_pdf)
+    return df
+
+
+def _per_benchmark_files(cfg, suffix: str) -> dict[str, pd.DataFrame]:
+    d = RunPaths.of(cfg).eval_dir() / "dspark"
+    found = {p.name[: -len(suffix)]: pd.read_csv(p) for p in sorted(d.glob(f"*{suffix}"))}
+    if not found:
+        raise DeepSpecError(f"no {suffix} files under {d} (run the schedule rule first)")
+    return found
+
+
+def fig5(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    sweeps = _per_benchmark_files(cfg, ".sweep.csv")
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(4.2 * len(sweeps), 3.2), squeeze=False)
+    for ax, (bench, s) in zip(axes[0], sweeps.items()):
+        x = np.arange(len(s))
+        ax.bar(x - 0.2, s["proposed"], 0.4, label="tokens per step", color="#9ecae1")
+        ax.bar(x + 0.2, s["accepted"], 0.4, label="accepted per step", color="#3182bd")
+        ax.set_xticks(x, [f"{t:.1f}" for t in s["threshold"]], fontsize=7)
+        ax.set_xlabel("Confidence threshold")
+        ax.set_title(paper.BENCHMARK_LABEL.get(bench, bench))
+        ax2 = ax.twinx()
+        ax2.plot(x, 100 * s["acceptance_rate"], color="#d62728", marker="o", ms=3)
+        ax2.set_ylabel("Acceptance rate (%)", color="#d62728")
+    axes[0][0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    _save(fig, out_pdf)
+    return pd.concat([s.assign(benchmark=b) for b, s in sweeps.items()], ignore_index=True)
+
+
+def fig6(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    cals = _per_benchmark_files(cfg, ".calibration.csv")
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(cals), figsize=(4.2 * len(cals), 3.2), squeeze=False)
+    for ax, (bench, c) in zip(axes[0], cals.items()):
+        x = c["position"].to_numpy()
+        ax.bar(x - 0.2, 100 * c["ece_before"], 0.4, label="ECE raw", color="#fdae6b")
+        ax.bar(x + 0.2, 100 * c["ece_after"], 0.4, label="ECE after STS", color="#e6550d")
+        for xi, a in zip(x, c["auroc"]):
+            ax.annotate(f"{a:.2f}", (xi, 0), textcoords="offset points", xytext=(0, -18), ha="center", fontsize=6)
+        ax.set_xlabel("Draft position (AUROC below)")
+        ax.set_ylabel("ECE of Π c_i (%)")
+        ax.set_title(paper.BENCHMARK_LABEL.get(bench, bench))
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out_pdf)
+    return pd.concat([c.assign(benchmark=b) for b, c in cals.items()], ignore_index=True)
+
+
+FIGURES = {"fig3": fig3, "fig4": fig4, "fig5": fig5, "fig6": fig6}
+
+
+def cli_plot(argv) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec plot", description=__doc__)
+    p.add_argument("figure", choices=sorted(FIGURES))
+    add_config_args(p)
+    p.add_argument("--csv", help="table output (default <results>/tables/<figure>.csv)")
+    p.add_argument("--pdf", help="figure output, a PNG is written beside it (default figures/<figure>.pdf)")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    paths = RunPaths.of(cfg)
+    out_csv = Path(args.csv) if args.csv else paths.table(f"{args.figure}.csv")
+    out_pdf = Path(args.pdf) if args.pdf else paths.figure(f"{args.figure}.pdf")
+    df = FIGURES[args.figure](cfg, out_csv, out_pdf)
+    write_csv_atomic(df, out_csv)
+    log.info("wrote %s and %s", out_csv, out_pdf)
+    return 0

@@ -1,0 +1,399 @@
+"""The build_cache rule (workflow/rules/cache.smk): the target cache (paper §3,
+"Target cache"); the training datasets over it are in
+`deepspec.pipeline.train_data`.
+
+Per sample the drafters need: ``input_ids``, the assistant ``loss_mask``, the
+concatenated outputs of the preset's feature layers (``features`` [L, m*d]) and
+the final-norm hidden state (``last_hidden`` [L, d]); logits are never stored
+(the frozen lm_head recomputes them).
+
+On-disk format (``FORMAT`` version ``VERSION``), a directory holding
+  * ``shard-NNNNN.safetensors``: the shard's samples concatenated along the
+    token axis - ``input_ids`` int32 [T], ``loss_mask`` uint8 [T],
+    ``features`` [T, m*d] and ``last_hidden`` [T, d] in cache.dtype, and
+    ``offsets`` int64 [n+1] (sample j is rows offsets[j]:offsets[j+1]); the
+    sample ids are in the safetensors metadata (key ``deepspec``);
+  * ``manifest.json``, written last and atomically: format, version, target,
+    layers, dtype, sizes, counts, bytes per token and per-shard sha256 and
+    sample ranges. No manifest = no (finished) cache.
+
+Determinism: samples are ordered by id; shard boundaries depend only on sample
+lengths (a shard closes once it holds cache.shard_tokens tokens); inside a
+shard, forward batches are the samples sorted by length, cache.batch_size at a
+time (padded for the forward, stored unpadded). A forward's numbers depend on
+the batch it ran in (padding changes the kernels' blocking), so online mode
+(`deepspec.pipeline.train_data.OnlineDataset`) runs the *same* batches and rounds through the same dtype: both modes give
+bit-identical samples.
+
+Resumability: each finished shard is written atomically and recorded with its
+sha256 in ``progress.json``; a rerun with the same inputs keeps the shards
+whose checksum still matches and redoes the rest, so a killed run ends
+byte-identical to an uninterrupted one.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..errors import DeepSpecError
+from ..files import atomic_path, read_json, write_json_atomic
+from ..paths import RunPaths
+from .conversations import TokenizedSample, tokenized_samples
+
+log = logging.getLogger(__name__)
+
+FORMAT = "deepspec-target-cache"
+VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = "progress.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- samples and plan
+
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """Sample ranges [start, end): a shard closes once it holds >= shard_tokens tokens."""
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if acc >= shard_tokens:
+            out.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(lengths):
+        out.append((start, len(lengths)))
+    return out
+
+
+def plan_batches(lengths: Sequence[int], start: int, end: int, batch_size: int) -> list[list[int]]:
+    """Forward batches of one shard: its samples sorted by decreasing length (then
+    index) so that padding is small, batch_size at a time."""
+    idx = sorted(range(start, end), key=lambda i: (-lengths[i], i))
+    return [idx[k : k + batch_size] for k in range(0, len(idx), batch_size)]
+
+
+def forward_plan(lengths: Sequence[int], cfg: dict) -> list[list[int]]:
+    """All forward batches, shard by shard: the single source of truth for both modes."""
+    c = cfg["cache"]
+    return [b for s, e in plan_shards(lengths, c["shard_tokens"]) for b in plan_batches(lengths, s, e, c["batch_size"])]
+
+
+def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype):
+    """One padded forward; per sample (features [L, m*d], last_hidden [L, d]) rounded to `dtype`."""
+    L = max(len(s.input_ids) for s in samples)
+    pad = target.tokenizer.pad_token_id or 0
+    ids = torch.full((len(samples), L), pad, dtype=torch.long)
+    am = torch.zeros((len(samples), L), dtype=torch.long)
+    for r, s in enumerate(samples):
+        ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
+        am[r, : len(s.input_ids)] = 1
+    feats, last = target.features(ids, layers, attention_mask=am)
+    return [(feats[r, : len(s.input_ids)].to(dtype).cpu(), last[r, : len(s.input_ids)].to(dtype).cpu()) for r, s in enumerate(samples)]
+
+
+def _fingerprint(cfg: dict, target_id: str, samples: Sequence[TokenizedSample]) -> str:
+    """Everything the cache's bytes depend on: settings and the exact token data."""
+    t, c = cfg["target"], cfg["cache"]
+    h = hashlib.sha256()
+    settings = dict(
+        version=VERSION, target_id=target_id, revision=t.get("revision"), target_dtype=t["dtype"],
+        layers=list(t["feature_layers"]), dtype=c["dtype"], shard_tokens=c["shard_tokens"], batch_size=c["batch_size"],
+    )
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    for s in samples:
+        h.update(json.dumps([s.id, s.input_ids, [int(m) for m in s.loss_mask]]).encode())
+    return h.hexdigest()
+
+
+def _read_state(path: Path) -> dict:
+    """A progress file or an old manifest; missing or damaged reads as none."""
+    try:
+        return read_json(path, default={})
+    except DeepSpecError:
+        return {}
+
+
+def _bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
+    """int32 id + uint8 mask + (m*d + d) hidden values (offsets are per sample, negligible)."""
+    return 4 + 1 + (n_layers + 1) * hidden * DTYPES[dtype].itemsize
+
+
+def _hidden_size(cfg: dict, target=None) -> int:
+    if target is not None:
+        return target.hidden_size
+    from transformers import AutoConfig
+
+    path = RunPaths.of(cfg).target_checkpoint()
+    src = str(path) if (path / "config.json").exists() else cfg["target"]["spec"]
+    return AutoConfig.from_pretrained(src).get_text_config().hidden_size
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# ---------------------------------------------------------------- building
+
+
+def _write_shard(path: Path, samples: Sequence[TokenizedSample], rows) -> None:
+    from safetensors.torch import save_file
+
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    tensors = {
+        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([int(m) for s in samples for m in s.loss_mask], dtype=torch.uint8),
+        "features": torch.cat([f for f, _ in rows]).contiguous(),
+        "last_hidden": torch.cat([h for _, h in rows]).contiguous(),
+        "offsets": offsets,
+    }
+    # One metadata key: safetensors writes the metadata map in hash order, and
+    # the bytes must not depend on it.
+    meta = {"deepspec": json.dumps({"format": FORMAT, "version": VERSION, "ids": [s.id for s in samples]})}
+    with atomic_path(path, suffix=".safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+
+
+def build_cache(
+    cfg: dict,
+    conversations: Optional[str | os.PathLike] = None,
+    out: Optional[str | os.PathLike] = None,
+    *,
+    target=None,
+    dry_run: bool = False,
+) -> dict:
+    """Build (or finish) the target cache; returns the manifest (the estimate with dry_run)."""
+    from .target import load_tokenizer
+
+    paths = RunPaths.of(cfg)
+    conversations = Path(conversations) if conversations else paths.conversations()
+    out = Path(out) if out else paths.cache_dir()
+    t, c = cfg["target"], cfg["cache"]
+    samples, stats = tokenized_samples(cfg, target.tokenizer if target is not None else load_tokenizer(cfg), conversations)
+    lengths = [len(s.input_ids) for s in samples]
+    n_tokens, hidden = sum(lengths), _hidden_size(cfg, target)
+    bpt = _bytes_per_token(len(t["feature_layers"]), hidden, c["dtype"])
+    estimate = {"samples": len(samples), "tokens": n_tokens, "bytes_per_token": bpt, "estimated_bytes": bpt * n_tokens}
+    msg = (f"target cache estimate: {len(samples)} samples, {n_tokens} tokens x {bpt} bytes/token = "
+           f"{_human(bpt * n_tokens)} ({bpt * n_tokens} bytes)")
+    if dry_run:
+        print(msg)
+        return estimate
+    log.info(msg)
+
+    target_id = target.target_id if target is not None else t["spec"]
+    fp = _fingerprint(cfg, target_id, samples)
+    progress = _resume_state(out, fp)
+    if progress is None:  # up to date
+        return read_manifest(out)
+    if target is None:
+        from .target import target_from_config
+
+        target = target_from_config(cfg)
+    t0 = time.perf_counter()
+    shard_entries, written, new_tokens = _write_shards(cfg, target, samples, out, progress)
+    secs = time.perf_counter() - t0
+    manifest = _manifest(cfg, target_id, samples, stats, hidden, fp, shard_entries)
+    write_json_atomic(out / MANIFEST, manifest)
+    (out / PROGRESS).unlink(missing_ok=True)
+    log.info("cache %s: %d samples, %d tokens, %s (%.1f bytes/token); %d shard(s) computed, %d new tokens in %.1f s = %.0f tok/s",
+             out, len(samples), n_tokens, _human(manifest["bytes"]), manifest["bytes"] / n_tokens, written, new_tokens,
+             secs, new_tokens / secs if secs > 0 else 0.0)
+    return manifest
+
+
+def _resume_state(out: Path, fp: str) -> Optional[dict]:
+    """What an earlier run left: None when the cache is complete and valid for
+    this fingerprint; else the progress {fingerprint, shards: {file: sha256}} to
+    keep (the damaged part of a finished cache is redone, the rest kept).
+    Leaves no manifest behind while the cache is being (re)built."""
+    manifest_path = out / MANIFEST
+    progress = _read_state(out / PROGRESS)
+    if manifest_path.exists():
+        old = _read_state(manifest_path)
+        if old.get("fingerprint") == fp:
+            try:
+                validate_cache(out)
+                log.info("%s: up to date", out)
+                return None
+            except DeepSpecError as e:  # redo only what is damaged: the manifest's checksums say which
+                log.warning("%s; rebuilding the damaged part", e)
+                progress = {"fingerprint": fp, "shards": {x["file"]: x["sha256"] for x in old.get("shards", [])}}
+        manifest_path.unlink()
+    if progress.get("fingerprint") != fp:
+        progress = {"fingerprint": fp, "shards": {}}
+    return progress
+
+
+def _write_shards(cfg: dict, target, samples: Sequence[TokenizedSample], out: Path, progress: dict):
+    """Compute and write every shard not kept from an earlier run (checksum
+    ok), recording each in progress.json as it lands. Returns (manifest shard
+    entries, shards written, tokens computed)."""
+    from tqdm.auto import tqdm
+
+    c = cfg["cache"]
+    layers, dtype = list(cfg["target"]["feature_layers"]), DTYPES[c["dtype"]]
+    lengths = [len(s.input_ids) for s in samples]
+    shards = plan_shards(lengths, c["shard_tokens"])
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = {shard_name(i) for i in range(len(shards))}
+    for stale in out.glob("shard-*.safetensors"):
+        if stale.name not in wanted or stale.name not in progress["shards"]:
+            stale.unlink()
+    entries, written, new_tokens, t0 = [], 0, 0, time.perf_counter()
+    with tqdm(total=sum(lengths), desc="build-cache", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
+        for i, (s, e) in enumerate(shards):
+            name, path = shard_name(i), out / shard_name(i)
+            digest = progress["shards"].get(name)
+            if digest and path.exists() and sha256_file(path) == digest:
+                log.info("%s: kept from an earlier run (checksum ok)", name)
+                bar.update(sum(lengths[s:e]))
+            else:
+                rows: dict[int, tuple] = {}
+                for batch in plan_batches(lengths, s, e, c["batch_size"]):
+                    rows.update(zip(batch, compute_rows(target, layers, [samples[j] for j in batch], dtype)))
+                    new_tokens += sum(lengths[j] for j in batch)
+                    bar.update(sum(lengths[j] for j in batch))
+                    bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s", refresh=False)
+                _write_shard(path, samples[s:e], [rows[j] for j in range(s, e)])
+                digest = progress["shards"][name] = sha256_file(path)
+                write_json_atomic(out / PROGRESS, progress)
+                written += 1
+            entries.append({"file": name, "sha256": digest, "bytes": path.stat().st_size,
+                            "sample_start": s, "sample_end": e, "num_tokens": sum(lengths[s:e])})
+    return entries, written, new_tokens
+
+
+def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: str, shards: list) -> dict:
+    t, c = cfg["target"], cfg["cache"]
+    n_tokens = sum(len(s.input_ids) for s in samples)
+    total_bytes = sum(x["bytes"] for x in shards)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "target_id": target_id,
+        "target_name": t["name"],
+        "revision": t.get("revision"),
+        "feature_layers": list(t["feature_layers"]),
+        "dtype": c["dtype"],
+        "hidden_size": hidden,
+        "feature_dim": hidden * len(t["feature_layers"]),
+        "num_samples": len(samples),
+        "num_tokens": n_tokens,
+        "num_loss_tokens": int(sum(sum(s.loss_mask) for s in samples)),
+        "dropped_samples": stats["dropped_min_loss_tokens"],
+        "max_length": cfg["data"]["max_length"],
+        "min_loss_tokens": cfg["data"]["min_loss_tokens"],
+        "shard_tokens": c["shard_tokens"],
+        "batch_size": c["batch_size"],
+        "bytes": total_bytes,
+        "bytes_per_token": round(total_bytes / n_tokens, 3),
+        "fingerprint": fp,
+        "shards": shards,
+    }
+
+
+# ---------------------------------------------------------------- validation
+
+
+def read_manifest(cache_dir: str | os.PathLike) -> dict:
+    d = Path(cache_dir)
+    path = d / MANIFEST
+    m = read_json(path, f"no target cache at {d}: {MANIFEST} missing (run python -m deepspec build-cache)")
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise DeepSpecError(f"{path}: not a {FORMAT} v{VERSION} manifest (format {m.get('format')!r}, version {m.get('version')!r})")
+    return m
+
+
+def validate_cache(cache_dir: str | os.PathLike, *, checksums: bool = True) -> dict:
+    """Check the manifest, every shard's presence, size, sha256 and layout; the
+    first problem raises a one-line DeepSpecError naming the shard."""
+    from safetensors import safe_open
+
+    d = Path(cache_dir)
+    m = read_manifest(d)
+    expect = 0
+    n_tok = 0
+    widths = {"features": m["feature_dim"], "last_hidden": m["hidden_size"]}
+    for sh in m["shards"]:
+        p = d / sh["file"]
+        if not p.exists():
+            raise DeepSpecError(f"shard {sh['file']} missing from {d}")
+        if p.stat().st_size != sh["bytes"]:
+            raise DeepSpecError(f"shard {sh['file']} is corrupt: {p.stat().st_size} bytes, manifest says {sh['bytes']}")
+        if checksums and sha256_file(p) != sh["sha256"]:
+            raise DeepSpecError(f"shard {sh['file']} is corrupt: sha256 mismatch")
+        if sh["sample_start"] != expect:
+            raise DeepSpecError(f"{d / MANIFEST}: shard {sh['file']} starts at sample {sh['sample_start']}, expected {expect}")
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                offsets = f.get_tensor("offsets")
+                shapes = {k: f.get_slice(k).get_shape() for k in ("input_ids", "loss_mask", *widths)}
+                dtypes = {k: f.get_slice(k).get_dtype() for k in widths}
+        except Exception as e:  # safetensors raises several types for a damaged header
+            raise DeepSpecError(f"shard {sh['file']} is corrupt: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        n = sh["sample_end"] - sh["sample_start"]
+        T = sh["num_tokens"]
+        ok = len(offsets) == n + 1 and int(offsets[-1]) == T and all(s[0] == T for s in shapes.values())
+        ok = ok and all(shapes[k][1:] == [w] for k, w in widths.items())
+        if not ok:
+            raise DeepSpecError(f"shard {sh['file']} is corrupt: tensor shapes do not match the manifest")
+        want = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[m["dtype"]]
+        if any(v != want for v in dtypes.values()):
+            raise DeepSpecError(f"shard {sh['file']}: dtype {dtypes} but the manifest says {m['dtype']}")
+        expect, n_tok = sh["sample_end"], n_tok + T
+    if expect != m["num_samples"] or n_tok != m["num_tokens"]:
+        raise DeepSpecError(f"{d / MANIFEST}: shards hold {expect} samples / {n_tok} tokens, manifest says "
+                            f"{m['num_samples']} / {m['num_tokens']}")
+    return m
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def cli_build_cache(argv) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec build-cache", description="cache the target's feature-layer and final hidden states")
+    add_config_args(p)
+    p.add_argument("--conversations", help="regenerated conversations (default: <results>/<target>/regen/conversations.jsonl)")
+    p.add_argument("--out", help="cache directory (default: <results>/<target>/cache)")
+    p.add_argument("--dry-run", action="store_true", help="print the estimated size and write nothing")
+    args = p.parse_args(argv)
+    build_cache(config_from_args(args), args.conversations, args.out, dry_run=args.dry_run)
+    return 0
+
+
+def cli_validate_cache(argv) -> int:
+    p = argparse.ArgumentParser(prog="deepspec validate-cache", description="check a target cache's manifest and shard checksums")
+    p.add_argument("cache_dir")
+    p.add_argument("--no-checksums", action="store_true", help="skip the sha256 of every shard (sizes and layout only)")
+    args = p.parse_args(argv)
+    m = validate_cache(args.cache_dir, checksums=not args.no_checksums)
+    print(f"ok: {args.cache_dir}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shard(s), "
+          f"{_human(m['bytes'])} ({m['bytes_per_token']} bytes/token), target {m['target_id']}, layers {m['feature_layers']}, {m['dtype']}")
+    return 0

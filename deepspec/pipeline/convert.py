@@ -1,0 +1,377 @@
+"""The convert-checkpoint command: load DeepSeek's released DFlash / DSpark drafters (the reference DeepSpec
+layout, notes §0.7 and §4) into deepspec drafters.
+
+A reference checkpoint is a HF directory: `config.json` (the target's config plus
+`architectures: [<X>DSparkModel]`, `num_hidden_layers` = draft layers,
+`num_target_layers`, `block_size`, `target_layer_ids`, `mask_token_id`,
+`markov_rank` (0 for DFlash), `markov_head_type`, `enable_confidence_head`,
+`confidence_head_with_markov`) and safetensors weights (one file, or shards
+listed in `model.safetensors.index.json`) with top-level names. The mapping:
+
+    fc, hidden_norm, layers.*, norm          -> same names
+    markov_head.markov_w1.weight [V, r]      -> markov.embed.weight (W1)
+    markov_head.markov_w2.weight [V, r]      -> markov.out.weight   (W2)
+    markov_head.joint_proj.{weight,bias}     -> markov.cell.*       (RNN head; same
+                                                [s; W1[x]; h] -> [gate; cand; out] order)
+    confidence_head.proj.{weight,bias}       -> confidence.proj.*   (ConfidenceHead)
+    layers.{i}.layer_scalar [1] (Gemma4)     -> layers.{i}.layer_scalar (the reference
+                                                layer's output scale, a buffer of ones
+                                                at init; ones when a checkpoint lacks it)
+    embed_tokens.weight, lm_head.weight      -> not stored: frozen copies of the
+                                                target's, checked against it
+    (nothing)                                -> mask_embedding = the target's embedding
+                                                of `mask_token_id`; d2t = arange(V)
+
+The reference block input is the frozen embedding of a reserved token
+(`mask_token_id`, 151669 on Qwen3, 4 on Gemma4); writing that embedding into our
+learned `mask_embedding` gives the same function at inference. Eagle3 reference
+checkpoints fuse [embedding; hidden] inside 2d-wide q/k/v projections, which
+deepspec's Eagle3 cannot represent: they are refused.
+
+The architecture fields of the checkpoint are checked against the draft config
+deepspec builds for the target (`drafters.base.draft_config`), which the
+converted drafter must match. On Gemma4 that is the target's full-attention
+geometry: the reference config is the target's text config, so its `head_dim` /
+`num_key_value_heads` are the sliding layers' and its draft layers use
+`global_head_dim` and, with `attention_k_eq_v`, `num_global_key_value_heads`
+(or, when written by a transformers that folds these into `per_layer_config`,
+the full-attention entries there); rope_theta is the full-attention one.
+
+Entry points: `convert_reference_checkpoint(src, target, out)`,
+`resolve_drafter(spec, target, cfg)` (used by `evaluate`: a deepspec drafter
+directory is returned as is, a reference directory or hub id is converted once
+under <resources>/drafters/<target>/), and `python -m deepspec convert-checkpoint`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import DeepSpecError
+from ..files import read_json
+from ..paths import RunPaths
+
+log = logging.getLogger(__name__)
+
+RENAMES = (  # reference prefix -> deepspec prefix
+    ("markov_head.markov_w1.", "markov.embed."),
+    ("markov_head.markov_w2.", "markov.out."),
+    ("markov_head.joint_proj.", "markov.cell."),
+    ("confidence_head.", "confidence."),
+)
+TARGET_COPIES = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+NOT_IN_CHECKPOINT = ("mask_embedding", "d2t")
+# config fields that must agree with the target's (text) config when both have them
+ARCH_FIELDS = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta")
+
+
+def to_ours(name: str) -> str:
+    for ref, ours in RENAMES:
+        if name.startswith(ref):
+            return ours + name[len(ref):]
+    return name
+
+
+def to_reference(name: str) -> str:
+    for ref, ours in RENAMES:
+        if name.startswith(ours):
+            return ref + name[len(ours):]
+    return name
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+
+
+def read_reference_config(src: Path) -> dict:
+    path = src / "config.json"
+    ref = read_json(path, f"no checkpoint at {src} (config.json missing)")
+    if "deepspec_method" in ref:
+        raise DeepSpecError(f"{path}: already a deepspec drafter, nothing to convert")
+    arch = (ref.get("architectures") or ["?"])[0]
+    if "eagle3" in arch.lower():
+        raise DeepSpecError(
+            f"{path}: {arch} is an Eagle3 checkpoint; its layer projects [embedding; hidden] with 2d-wide q/k/v, "
+            "which deepspec's Eagle3 cannot represent (only DFlash/DSpark checkpoints can be converted)"
+        )
+    if not arch.endswith("DSparkModel"):
+        raise DeepSpecError(f"{path}: architecture {arch!r} is not a DeepSpec DFlash/DSpark drafter")
+    for key in ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "markov_rank",
+                "hidden_size", "vocab_size"):
+        if key not in ref:
+            raise DeepSpecError(f"{path}: field {key!r} missing")
+    return ref
+
+
+def tensor_files(src: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file (single file, or shards via the index)."""
+    from safetensors import safe_open
+
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise DeepSpecError(f"{index}: malformed index (no weight_map)") from None
+        files = {k: src / f for k, f in weight_map.items()}
+        for k, f in files.items():
+            if not f.exists():
+                raise DeepSpecError(f"{index}: shard {f.name} of tensor {k!r} not found")
+        return files
+    single = src / "model.safetensors"
+    if not single.exists():
+        raise DeepSpecError(f"{src}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def _method(ref: dict) -> tuple[str, dict]:
+    """deepspec method and drafter settings from a reference config."""
+    r = int(ref["markov_rank"])
+    conf = bool(ref.get("enable_confidence_head", False))
+    kind = str(ref.get("markov_head_type", "vanilla")).lower()
+    if r > 0 and kind not in ("vanilla", "rnn"):
+        raise DeepSpecError(f"markov_head_type {kind!r} is not supported (deepspec has vanilla and rnn)")
+    method = "dspark" if r > 0 or conf else "dflash"
+    drafter = {
+        "num_layers": {method: int(ref["num_hidden_layers"])}, "block_size": int(ref["block_size"]),
+        "ttt_length": 7, "markov_rank": r, "markov_head_type": kind, "confidence_head": conf,
+        "confidence_with_markov": bool(ref.get("confidence_head_with_markov", False)),
+        "draft_vocab_size": None, "init_from_target": False,
+    }
+    return method, drafter
+
+
+def _rope_theta(cfg: dict):
+    """rope_theta, flat or in rope_parameters; per layer type (Gemma4): full attention's."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict):
+        rp = rp["full_attention"]
+    return cfg.get("rope_theta", rp.get("rope_theta") if isinstance(rp, dict) else None)
+
+
+def _reference_arch(ref: dict, gemma4: bool) -> dict:
+    """ARCH_FIELDS of the reference's draft layers. A Gemma4 reference config is the
+    target's text config: head_dim / num_key_value_heads there are the sliding
+    layers'; the draft layers use global_head_dim and, with attention_k_eq_v,
+    num_global_key_value_heads (newer transformers: per_layer_config's entries)."""
+    arch = {key: _rope_theta(ref) if key == "rope_theta" else ref.get(key) for key in ARCH_FIELDS}
+    if not gemma4:
+        return arch
+    if ref.get("global_head_dim") is not None:
+        arch["head_dim"] = ref["global_head_dim"]
+        if ref.get("attention_k_eq_v") and ref.get("num_global_key_value_heads") is not None:
+            arch["num_key_value_heads"] = ref["num_global_key_value_heads"]
+    else:
+        plc = ref.get("per_layer_config")
+        for entry in (plc.values() if isinstance(plc, dict) else ()):  # full-attention overrides (all equal)
+            if isinstance(entry, dict):
+                arch.update({k: entry[k] for k in ("head_dim", "num_key_value_heads") if k in entry})
+    return arch
+
+
+def check_reference_target(ref: dict, target, where: str, config=None) -> None:
+    """The checkpoint's config against the target: model type, depth, mask token,
+    feature layers, and its architecture fields against `config`, the draft config
+    deepspec builds for the target (built from `ref` when not given)."""
+    from ..drafters.base import draft_config
+    from ..drafters.blocks import blocks_for
+
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    if ref.get("model_type") not in (None, tc.model_type, getattr(target.config, "model_type", None)):
+        raise DeepSpecError(f"{where}: a {ref['model_type']} drafter, the target {target.target_id!r} is {tc.model_type}")
+    n = ref.get("num_target_layers")
+    if n is not None and int(n) != int(target.num_layers):
+        raise DeepSpecError(f"{where}: made for a {n}-layer target, {target.target_id!r} has {target.num_layers}")
+    mid = int(ref["mask_token_id"])
+    if not 0 <= mid < int(target.vocab_size):
+        raise DeepSpecError(f"{where}: mask_token_id {mid} is outside the target vocabulary")
+    try:
+        target.check_feature_layers(ref["target_layer_ids"])
+    except DeepSpecError as e:
+        raise DeepSpecError(f"{where}: target_layer_ids: {e}") from None
+    if config is None:
+        method, drafter_cfg = _method(ref)
+        config = draft_config(method, target, {"drafter": drafter_cfg,
+                                               "target": {"feature_layers": list(ref["target_layer_ids"])}})
+    # the draft config's own fields (Gemma4: homogeneous full-attention geometry, no
+    # ambiguous per-layer attribute); hidden and vocab size as the target has them
+    have = dict(config.to_dict(), hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size))
+    have_arch = {key: _rope_theta(have) if key == "rope_theta" else have.get(key) for key in ARCH_FIELDS}
+    ref_arch = _reference_arch(ref, blocks_for(config).family == "gemma4")
+    for key in ARCH_FIELDS:
+        a, b = ref_arch[key], have_arch[key]
+        if a is not None and b is not None and a != b:
+            raise DeepSpecError(f"{where}: {key} is {a!r} but the target {target.target_id!r} has {b!r}")
+
+
+def _check_same(name: str, w: torch.Tensor, ref_w: torch.Tensor, where: str, rows: int = 8192) -> None:
+    """A checkpoint's copy of the target's embedding / LM head must be the target's
+    (up to bf16 rounding): otherwise it was trained for another target."""
+    for i in range(0, w.shape[0], rows):
+        a = w[i:i + rows].detach().float().cpu()
+        if not torch.allclose(a, ref_w[i:i + rows].float(), rtol=1e-2, atol=1e-4):
+            raise DeepSpecError(f"{where}: {name} differs from the target's (from row {i}): made for another target?")
+
+
+# ----------------------------------------------------------------------------------------------
+# conversion
+
+
+def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -> Path:
+    """Convert the reference DFlash/DSpark checkpoint in directory `src` into a
+    deepspec drafter for `target`, saved (float32, like trained drafters) at `out`.
+    Everything is validated before anything is written; `out` appears only
+    complete (written to a temporary directory beside it, then renamed)."""
+    from safetensors import safe_open
+
+    from ..drafters import CLASSES, draft_config
+
+    src, out = Path(src), Path(out)
+    if out.exists() and not overwrite:
+        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    ref = read_reference_config(src)
+    where = str(src / "config.json")
+    method, drafter_cfg = _method(ref)
+    config = draft_config(method, target, {"drafter": drafter_cfg,
+                                           "target": {"feature_layers": list(ref["target_layer_ids"])}})
+    check_reference_target(ref, target, where, config)
+    config.deepspec_source = {"checkpoint": str(src.resolve()), "architecture": ref["architectures"][0],
+                              "mask_token_id": int(ref["mask_token_id"])}
+    model = CLASSES[method](config).float()
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in NOT_IN_CHECKPOINT}
+
+    files = tensor_files(src)
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            present = set(f.keys())
+            for name in sorted(k for k, v in files.items() if v == path):
+                if name not in present:
+                    raise DeepSpecError(f"{path}: tensor {name!r} listed in the index is not in the file")
+                shape = tuple(f.get_slice(name).get_shape())
+                if name in TARGET_COPIES:
+                    w = getattr(target, TARGET_COPIES[name]).weight
+                    if shape != tuple(w.shape):
+                        raise DeepSpecError(f"{path}: {name} has shape {list(shape)}, the target's {list(w.shape)}")
+                    _check_same(name, w, f.get_tensor(name), str(path))
+                    continue
+                ours = to_ours(name)
+                if ours not in want:
+                    if name.endswith(".layer_scalar") and bool((f.get_tensor(name) == 1).all()):
+                        continue  # an identity output scale, in a drafter whose layers have none
+                    raise DeepSpecError(f"{path}: unexpected tensor {name!r} (not in a {method} drafter of this config)")
+                if shape != want[ours]:
+                    raise DeepSpecError(f"{path}: tensor {name!r} has shape {list(shape)}, expected {list(want[ours])}")
+                t = f.get_tensor(name)
+                if not t.is_floating_point():
+                    raise DeepSpecError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a floating type")
+                state[ours] = t.float()
+    for name in want:  # Gemma4 layers without a stored output scale: the reference's init, ones
+        if name.endswith(".layer_scalar") and name not in state:
+            state[name] = torch.ones(want[name])
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise DeepSpecError(f"{src}: tensor {to_reference(missing[0])!r} missing"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    with torch.no_grad():
+        mid = torch.tensor([int(ref["mask_token_id"])], device=target.embed_tokens.weight.device)
+        state["mask_embedding"] = target.embed_tokens(mid)[0].float().cpu()
+    state["d2t"] = torch.arange(model.d2t.numel())
+    model.load_state_dict(state, strict=True)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        if out.exists():
+            if not overwrite:
+                raise DeepSpecError(f"output {out} exists (use --overwrite)")
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    log.info("converted %s (%s, %d tensors) -> %s", src, method, len(state), out)
+    return out
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def local_checkpoint(spec: str) -> Path:
+    """A local directory, or a hub id downloaded (config + safetensors) into the HF cache."""
+    p = Path(spec)
+    if p.exists() or not HUB_ID.match(spec):
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=spec, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # offline, unknown repo, network: one line
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DeepSpecError(f"no local directory {spec} and cannot download it from the hub: {msg}") from None
+
+
+def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> str:
+    """A deepspec drafter directory for `spec`: a deepspec drafter is returned as
+    is; a reference DFlash/DSpark checkpoint (directory or hub id) is converted
+    once into <resources_dir>/drafters/<target name>/<name> and that returned."""
+    from ..drafters import METHODS, read_method
+
+    cfg_json = Path(spec) / "config.json"
+    if cfg_json.exists() and "deepspec_method" in json.loads(cfg_json.read_text()):
+        return spec
+    src = local_checkpoint(spec)
+    if not (src / "config.json").exists():
+        return spec  # not a checkpoint: load_drafter says so
+    name = spec.replace("/", "--") if not Path(spec).exists() else src.resolve().name
+    out = RunPaths.of(cfg).converted_drafters() / name
+    done = out / "config.json"
+
+    def converted() -> bool:
+        source = json.loads(done.read_text()).get("deepspec_source", {}) if done.exists() else {}
+        return source.get("checkpoint") == str(src.resolve())
+
+    if not converted():
+        try:
+            convert_reference_checkpoint(src, target, out, overwrite=done.exists())
+        except DeepSpecError:
+            if not converted():  # else another job converted it meanwhile
+                raise
+    if method in METHODS and read_method(out) != method:
+        raise DeepSpecError(f"{spec} is a {read_method(out)} checkpoint, not {method}")
+    return str(out)
+
+
+def cli_convert_checkpoint(argv) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(
+        prog="deepspec convert-checkpoint",
+        description="convert a released DeepSpec DFlash/DSpark drafter for the preset's target",
+    )
+    add_config_args(p)
+    p.add_argument("--src", required=True, help="reference checkpoint directory (config.json + safetensors) or hub id")
+    p.add_argument("--out", required=True, help="output drafter directory (loadable by evaluate --drafter)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    from ..drafters import load_drafter
+    from .target import target_from_config
+
+    target = target_from_config(cfg)
+    out = convert_reference_checkpoint(local_checkpoint(args.src), target, args.out, overwrite=args.overwrite)
+    d = load_drafter(out, target)  # reload as a check
+    log.info("%s drafter: %d draft layers, block %d, %.1f M parameters", d.method, d.config.num_hidden_layers,
+             d.config.deepspec_block_size, sum(x.numel() for x in d.parameters()) / 1e6)
+    return 0

@@ -1,0 +1,64 @@
+"""Method names: eagle3, dflash, dspark and the ablation variants, named so
+they can be Snakemake wildcards.
+
+A variant name is ``<base>[-l<layers>][-b<block>]`` where base is one of
+eagle3, dflash, dspark or dspark_rnn (DSpark with the RNN head of Eq. 6):
+
+  dspark-l2       DSpark with 2 draft layers          (Figure 3)
+  dflash-b11      DFlash with block 11 = draft length 12 (Figure 4)
+  dspark_rnn-b15  DSpark, RNN head, block 15          (Figure 4)
+
+``resolve_method(cfg, name)`` returns the base method and the config with the
+variant's overrides applied (and a per-method ``train.max_steps`` mapping
+resolved to this method's cap).
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+from ..errors import DeepSpecError
+
+BASES = {"eagle3": ("eagle3", {}), "dflash": ("dflash", {}), "dspark": ("dspark", {}),
+         "dspark_rnn": ("dspark", {"markov_head_type": "rnn"})}
+_NAME = re.compile(r"^(?P<base>[a-z0-9_]+?)(?:-l(?P<layers>\d+))?(?:-b(?P<block>\d+))?$")
+
+
+def variant_base(name: str) -> str:
+    """The variant's base name (eagle3, dflash, dspark or dspark_rnn)."""
+    m = _NAME.match(name)
+    if not m or m.group("base") not in BASES:
+        raise DeepSpecError(f"unknown method '{name}' (use eagle3, dflash, dspark, dspark_rnn, optionally with -l<N> and -b<N>)")
+    return m.group("base")
+
+
+def resolve_method(cfg: dict, name: str) -> tuple[str, dict]:
+    m = _NAME.match(name)
+    method, drafter_over = BASES[variant_base(name)]
+    cfg = copy.deepcopy(cfg)
+    cfg["drafter"].update(drafter_over)
+    if m.group("layers"):
+        cfg["drafter"]["num_layers"] = {**cfg["drafter"]["num_layers"], method: int(m.group("layers"))}
+    steps = cfg["train"].get("max_steps")
+    if isinstance(steps, dict):  # per-method caps: the base method's (or none)
+        cfg["train"]["max_steps"] = steps.get(m.group("base"), steps.get(method))
+    if m.group("block"):
+        b = int(m.group("block"))
+        cfg["drafter"]["block_size"] = b
+        cfg["drafter"]["ttt_length"] = b
+    return method, cfg
+
+
+def fig3_methods(cfg) -> list[str]:
+    """DSpark at each depth of ablations.depths, plus 5-layer DFlash."""
+    full = cfg["drafter"]["num_layers"]["dspark"]
+    return [("dspark" if d == full else f"dspark-l{d}") for d in cfg["ablations"]["depths"]] + ["dflash"]
+
+
+def fig4_methods(cfg) -> list[str]:
+    base_block = cfg["drafter"]["block_size"]
+    out = []
+    for base in ("dspark", "dspark_rnn", "dflash"):
+        for b in cfg["ablations"]["block_sizes"]:
+            out.append(base if (b == base_block and base != "dspark_rnn") else f"{base}-b{b}")
+    return out

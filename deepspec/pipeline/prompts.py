@@ -1,0 +1,140 @@
+"""Prompts: the training prompts (regenerate rule) and the benchmark prompts
+(evaluate rule). Turns-JSONL reading, validation and deterministic subsampling.
+
+A record is ``{"turns": [str, ...], "reference": optional str}``. A malformed
+line fails with one error naming file and line. On a user's machine a source
+``hub:<dataset id>`` is read through `datasets` (ShareGPT-style
+``conversations`` are mapped to user turns).
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..errors import DeepSpecError
+from ..files import iter_jsonl
+
+
+@dataclass
+class Prompt:
+    id: str  # "<source>:<line>" - stable across runs
+    turns: list[str]
+    reference: Optional[str] = None
+    source: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+def data_root(cfg: dict) -> Path:
+    return Path(os.environ.get("DEEPSPEC_DATA") or cfg["data"]["root"])
+
+
+def read_turns_jsonl(path: str | os.PathLike, source: Optional[str] = None) -> list[Prompt]:
+    path = Path(path)
+    source = source or path.stem
+    out = [_validate(rec, where, f"{source}:{lineno}", source) for lineno, where, rec in iter_jsonl(path, "prompt file")]
+    if not out:
+        raise DeepSpecError(f"{path}: no records")
+    return out
+
+
+def _validate(rec, where: str, pid: str, source: str) -> Prompt:
+    if not isinstance(rec, dict):
+        raise DeepSpecError(f"{where}: a record must be a JSON object")
+    turns = rec.get("turns")
+    if turns is None:
+        raise DeepSpecError(f"{where}: missing 'turns'")
+    if not isinstance(turns, list) or not turns:
+        raise DeepSpecError(f"{where}: 'turns' must be a non-empty list of strings")
+    for i, t in enumerate(turns):
+        if not isinstance(t, str):
+            raise DeepSpecError(f"{where}: turn {i} is not a string")
+        if not t.strip():
+            raise DeepSpecError(f"{where}: turn {i} is empty")
+    ref = rec.get("reference")
+    if ref is not None and not isinstance(ref, str):
+        raise DeepSpecError(f"{where}: 'reference' must be a string")
+    return Prompt(id=pid, turns=list(turns), reference=ref, source=source)
+
+
+def subsample(prompts: list[Prompt], cap: Optional[int], seed: int = 980406) -> list[Prompt]:
+    """The reference rule: if there are more rows than the cap, shuffle with
+    random.Random(seed) and truncate; otherwise keep the file order."""
+    if cap is None or len(prompts) <= cap:
+        return list(prompts)
+    rows = list(prompts)
+    random.Random(seed).shuffle(rows)
+    return rows[:cap]
+
+
+def _read_hub(dataset_id: str, split: str) -> list[Prompt]:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        raise DeepSpecError("reading hub datasets needs the `datasets` package") from None
+    ds = datasets.load_dataset(dataset_id, split=split)
+    out = []
+    for i, rec in enumerate(ds):
+        if "turns" in rec:
+            turns = rec["turns"]
+        else:
+            conv = rec.get("conversations") or rec.get("messages") or []
+            turns = [
+                m.get("value", m.get("content"))
+                for m in conv
+                if m.get("from", m.get("role")) in ("human", "user")
+            ]
+        turns = [t for t in turns if isinstance(t, str) and t.strip()]
+        if turns:
+            out.append(Prompt(id=f"{dataset_id}:{i}", turns=turns, source=dataset_id))
+    return out
+
+
+def load_sources(cfg: dict, entries: Iterable[dict]) -> list[Prompt]:
+    root = data_root(cfg)
+    seed = cfg["data"]["seed"]
+    out: list[Prompt] = []
+    for e in entries:
+        path = e["path"]
+        if path.startswith("hub:"):
+            rows = _read_hub(path[4:], e.get("split", "train"))
+        else:
+            rows = read_turns_jsonl(root / path)
+        out.extend(subsample(rows, e.get("cap"), seed))
+    return out
+
+
+def load_train_prompts(cfg: dict) -> list[Prompt]:
+    return load_sources(cfg, cfg["data"]["train"])
+
+
+def load_benchmark(cfg: dict, name: str) -> list[Prompt]:
+    benches = cfg["data"]["benchmarks"]
+    if name not in benches:
+        raise DeepSpecError(f"unknown benchmark '{name}' (preset has: {', '.join(benches)})")
+    b = benches[name]
+    rows = load_sources(cfg, [b])
+    for r in rows:
+        r.meta["domain"] = b["domain"]
+        r.meta["benchmark"] = name
+    return rows
+
+
+def check_prompt_length(n_tokens: int, limit: int, where: str) -> None:
+    if n_tokens == 0:
+        raise DeepSpecError(f"{where}: empty prompt")
+    if n_tokens > limit:
+        raise DeepSpecError(f"{where}: prompt has {n_tokens} tokens, over the limit of {limit} (data.max_prompt_tokens)")
+
+
+def benchmark_prompt_ids(cfg: dict, target, benchmark: str) -> list:
+    """(Prompt, token ids) per benchmark prompt: first turn only, the target's chat
+    template, no system prompt, non-thinking; too-long prompts are an error."""
+    out = []
+    for p in load_benchmark(cfg, benchmark):
+        ids = target.chat_ids([{"role": "user", "content": p.turns[0]}])
+        check_prompt_length(len(ids), cfg["data"]["max_prompt_tokens"], f"{benchmark} prompt {p.id}")
+        out.append((p, ids))
+    return out

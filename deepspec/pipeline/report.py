@@ -1,0 +1,302 @@
+"""The report rule (workflow/rules/report.smk): Table 1, Figure 2 and
+REPORT.md from the evaluation outputs.
+
+Inputs (`deepspec.paths`; R = results_dir, T = target name):
+  R/T/eval/<method>/<benchmark>.json  evaluate's summary: tau with its CI, tokens/s
+  R/T/eval/<method>/<benchmark>.csv   per-round records (Figure 2)
+  R/T/eval/baseline/<benchmark>.json  plain / prompt-lookup tokens/s
+Outputs (given on the command line by the rule):
+  table1.csv (tidy), table1.md (the paper's wide layout), fig2.csv,
+  fig2.pdf / .png, REPORT.md
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..core.acceptance import domain_position_table
+from ..errors import DeepSpecError
+from ..files import atomic_path, read_json, write_csv_atomic, write_text_atomic
+from ..paths import RunPaths
+from . import published as paper
+
+log = logging.getLogger(__name__)
+
+TABLE1_COLUMNS = ["target", "method", "benchmark", "domain", "n_samples", "rounds", "tau", "tau_ci_low",
+                  "tau_ci_high", "verify_rate", "tokens_per_s", "speedup"]
+FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted", "acceptance", "ci_low", "ci_high"]
+# The Rao-Blackwellised estimate of the same rate (core.acceptance.per_sample_rb_sums):
+# every round that verified position k contributes, weighted by the probability
+# that it reached k; NaN when the records lack the per-position probabilities.
+FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        raise DeepSpecError(f"evaluation output not found: {path} (run the evaluate rule first)")
+    return path
+
+
+def _baseline_tps(paths: RunPaths, bench: str, which: str) -> float:
+    b = read_json(paths.baseline(bench), default={}).get(which, {})
+    return float(b.get("tokens_per_s", np.nan)) if isinstance(b, dict) else np.nan
+
+
+def _nan(v) -> float:
+    return np.nan if v is None else v
+
+
+def build_table1(cfg) -> pd.DataFrame:
+    """One row per method x benchmark from evaluate's summaries (tau and its CI
+    are computed there, once), plus the drafter-free baselines' tokens/s."""
+    t, paths = cfg["target"]["name"], RunPaths.of(cfg)
+    rows = []
+    for bench, spec in cfg["data"]["benchmarks"].items():
+        plain = _baseline_tps(paths, bench, "plain")
+        for method in cfg["train"]["methods"]:
+            s = read_json(_require(paths.summary(method, bench)))
+            tps = float(_nan(s.get("tokens_per_s", np.nan)))
+            rows.append(dict(target=t, method=method, benchmark=bench, domain=spec["domain"],
+                             n_samples=s["n_samples_with_rounds"], rounds=s["rounds"], tau=_nan(s["tau"]),
+                             tau_ci_low=_nan(s["tau_ci_low"]), tau_ci_high=_nan(s["tau_ci_high"]),
+                             verify_rate=_nan(s["verify_rate"]), tokens_per_s=tps, speedup=tps / plain,
+                             tau_selfcheck=_nan(s["tau_selfcheck"])))
+        for which in cfg["eval"]["baselines"]:
+            tps = _baseline_tps(paths, bench, which)
+            if not np.isnan(tps):
+                rows.append(dict(target=t, method=which, benchmark=bench, domain=spec["domain"],
+                                 tokens_per_s=tps, speedup=tps / plain))
+    return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck"])
+
+
+def build_fig2(cfg, gamma: int | None = None) -> pd.DataFrame:
+    """Figure 2 per method and domain (`core.acceptance.domain_position_table`:
+    each benchmark's conditional acceptance averaged over the domain, count and
+    Rao-Blackwellised estimates, bootstrap intervals of the average)."""
+    gamma = gamma or cfg["drafter"]["block_size"]
+    paths = RunPaths.of(cfg)
+    domains: dict[str, list[str]] = {}
+    for bench, spec in cfg["data"]["benchmarks"].items():
+        domains.setdefault(spec["domain"], []).append(bench)
+    parts = []
+    for method in cfg["train"]["methods"]:
+        for domain, benches in domains.items():
+            records = [pd.read_csv(_require(paths.records(method, b))) for b in benches]
+            table = domain_position_table(records, gamma, n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
+            parts.append(table.assign(target=cfg["target"]["name"], method=method, domain=domain))
+    return pd.concat(parts, ignore_index=True)[FIG2_COLUMNS + FIG2_RB_COLUMNS]
+
+
+def table1_markdown(t1: pd.DataFrame, cfg) -> str:
+    """The paper's wide layout: one row per method, benchmarks as columns,
+    plus the macro mean; the paper's value beside ours where it has one."""
+    paper_name = cfg["target"].get("paper_name")
+    benches = [b for b in paper.BENCHMARK_ORDER if b in cfg["data"]["benchmarks"]] + \
+        [b for b in cfg["data"]["benchmarks"] if b not in paper.BENCHMARK_ORDER]
+    head = ["Drafter"] + [paper.BENCHMARK_LABEL.get(b, b) for b in benches] + ["Macro", "Speedup"]
+    lines = [f"**{cfg['target']['name']}**: accepted length τ per round (bonus included), T = "
+             f"{cfg['eval']['temperature']}, block {cfg['drafter']['block_size']}"
+             + (f"; paper value ({paper_name}) in parentheses" if paper_name else ""), "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    drafts = t1[t1["tau"].notna()]
+    for method in cfg["train"]["methods"]:
+        d = drafts[drafts["method"] == method].set_index("benchmark")
+        cells = []
+        for b in benches:
+            v = d["tau"].get(b, np.nan)
+            pv = paper.TABLE1.get((paper_name, method, b)) if paper_name else None
+            cells.append(f"{v:.2f}" + (f" ({pv:.2f})" if pv is not None else ""))
+        macro = d["tau"].reindex(benches).mean()
+        pm = [paper.TABLE1.get((paper_name, method, b)) for b in benches] if paper_name else []
+        pm_s = f" ({np.mean(pm):.2f})" if pm and None not in pm else ""
+        sp = d["speedup"].reindex(benches).mean()
+        lines.append(f"| {paper.METHOD_LABEL.get(method, method)} | " + " | ".join(cells)
+                     + f" | {macro:.2f}{pm_s} | {sp:.2f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def fig2_curves(fig2: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The curve Figure 2 and the claims use: the Rao-Blackwellised estimate
+    when every row has it, else the count estimate. Returns the rows with
+    columns rate, low, high, n (expected attempts or attempts) and its name."""
+    rb = "acceptance_rb" in fig2 and fig2["acceptance_rb"].notna().any() and fig2["expected_attempts"].notna().all()
+    cols = (["acceptance_rb", "rb_ci_low", "rb_ci_high", "expected_attempts"] if rb
+            else ["acceptance", "ci_low", "ci_high", "attempts"])
+    out = fig2.rename(columns=dict(zip(cols, ["rate", "low", "high", "n"])))
+    return out, ("Rao-Blackwellised" if rb else "count")
+
+
+def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str = "", min_attempts: int = 10) -> None:
+    """The paper's Figure 2 layout. The line and band are the Rao-Blackwellised
+    estimate and its 95 % interval when the records carry it (`fig2_curves`);
+    hollow markers are the count estimate (accepted / attempts). Positions with
+    fewer than `min_attempts` (expected) attempts pooled over the domain are
+    not drawn: their rates are noise."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
+    markers = {"dflash": "s", "eagle3": "^", "dspark": "o"}
+    curves, kind = fig2_curves(fig2)
+    domains = [d for d in ["Math", "Code", "Chat"] if d in set(fig2["domain"])]
+    fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.4), squeeze=False)
+    for ax, domain in zip(axes[0], domains):
+        sub = curves[curves["domain"] == domain]
+        for method in [m for m in paper.METHOD_ORDER if m in set(sub["method"])] + \
+                sorted(set(sub["method"]) - set(paper.METHOD_ORDER)):
+            d = sub[(sub["method"] == method) & (sub["n"] >= min_attempts)].sort_values("position")
+            c = colors.get(method)
+            ax.plot(d["position"], d["rate"], marker=markers.get(method, "o"), color=c, lw=1.8, ms=5,
+                    label=paper.METHOD_LABEL.get(method, method))
+            ax.fill_between(d["position"], d["low"], d["high"], color=c, alpha=0.15, lw=0)
+            if kind != "count":
+                e = d[d["attempts"] >= min_attempts]
+                ax.plot(e["position"], e["acceptance"], ls="none", marker=markers.get(method, "o"), ms=7,
+                        mfc="none", mec=c, alpha=0.7)
+        ax.set_title(domain)
+        ax.set_xlabel("Draft position")
+        ax.set_xlim(0.7, fig2["position"].max() + 0.3)
+        ax.set_xticks(sorted(set(sub["position"])))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("Conditional acceptance")
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    note = (f"lines: {kind} estimate, 95 % bootstrap band" + ("; hollow: accepted / attempts" if kind != "count" else "")
+            + f"; positions with < {min_attempts} {'expected ' if kind != 'count' else ''}attempts omitted")
+    fig.suptitle((title + "\n" if title else "") + note, fontsize=8)
+    fig.tight_layout()
+    for out in [pdf] + ([png] if png else []):
+        with atomic_path(out, suffix=out.suffix) as tmp:
+            fig.savefig(tmp, format=out.suffix.lstrip("."), dpi=150)
+    plt.close(fig)
+
+
+MIN_ATTEMPTS = 30  # a position enters the shape claims only with this many attempts
+
+
+def _claims(fig2: pd.DataFrame, t1: pd.DataFrame) -> list[str]:
+    """The paper's qualitative claims (Sec. 4.3.1), checked on our numbers.
+    Shape claims use only positions with at least MIN_ATTEMPTS (expected)
+    attempts, on the curve of `fig2_curves`."""
+    curves, kind = fig2_curves(fig2)
+    n_word = "expected attempts" if kind != "count" else "attempts"
+    out = [f"Estimator: the {kind} estimate of the conditional acceptance"
+           + (" (every verified round counts at every position, weighted by the probability that it got there; "
+              "same quantity as accepted / attempts, lower variance)." if kind != "count" else ".")]
+    ok = curves[curves["n"] >= MIN_ATTEMPTS]
+    f = ok.pivot_table(index=["domain", "position"], columns="method", values="rate")
+    p1 = curves[curves["position"] == 1].groupby("method")["rate"].min()
+    out.append("Position-1 acceptance (lowest domain) per drafter: "
+               + ", ".join(f"{paper.METHOD_LABEL.get(m, m)} {v:.2f}" for m, v in p1.items())
+               + f" ({'all' if (p1 > 0.3).all() else 'not all'} above 0.3; below that the curves are dominated by an "
+               "undertrained drafter, not by the drafting paradigm).")
+    last = curves[curves["position"] == curves["position"].max()]
+    half = ((last["high"] - last["low"]) / 2).fillna(np.inf).max()
+    out.append(f"Widest 95 % half-interval at position {int(curves['position'].max())}: "
+               + (f"±{half:.2f}" if np.isfinite(half) else "undefined (too few attempts)")
+               + f" (target ±0.05; {last['n'].min():.{0 if kind == 'count' else 1}f} {n_word} in the sparsest domain × drafter).")
+    both = f.dropna(subset=[m for m in ("dspark", "dflash", "eagle3") if m in f.columns])
+    if {"dspark", "dflash", "eagle3"} <= set(f.columns) and len(both):
+        best = both["dspark"] >= both[["dflash", "eagle3"]].max(axis=1)
+        out.append(f"DSpark highest at every position in each domain: {'holds' if best.all() else 'does not hold'} "
+                   f"({int(best.sum())}/{len(best)} domain×position points with ≥ {MIN_ATTEMPTS} {n_word}).")
+    for domain in sorted(set(fig2["domain"])):
+        d = f.loc[domain] if domain in f.index.get_level_values(0) else pd.DataFrame()
+        if len(d) < 2:
+            out.append(f"{domain}: fewer than two positions with ≥ {MIN_ATTEMPTS} {n_word}; shapes not judged.")
+            continue
+        for m, verb, paper_says in (("dflash", "drops after position 1", "suffix decay"),
+                                    ("eagle3", "rises with position", "rises"), ("dspark", "is flat", "flat")):
+            if m not in d or d[m].notna().sum() < 2:
+                continue
+            c = d[m].dropna()
+            if m == "dflash":
+                v, holds = c.iloc[0] - c.iloc[1:].min(), c.iloc[0] - c.iloc[1:].min() > 0
+            elif m == "eagle3":
+                v, holds = c.iloc[-1] - c.iloc[0], c.iloc[-1] > c.iloc[0]
+            else:
+                v, holds = c.max() - c.min(), c.max() - c.min() <= 0.05
+            out.append(f"{domain}: {paper.METHOD_LABEL[m]} {verb} over positions {int(c.index.min())}-"
+                       f"{int(c.index.max())}: {v:+.3f} ({'holds' if holds else 'does not hold'}; paper: {paper_says}).")
+    macro = t1[t1["tau"].notna()].groupby("method")["tau"].mean()
+    for base in ("dflash", "eagle3"):
+        if "dspark" in macro and base in macro:
+            gain = macro["dspark"] / macro[base] - 1
+            out.append(f"DSpark macro τ vs {paper.METHOD_LABEL[base]}: {gain:+.1%} "
+                       f"({'holds' if gain > 0 else 'does not hold'}; paper Qwen3-4B: "
+                       f"{'+16.3' if base == 'dflash' else '+30.9'} %).")
+    return out
+
+
+def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path) -> None:
+    drafts = t1[t1["tau"].notna()]
+    macro = drafts.groupby("method")[["tau", "tau_selfcheck", "speedup"]].mean()
+    f2 = fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance").round(3)
+    att = fig2.pivot_table(index=["method", "domain"], columns="position", values="attempts")
+    has_rb = fig2_curves(fig2)[1] != "count"
+    lines = [
+        f"# DeepSpec replication report: {cfg['target']['name']}", "",
+        f"Preset `{cfg['preset']}`: {cfg.get('description', '')}", "",
+        "## Setup", "",
+        f"- Target `{cfg['target']['spec']}`, feature layers {cfg['target']['feature_layers']}, dtype {cfg['target']['dtype']}.",
+        f"- Drafters: {', '.join(cfg['train']['methods'])}; block {cfg['drafter']['block_size']}, layers "
+        f"{cfg['drafter']['num_layers']}, Markov rank {cfg['drafter']['markov_rank']}.",
+        f"- Training: {cfg['train']['epochs']} epochs, global batch {cfg['train']['global_batch']}, lr {cfg['train']['lr']}, "
+        f"{cfg['train']['num_anchors']} anchors per sequence.",
+        f"- Evaluation: T = {cfg['eval']['temperature']}, max new tokens {cfg['eval']['max_new_tokens']}, caps "
+        + ", ".join(f"{b} {s['cap']}" for b, s in cfg["data"]["benchmarks"].items()) + ".", "",
+        "## Table 1", "", table1_markdown(t1, cfg), "",
+        "Macro means (τ, the self-check 1 + Σ_k Π_{i≤k} c_k from the measured conditional rates, and speedup "
+        "over plain decoding):", "", macro.round(3).to_string(), "",
+        "## Figure 2: conditional acceptance per draft position", "",
+        "Count estimate (accepted / attempts, as the paper):", "", f2.to_string(), "",
+        "Attempts (rounds that reached the position):", "", att.to_string(), "",
+        *(["Rao-Blackwellised estimate (every verified round contributes at every position, weighted by "
+           "Π_{i<k} min(1, p_t/p_d) of its drafted tokens; the curve of `figures/fig2.pdf`):", "",
+           fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance_rb").round(3).to_string(),
+           "", "Its half-width of the 95 % interval:", "",
+           ((fig2["rb_ci_high"] - fig2["rb_ci_low"]) / 2).to_frame("h").join(fig2[["method", "domain", "position"]])
+           .pivot_table(index=["method", "domain"], columns="position", values="h").round(3).to_string(), ""]
+          if has_rb else []),
+        "## The paper's qualitative claims at this scale", "",
+        *[f"- {c}" for c in _claims(fig2, t1)], "",
+    ]
+    write_text_atomic(path, "\n".join(lines))
+
+
+# the report's outputs: command-line flag -> default path under the preset's directories
+OUTPUTS = {
+    "table1": lambda p: p.table("table1.csv"),
+    "table1-md": lambda p: p.table("table1.md"),
+    "fig2-csv": lambda p: p.table("fig2.csv"),
+    "fig2-pdf": lambda p: p.figure("fig2.pdf"),
+    "fig2-png": lambda p: p.figure("fig2.png"),
+    "report": lambda p: p.report(),
+}
+
+
+def cli_report(argv) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec report", description=__doc__)
+    add_config_args(p)
+    for flag in OUTPUTS:
+        p.add_argument(f"--{flag}", help="output path (default: under the preset's results / figures directory)")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    paths = RunPaths.of(cfg)
+    out = {flag: Path(getattr(args, flag.replace("-", "_")) or default(paths)) for flag, default in OUTPUTS.items()}
+    t1 = build_table1(cfg)
+    fig2 = build_fig2(cfg)
+    write_csv_atomic(t1, out["table1"])
+    write_csv_atomic(fig2, out["fig2-csv"])
+    write_text_atomic(out["table1-md"], table1_markdown(t1, cfg))
+    plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{cfg['target']['name']}: conditional acceptance per position")
+    write_report(cfg, t1, fig2, out["report"])
+    log.info("wrote %s, %s, %s", out["table1"], out["fig2-pdf"], out["report"])
+    return 0

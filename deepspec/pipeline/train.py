@@ -1,0 +1,524 @@
+"""The train rule (workflow/rules/train.smk): one generic, resumable loop from a
+CPU laptop to a multi-GPU node.
+
+The loop knows nothing about drafters. It takes a model (a ``PreTrainedModel``
+whose frozen parts have ``requires_grad=False``), a map-style dataset of
+samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
+metrics)``, and implements the paper's recipe (paper-notes §3):
+
+* AdamW (lr 6e-4, weight decay 0) over the trainable parameters only, linear
+  warmup over ``ceil(warmup_ratio * total)`` updates then cosine to 0, gradient
+  clipping at 1.0;
+* a global batch of ``train.global_batch`` sequences per update, split over
+  processes and into micro batches of ``train.micro_batch`` with gradient
+  accumulation; steps per epoch = max(1, floor(N / global_batch)), total steps
+  = ceil(epochs * steps per epoch) capped by ``train.max_steps``;
+* HF accelerate for launch, device and mixed precision (bf16 autocast on GPU
+  with fp32 master weights, plain fp32 on CPU). Gradients are averaged across
+  processes once per update with an all-reduce: the same arithmetic as DDP
+  under ``no_sync``, but the model is not wrapped, so ``step_fn`` may call any
+  method of the drafter (not only ``forward``);
+* a deterministic data order: epoch ``e`` visits ``randperm(N)`` drawn from a
+  generator seeded with ``(train.seed, e)``; step ``s`` takes the slice
+  ``[s*G, (s+1)*G)`` of its epoch's order, so the sampler position is the step
+  number. The seed is ``train.seed`` for every method (the reference uses 0 for
+  Eagle3 and 42 for DFlash/DSpark; one seed keeps the comparison clean);
+* checkpoints every ``train.checkpoint_every`` steps and at the end under
+  ``<out>/checkpoints/step_N/`` (``save_pretrained`` model, optimiser,
+  scheduler, trainer state, the log so far, and per-process RNG states:
+  python, numpy, torch, CUDA and the anchor generator handed to ``step_fn``),
+  plus a ``latest`` pointer written atomically (`deepspec.pipeline.checkpoints`).
+  Resuming restores all of it, so
+  a killed run ends with bit-identical weights to an uninterrupted one;
+* ``<out>/train_log.csv`` (one row every ``train.log_every`` steps, flushed)
+  and a tqdm bar; the final drafter is ``save_pretrained``'ed into ``<out>/``
+  with ``config.json`` moved in last, marking completion.
+
+``python -m deepspec train`` (`cli_train`) wires in the target, the dataset of
+`deepspec.pipeline.train_data` and a drafter of `deepspec.drafters`, whose
+`training_step` (`deepspec.core.train_step`) is the step function.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..core.losses import LossWeights
+from ..core.train_step import StepSpec
+from ..errors import DeepSpecError
+from ..files import write_json_atomic
+from ..paths import RunPaths
+from .checkpoints import CKPT_DIR, LOG_NAME, latest_checkpoint, resume_checkpoint, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
+
+# Columns every train_log.csv has around the step function's metrics.
+HEAD_COLS = ["step", "epoch", "lr", "loss"]
+TAIL_COLS = ["grad_norm", "positions_per_s", "sequences_per_s", "elapsed_s"]
+TIMING_COLS = ("positions_per_s", "sequences_per_s", "elapsed_s")
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def plan_steps(num_samples: int, train_cfg: dict) -> tuple[int, int]:
+    """(steps per epoch, total optimiser steps) for a dataset of `num_samples`."""
+    if num_samples < 1:
+        raise DeepSpecError("training dataset is empty")
+    per_epoch = max(1, num_samples // int(train_cfg["global_batch"]))
+    total = max(1, math.ceil(float(train_cfg["epochs"]) * per_epoch - 1e-9))
+    if train_cfg.get("max_steps"):
+        total = min(total, int(train_cfg["max_steps"]))
+    return per_epoch, total
+
+
+def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
+    """Number of linear-warmup updates: ceil(ratio * total) (as HF Trainer)."""
+    return math.ceil(warmup_ratio * total_steps)
+
+
+def lr_factor(step: int, total_steps: int, num_warmup: int) -> float:
+    """Multiplier of the peak lr for update number `step` (0-based).
+
+    Warmup: (step + 1) / num_warmup, reaching 1 at the last warmup update; then
+    cosine from 1 at `num_warmup` down to 0 at `total_steps` (the update after
+    the last one), so every update has a positive lr.
+    """
+    if step < num_warmup:
+        return (step + 1) / num_warmup
+    progress = (step - num_warmup) / max(1, total_steps - num_warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_steps: int):
+    """AdamW + LambdaLR(warmup, cosine to 0) over `params`."""
+    opt = torch.optim.AdamW(params, lr=float(train_cfg["lr"]), weight_decay=float(train_cfg["weight_decay"]))
+    n_warm = warmup_steps(total_steps, float(train_cfg["warmup_ratio"]))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, n_warm))
+    return opt, sched
+
+
+# --------------------------------------------------------------------------- data order
+
+
+class StepSampler:
+    """Deterministic, resumable data order: `indices(step)` is the global batch
+    of update `step` (0-based). The position is the step number itself.
+
+    Epoch e's order is randperm(N) from a generator seeded with (seed, e); when
+    N < global_batch, further permutations from the same generator are
+    appended so that a step always has a full global batch.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int):
+        self.n, self.g, self.seed = int(num_samples), int(global_batch), int(seed)
+        self.steps_per_epoch = max(1, self.n // self.g)
+        self._epoch, self._order = -1, None
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            reps = max(1, math.ceil(self.g / self.n))
+            self._order = torch.cat([torch.randperm(self.n, generator=gen) for _ in range(reps)])
+            self._epoch = epoch
+        return self._order
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self._epoch_order(epoch)[k * self.g:(k + 1) * self.g].tolist()
+
+
+def split_batch(indices: Sequence[int], rank: int, world: int, micro: int) -> list[list[int]]:
+    """This process's micro batches of a global batch (contiguous rank slices)."""
+    per_rank = len(indices) // world
+    mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
+    return [mine[i:i + micro] for i in range(0, len(mine), micro)]
+
+
+def accumulation_steps(train_cfg: dict, world: int) -> int:
+    g, m = int(train_cfg["global_batch"]), int(train_cfg["micro_batch"])
+    if g % (world * m):
+        raise DeepSpecError(
+            f"train.global_batch ({g}) must be a multiple of train.micro_batch ({m}) x processes ({world})"
+        )
+    return g // (world * m)
+
+
+# --------------------------------------------------------------------------- log
+
+
+class TrainLog:
+    """train_log.csv, written by the main process one row at a time (flushed).
+    The columns are fixed by the first row's metrics."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled, self.cols = path, enabled, None
+        if enabled and path.exists():
+            with open(path, newline="") as f:
+                self.cols = next(csv.reader(f), None)
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        if self.cols is None:
+            metric_cols = [k for k in row if k not in HEAD_COLS and k not in TAIL_COLS]
+            self.cols = HEAD_COLS + metric_cols + TAIL_COLS
+            with open(self.path, "w", newline="") as f:
+                csv.writer(f).writerow(self.cols)
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([_fmt(row.get(c, float("nan"))) for c in self.cols])
+            f.flush()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+# --------------------------------------------------------------------------- loop
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    steps: int  # total optimiser steps of the run (== the final step)
+    steps_this_process: int  # steps run by this invocation (after a resume: the remainder)
+    elapsed_s: float  # training wall time of this invocation
+    positions_per_s: float  # predicted positions per second, all processes
+    sequences_per_s: float
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+POSITION_KEYS = ("num_positions", "n_positions")
+
+
+def _count_positions(metrics: dict, batch: dict) -> float:
+    """Predicted positions of a micro batch: the step function's
+    `n_positions` (or `num_positions`) when it reports one, else the
+    loss-mask (assistant) tokens."""
+    for key in POSITION_KEYS:
+        if key in metrics:
+            return float(metrics[key])
+    if torch.is_tensor(batch.get("loss_mask")):
+        return float(batch["loss_mask"].sum())
+    return 0.0
+
+
+def _use_cpu(device: str) -> bool:
+    return not str(device).startswith("cuda") or not torch.cuda.is_available()
+
+
+def make_accelerator(device: str, accum: int):
+    """An Accelerator on `device` ('cpu' forces CPU), bf16 autocast on GPU."""
+    from accelerate import Accelerator
+
+    cpu = _use_cpu(device)
+    acc = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16", gradient_accumulation_steps=accum)
+    if acc.gradient_accumulation_steps != accum:
+        raise DeepSpecError(
+            f"gradient accumulation is {acc.gradient_accumulation_steps}, expected {accum} "
+            "(unset ACCELERATE_GRADIENT_ACCUMULATION_STEPS)"
+        )
+    return acc
+
+
+def process_device(device: str) -> torch.device:
+    """The device this process trains on (its own GPU under accelerate launch)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=_use_cpu(device)).device
+
+
+@dataclass
+class _Loop:
+    """What every step of a run needs, fixed before the first one."""
+
+    acc: object  # the Accelerator
+    model: torch.nn.Module
+    params: list
+    opt: object
+    sched: object
+    gen: torch.Generator  # the anchor generator handed to step_fn
+    dataset: object
+    collate_fn: Callable[[list], dict]
+    step_fn: StepFn
+    train_cfg: dict
+    out: Path
+    sampler: StepSampler
+    per_epoch: int
+    total: int
+
+    @property
+    def world(self) -> int:
+        return self.acc.num_processes
+
+
+def train(
+    model: torch.nn.Module,
+    dataset,
+    step_fn: StepFn,
+    train_cfg: dict,
+    out_dir: str | os.PathLike,
+    *,
+    collate_fn: Callable[[list], dict],
+    resume: Optional[bool] = None,
+    device: str = "cpu",
+) -> TrainResult:
+    """Train `model` on `dataset` with the recipe of the module docstring.
+
+    resume: None resumes from `<out>/checkpoints/latest` when it exists, True
+    requires it, False starts afresh (deleting old checkpoints).
+    """
+    from accelerate import PartialState
+
+    out = Path(out_dir)
+    world = PartialState(cpu=_use_cpu(device)).num_processes
+    acc = make_accelerator(device, accumulation_steps(train_cfg, world))
+    n = len(dataset)
+    per_epoch, total = plan_steps(n, train_cfg)
+    g = int(train_cfg["global_batch"])
+    if n < g:
+        log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
+    params = _trainable_params(model, acc)
+    opt, sched = make_optimizer(params, train_cfg, total)
+    gen = torch.Generator(device=acc.device).manual_seed(int(train_cfg["seed"]) + acc.process_index)
+    run = _Loop(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, train_cfg, out,
+                StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total)
+    start, elapsed_before = _start_or_resume(run, resume, n)
+    log.info(
+        "training: %d samples, %d steps/epoch, %d steps (epochs %s, max_steps %s), global batch %d = "
+        "%d processes x %d micro x %d accumulation, %.2fM trainable / %.2fM frozen params, %s, %s",
+        n, per_epoch, total, train_cfg["epochs"], train_cfg.get("max_steps"), g, world,
+        int(train_cfg["micro_batch"]), acc.gradient_accumulation_steps, sum(p.numel() for p in params) / 1e6,
+        sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6, acc.device, acc.mixed_precision,
+    )
+    t_run = time.perf_counter()
+    positions_run = _run_steps(run, start, elapsed_before, t_run)
+    elapsed = time.perf_counter() - t_run
+    acc.wait_for_everyone()
+
+    ran = total - start
+    positions_all = float(acc.reduce(torch.tensor(positions_run, device=acc.device), "sum")) if world > 1 else positions_run
+    result = TrainResult(out, total, ran, elapsed, positions_all / max(elapsed, 1e-9), ran * g / max(elapsed, 1e-9))
+    if acc.is_main_process:
+        _save_final(model, out, result, train_cfg)
+    acc.wait_for_everyone()
+    (log.info if acc.is_main_process else log.debug)(
+        "trained %d steps in %.1f s: %.1f predicted positions/s, %.2f sequences/s; drafter in %s",
+        ran, elapsed, result.positions_per_s, result.sequences_per_s, out,
+    )
+    return result
+
+
+def _trainable_params(model: torch.nn.Module, acc) -> list:
+    """The model on this process's device in train mode; its trainable
+    parameters, identical on every process."""
+    model.to(acc.device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise DeepSpecError("the model has no trainable parameters")
+    if acc.num_processes > 1:
+        for p in params:
+            torch.distributed.broadcast(p.data, src=0)
+    return params
+
+
+def _start_or_resume(run: _Loop, resume: Optional[bool], n: int) -> tuple[int, float]:
+    """(first step, seconds trained before): resume from the latest checkpoint
+    (unless resume is False, which deletes old checkpoints) or start afresh."""
+    acc, out = run.acc, run.out
+    ckpt_root = out / CKPT_DIR
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").unlink(missing_ok=True)  # present only once training completed
+    ckpt = latest_checkpoint(out) if resume is not False else None
+    if resume and ckpt is None:
+        raise DeepSpecError(f"--resume: no checkpoint under {ckpt_root}")
+    if resume is False and acc.is_main_process and ckpt_root.exists():
+        shutil.rmtree(ckpt_root)
+    acc.wait_for_everyone()
+    start, elapsed_before = 0, 0.0
+    if ckpt is not None:
+        start, elapsed_before = resume_checkpoint(ckpt, run.model, run.opt, run.sched, run.gen, out,
+                                                  acc.process_index, acc.is_main_process, n, run.train_cfg)
+        log.info("resumed from %s at step %d/%d", ckpt, start, run.total)
+    elif acc.is_main_process:
+        (out / LOG_NAME).unlink(missing_ok=True)
+    acc.wait_for_everyone()
+    return start, elapsed_before
+
+
+def _run_steps(run: _Loop, start: int, elapsed_before: float, t_run: float) -> float:
+    """Optimiser steps start..total with logging and checkpoints; returns the
+    positions this process predicted."""
+    from tqdm.auto import tqdm
+
+    acc, cfg = run.acc, run.train_cfg
+    train_log = TrainLog(run.out / LOG_NAME, enabled=acc.is_main_process)
+    bar = tqdm(total=run.total, initial=start, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
+    positions_run = 0.0
+    for step in range(start, run.total):
+        t0 = time.perf_counter()
+        done = step + 1
+        log_step = done % int(cfg["log_every"]) == 0 or done == run.total or done == 1
+        sums, positions = _accumulate(run, step, log_step)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, float(cfg["grad_clip"])))
+        lr = run.sched.get_last_lr()[0]
+        run.opt.step()
+        run.sched.step()
+        run.opt.zero_grad(set_to_none=True)
+        positions_run += positions
+        if log_step:
+            row = _log_row(acc, run.world, done, run.per_epoch, lr, sums, grad_norm, positions,
+                           int(cfg["global_batch"]), time.perf_counter() - t0,
+                           elapsed_before + time.perf_counter() - t_run)
+            train_log.write(row)
+            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "tau_expected") if k in row}, refresh=False)
+        bar.update(1)
+        if done % int(cfg["checkpoint_every"]) == 0 or done == run.total:
+            save_checkpoint(acc, run.model, run.opt, run.sched, run.gen, run.out, done, run.total,
+                            len(run.dataset), cfg, elapsed_before + time.perf_counter() - t_run)
+    bar.close()
+    return positions_run
+
+
+def _accumulate(run: _Loop, step: int, log_step: bool) -> tuple[dict, float]:
+    """Forward and backward of this process's micro batches of update `step`,
+    gradients averaged over processes. Returns ({metric: [sum, micro batches
+    reporting it]}, predicted positions)."""
+    acc = run.acc
+    sums: dict[str, list] = {}
+    positions = 0.0
+    for idx in split_batch(run.sampler.indices(step), acc.process_index, run.world, int(run.train_cfg["micro_batch"])):
+        batch = _to_device(run.collate_fn([run.dataset[i] for i in idx]), acc.device)
+        with acc.autocast():
+            loss, metrics = run.step_fn(run.model, batch, run.gen, log_step=log_step)
+        if not torch.isfinite(loss):
+            raise DeepSpecError(f"non-finite training loss {loss.item()} at step {step + 1}")
+        acc.backward(loss)  # divides by the accumulation steps
+        positions += _count_positions(metrics, batch)
+        for k, v in {"loss": loss.item(), **metrics}.items():
+            acc_k = sums.setdefault(k, [0.0, 0])
+            acc_k[0] += float(v)
+            acc_k[1] += 1
+    if run.world > 1:
+        for p in run.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+            p.grad.div_(run.world)
+    return sums, positions
+
+
+def _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g, step_s, elapsed) -> dict:
+    """One train_log row: each metric is its mean over the micro batches (of all
+    processes) that reported it; positions are summed over processes."""
+    keys = list(sums)
+    if world > 1:  # the union of the processes' metric names, in first-seen order
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, keys)
+        keys = list(dict.fromkeys(k for ks in gathered for k in ks))
+    vec = torch.tensor([x for k in keys for x in sums.get(k, (0.0, 0))] + [positions], dtype=torch.float64)
+    if world > 1:
+        vec = acc.reduce(vec.to(acc.device), "sum").cpu()
+    metrics = {k: float(vec[2 * i] / vec[2 * i + 1]) if vec[2 * i + 1] > 0 else float("nan")
+               for i, k in enumerate(keys)}
+    positions = float(vec[-1])
+    row = {"step": done, "epoch": done / per_epoch, "lr": lr, "loss": metrics.get("loss", float("nan"))}
+    row.update({k: v for k, v in metrics.items() if k != "loss"})
+    row.update(grad_norm=grad_norm, positions_per_s=positions / step_s, sequences_per_s=g / step_s, elapsed_s=elapsed)
+    return row
+
+
+def _save_final(model, out: Path, result: TrainResult, train_cfg: dict) -> None:
+    """save_pretrained into a temporary directory, move the files into <out>,
+    config.json last."""
+    tmp = out / ".final.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp))
+    write_json_atomic(tmp / "train_summary.json", {
+        "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
+        "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
+    })
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [x for x in names if x != "config.json"] + ["config.json"]:
+        os.replace(tmp / name, out / name)
+    tmp.rmdir()
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def step_spec(cfg: dict) -> StepSpec:
+    """The training step's settings from a preset (train.num_anchors, the loss section)."""
+    L = cfg["loss"]
+    coef = LossWeights(ce_alpha=L["ce_alpha"], l1_alpha=L["l1_alpha"], conf_alpha=L["conf_alpha"],
+                       decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"])
+    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), coef=coef)
+
+
+def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool] = None) -> TrainResult:
+    """Load the target, build the dataset and drafter, train (the CLI's body).
+
+    `method` is eagle3, dflash, dspark or an ablation variant name
+    (deepspec.pipeline.methods, e.g. dspark-l2); the default output directory is
+    <results>/<target>/drafters/<method>.
+    """
+    from .. import drafters
+    from .methods import resolve_method
+    from .target import target_from_config
+    from .train_data import collate, make_train_dataset, token_counts
+
+    base, cfg = resolve_method(cfg, method)
+    device = cfg["target"]["device"]
+    target = target_from_config(cfg, device=str(process_device(device)))
+    dataset = make_train_dataset(cfg, target=target)
+    counts = token_counts(dataset, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
+    torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
+    drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
+    spec = step_spec(cfg)
+
+    def step_fn(model, batch, generator, log_step=True):
+        return model.training_step(batch, spec, generator, log_step=log_step)
+
+    out = Path(out_dir) if out_dir else RunPaths.of(cfg).drafter_dir(method)
+    log.info("training %s (%s) on %s -> %s", method, base, cfg["target"]["name"], out)
+    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=collate, resume=resume, device=device)
+
+
+def cli_train(argv=None) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec train", description="train a drafter (eagle3, dflash, dspark)")
+    add_config_args(p)
+    p.add_argument("--method", required=True,
+                   help="eagle3 | dflash | dspark, or an ablation variant such as dspark-l2 (deepspec.pipeline.methods)")
+    p.add_argument("--out", default=None, help="output directory (default: <results>/<target>/drafters/<method>)")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                   help="resume from <out>/checkpoints/latest (default: when it exists); --no-resume starts afresh")
+    p.add_argument("--max-steps", type=int, default=None, help="cap the number of optimiser steps")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise DeepSpecError("--max-steps must be at least 1")
+        cfg["train"]["max_steps"] = args.max_steps
+    run_from_config(cfg, args.method, args.out, args.resume)
+    return 0

@@ -1,0 +1,93 @@
+import copy
+
+import pytest
+
+from deepspec.pipeline.conversations import encode_conversation, read_conversations, tokenize_conversation
+from deepspec.errors import DeepSpecError
+from deepspec.core.target import render_chat
+
+TWO_TURNS = [
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def _masked(tok, ids, mask):
+    return [tok.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m]
+
+
+def test_two_turn_mask_token_by_token(tiny_target):
+    tok = tiny_target.tokenizer
+    ids, mask = tokenize_conversation(tok, TWO_TURNS)
+    assert ids == render_chat(tok, TWO_TURNS, add_generation_prompt=False, tokenize=True)
+    pieces = tok.convert_ids_to_tokens(ids)
+    # SmolLM2's template: <|im_start|>role\ncontent<|im_end|>\n, with its own default system turn.
+    expected = [False] * len(pieces)
+    spans = [("Hello", "!", "ĠHow", "Ġcan", "ĠI", "Ġhelp", "?", "<|im_end|>"), ("4", "<|im_end|>")]
+    starts = [k for k in range(len(pieces) - 2) if pieces[k : k + 3] == ["<|im_start|>", "ass", "istant"]]
+    assert len(starts) == 2
+    for start, span in zip(starts, spans):
+        first = start + 4  # <|im_start|> ass istant Ċ
+        assert tuple(pieces[first : first + len(span)]) == span
+        for k in range(first, first + len(span)):
+            expected[k] = True
+    assert mask == expected
+    # the newline after each <|im_end|> and the assistant header are not loss tokens
+    assert _masked(tok, ids, mask) == [p for s in spans for p in s]
+
+
+def test_truncated_turn_has_no_end_of_turn_label(tiny_target):
+    """An answer cut at the token limit never produced <|im_end|>: not a label."""
+    tok = tiny_target.tokenizer
+    turns = copy.deepcopy(TWO_TURNS)
+    turns[3]["truncated"] = True
+    ids, mask = tokenize_conversation(tok, turns)
+    assert ids == tokenize_conversation(tok, TWO_TURNS)[0]  # the rendered text is the same
+    assert _masked(tok, ids, mask) == ["Hello", "!", "ĠHow", "Ġcan", "ĠI", "Ġhelp", "?", "<|im_end|>", "4"]
+
+
+def test_history_rendered_differently_still_masks_content(tiny_target):
+    """A Qwen3-like template puts an empty think block only on the last assistant
+    turn, so rendered prefixes are not prefixes of the full text."""
+    tok = copy.deepcopy(tiny_target.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+    )
+    ids, mask = tokenize_conversation(tok, TWO_TURNS)
+    text = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert text == "Hello! How can I help?<|im_end|>4<|im_end|>"
+
+
+def test_system_prompt_truncation_and_min_loss_tokens(tiny_cfg, tiny_target):
+    tok = tiny_target.tokenizer
+    cfg = copy.deepcopy(tiny_cfg)
+    ids, mask = encode_conversation(tok, TWO_TURNS, cfg)
+    assert "You are a helpful AI assistant named SmolLM" in tok.decode(ids)  # the template's own default
+    cfg["data"]["system_prompt"] = "Be terse."
+    ids2, _ = encode_conversation(tok, TWO_TURNS, cfg)
+    assert "Be terse." in tok.decode(ids2) and "named SmolLM" not in tok.decode(ids2)
+
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["data"]["max_length"] = len(ids) - 3
+    t_ids, t_mask = encode_conversation(tok, TWO_TURNS, cfg)
+    assert t_ids == ids[: len(ids) - 3] and t_mask == mask[: len(ids) - 3]
+    cfg["data"]["min_loss_tokens"] = sum(t_mask) + 1
+    assert encode_conversation(tok, TWO_TURNS, cfg) is None
+
+
+def test_bad_conversations_are_one_line_errors(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"id": "a:1", "source": "a", "messages": [{"role": "user", "content": "x"}]}\n{"id": "a:2", "messages": [{"role": "bot", "content": "y"}]}\n')
+    with pytest.raises(DeepSpecError, match=r"c.jsonl:2: message 0"):
+        read_conversations(p)
+    p.write_text('{"id": "a:1", "messages": [{"role": "user", "content": "x"}]}\n{"id": "a:1", "messages": [{"role": "user", "content": "x"}]}\n')
+    with pytest.raises(DeepSpecError, match="duplicate"):
+        read_conversations(p)
+    p.write_text('{"id": "a:1", "mess')
+    with pytest.raises(DeepSpecError, match=r"c.jsonl:1: malformed JSON"):
+        read_conversations(p)

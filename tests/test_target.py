@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from deepspec.errors import DeepSpecError
+from deepspec.core.target import check_feature_layers, select_features
+from deepspec.pipeline.target import load_target, prepare_target
+
+
+@pytest.mark.slow
+def test_smollm2_converts_reloads_offline_and_answers_paris(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = prepare_target("smollm2-135m", tmp_path / "smollm2-135m")
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)  # plain HF checkpoint
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    target = load_target("smollm2-135m", path=out)
+    assert target.eos_token_ids == (2,) and target.vocab_size == 49152
+    ids = torch.tensor([target.chat_ids([{"role": "user", "content": "What is the capital of France?"}])])
+    gen = target.model.generate(ids, max_new_tokens=16, do_sample=False)
+    text = target.tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text, text
+
+
+def test_tiny_target_features(tiny_target, tiny_cfg):
+    t = tiny_target
+    assert t.num_layers == 2 and t.hidden_size == 64
+    ids = torch.tensor([t.chat_ids([{"role": "user", "content": "Hello there"}])])
+    layers = tiny_cfg["target"]["feature_layers"]
+    feats, last = t.features(ids, layers)
+    assert feats.shape == (1, ids.shape[1], 64 * len(layers)) and last.shape == (1, ids.shape[1], 64)
+    out = t.model(ids, output_hidden_states=True)
+    # hidden_states[l+1] is layer l's output; the last entry is post-norm and gives the logits.
+    torch.testing.assert_close(feats[..., :64], out.hidden_states[0])
+    torch.testing.assert_close(feats[..., 64:], out.hidden_states[1])
+    torch.testing.assert_close(t.lm_head(last), out.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_tiny_target_is_deterministic_and_peaked(tiny_target, tmp_path):
+    again = load_target("tiny", path=prepare_target("tiny", tmp_path / "tiny"))
+    for a, b in zip(tiny_target.model.state_dict().values(), again.model.state_dict().values()):
+        assert torch.equal(a, b)
+    ids = torch.tensor([tiny_target.chat_ids([{"role": "user", "content": "Count to ten."}])])
+    p = torch.softmax(tiny_target.model(ids).logits, -1)
+    entropy = -(p * p.clamp_min(1e-12).log()).sum(-1).mean()
+    assert entropy < 4.0  # far from uniform (log 49152 = 10.8)
+
+
+def test_final_layer_is_not_a_feature_layer():
+    assert check_feature_layers([1, 7, 14, 21, 27], 30) == [1, 7, 14, 21, 27]
+    with pytest.raises(DeepSpecError, match="final layer"):
+        check_feature_layers([1, 29], 30)
+    with pytest.raises(DeepSpecError):
+        check_feature_layers([-2], 30)
+    hs = [torch.full((1, 1, 2), float(i)) for i in range(4)]
+    assert select_features(hs, [-1, 1]).flatten().tolist() == [0, 0, 2, 2]
+
+
+def test_missing_target_is_a_clear_error(tmp_path):
+    with pytest.raises(DeepSpecError, match="cannot load target"):
+        load_target(str(tmp_path / "nope"))
