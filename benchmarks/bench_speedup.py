@@ -16,7 +16,8 @@ import torch
 from deepspec.config import load_config, parse_set
 from deepspec.core.decode import plain_generate, prompt_lookup_generate, speculative_generate
 from deepspec.drafters import load_drafter
-from deepspec.pipeline.evaluate import drafter_path, load_prompts
+from deepspec.pipeline.evaluate import drafter_path
+from deepspec.pipeline.prompts import benchmark_prompt_ids
 from deepspec.pipeline.target import target_from_config
 
 
@@ -31,7 +32,7 @@ def main():
     cfg = load_config(args.preset, parse_set(args.overrides))
     T, seed = cfg["eval"]["temperature"], cfg["eval"]["seed"]
     target = target_from_config(cfg)
-    prompts = load_prompts(cfg, target, args.benchmark)[: args.n]
+    prompts = benchmark_prompt_ids(cfg, target, args.benchmark)[: args.n]
     gen = lambda i: torch.Generator().manual_seed(seed + i)  # noqa: E731
 
     def run(name, fn):

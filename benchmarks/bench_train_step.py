@@ -1,5 +1,5 @@
 """Cost of one drafter training step (forward + backward) on the preset's cache,
-and what the two target-head savings in deepspec/losses.py buy.
+and what the two target-head savings in deepspec/core/train_step.py buy.
 
 The frozen full-vocabulary target head that gives p_t dominates the step of a
 small drafter. `block_step` computes p_t once per distinct (sequence,
@@ -13,22 +13,23 @@ code, and prints seconds per step and the ratio.
 Needs the preset's target cache (results/<target>/cache, built by the DAG).
 """
 import argparse
+import dataclasses
 import time
 
 import torch
 
-from deepspec import datasets, losses
 from deepspec.config import load_config
 from deepspec.drafters import build_drafter
 from deepspec.pipeline.target import target_from_config
-from deepspec.train import token_counts
+from deepspec.pipeline.train import step_spec
+from deepspec.pipeline.train_data import collate, make_train_dataset, token_counts
 
 
-def time_steps(drafter, batches, cfg, log_step):
+def time_steps(drafter, batches, spec, log_step):
     times = []
     for i, batch in enumerate(batches):
         t0 = time.perf_counter()
-        loss, _ = losses.training_step(drafter, batch, cfg, torch.Generator().manual_seed(i), log_step=log_step)
+        loss, _ = drafter.training_step(batch, spec, torch.Generator().manual_seed(i), log_step=log_step)
         loss.backward()
         drafter.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -45,18 +46,17 @@ def main():
     torch.set_num_threads(args.threads)
     cfg = load_config(args.preset, {"results_dir": args.results} if args.results else None)
     target = target_from_config(cfg)
-    data = datasets.make_train_dataset(cfg, target=target)
+    data = make_train_dataset(cfg, target=target)
     counts = token_counts(data, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
     g, n = int(cfg["train"]["global_batch"]), len(data)
-    batches = [datasets.collate([data[(i * g + j) % n] for j in range(g)]) for i in range(args.steps)]
-    shipped = losses.PRECOMPUTE_PT_BYTES
+    batches = [collate([data[(i * g + j) % n] for j in range(g)]) for i in range(args.steps)]
+    shipped = step_spec(cfg)
+    per_slot = dataclasses.replace(shipped, pt_table_bytes=0)  # no shared table: p_t for every block slot
     for method in ("dflash", "dspark"):
         torch.manual_seed(0)
         d = build_drafter(method, target, cfg, token_counts=counts)
-        losses.PRECOMPUTE_PT_BYTES = 0  # no shared table: p_t for every block slot, as before
-        naive = time_steps(d, batches, cfg, log_step=True)
-        losses.PRECOMPUTE_PT_BYTES = shipped
-        fast = time_steps(d, batches, cfg, log_step=method != "dflash")
+        naive = time_steps(d, batches, per_slot, log_step=True)
+        fast = time_steps(d, batches, shipped, log_step=method != "dflash")
         print(f"{method:7s} {cfg['drafter']['num_layers'][method]} layers: p_t per slot {naive:.3f} s/step, "
               f"shipped {fast:.3f} s/step ({'no p_t off log steps' if method == 'dflash' else 'p_t per position'}): "
               f"{naive / fast:.2f}x")

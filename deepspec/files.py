@@ -84,6 +84,13 @@ def write_csv_atomic(df, path: str | os.PathLike) -> None:
         df.to_csv(tmp, index=False)
 
 
+def save_figure(fig, *paths: str | os.PathLike, dpi: int = 150) -> None:
+    """A matplotlib figure to each path (format from its suffix), atomically."""
+    for out in map(Path, paths):
+        with atomic_path(out, suffix=out.suffix) as tmp:
+            fig.savefig(tmp, format=out.suffix.lstrip("."), dpi=dpi)
+
+
 def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
     """(line number, "file:line", record) for every non-blank line of a JSONL
     file; a missing file or a malformed line is a one-line DeepSpecError."""

@@ -1,4 +1,4 @@
-"""Loading released DeepSpec DFlash/DSpark checkpoints (deepspec/convert.py):
+"""Loading released DeepSpec DFlash/DSpark checkpoints (deepspec/pipeline/convert.py):
 synthetic reference-layout checkpoints made from random tiny drafters convert
 into drafters with bit-identical outputs; malformed ones fail with one line and
 leave nothing behind."""

@@ -1,4 +1,4 @@
-"""End-to-end tests of the speculative decode loop (deepspec/decode.py) on the tiny target.
+"""End-to-end tests of the speculative decode loop (deepspec/core/decode.py) on the tiny target.
 
 Losslessness: sequences sampled with a drafter follow the target's distribution.
 The first `N_TOK` generated tokens are compared with their exact target

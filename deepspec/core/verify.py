@@ -81,58 +81,76 @@ def verify_chain(
     B, g = draft_tokens.shape
     if target_logits.shape[:2] != (B, g + 1):
         raise ValueError(f"target_logits must be [B, gamma+1, V] = [{B}, {g + 1}, V], got {tuple(target_logits.shape)}")
-    device = target_logits.device
     draft_tokens = draft_tokens.long()
-    rows = torch.arange(B, device=device)
-
     if is_greedy(temperature):
-        greedy = target_logits.argmax(-1)  # [B, g+1]
-        ok = draft_tokens == greedy[:, :g]
-        accept_prob = alpha = ok.float()
-        accepted = _first_true(~ok, g)
-        fill = greedy[rows, accepted]  # correction (or bonus when accepted == g)
+        accepted, fill, accept_prob, alpha = _greedy_decisions(target_logits, draft_tokens)
     else:
         if draft_probs.shape[:2] != (B, g):
             raise ValueError(f"draft_probs must be [B, gamma, V] = [{B}, {g}, V], got {tuple(draft_probs.shape)}")
-        p_t = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, g+1, V]
-        p_d = draft_probs.float()
-        pt_x = p_t[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
-        pd_x = p_d.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).clamp_min(DRAFT_PROB_FLOOR)
-        u = torch.rand((B, g), generator=generator, device=device)
-        ok = u < pt_x / pd_x  # min(1, ratio) is implicit: u < 1 always
-        accept_prob = (pt_x / pd_x).clamp(max=1.0)
-        alpha = acceptance_rate(p_d, p_t[:, :g])
-        accepted = _first_true(~ok, g)
-        # Residual at the first rejected position; at position g+1 p_d is zero,
-        # so the same expression yields p_t itself (the bonus distribution).
-        p_d_pad = torch.cat([p_d, torch.zeros_like(p_d[:, :1])], dim=1)
-        residual = (p_t[rows, accepted] - p_d_pad[rows, accepted]).clamp_min(0.0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_t[rows, accepted])
-        fill = sample(residual, generator)
+        accepted, fill, accept_prob, alpha = _rejection_sampling(target_logits, draft_probs, draft_tokens,
+                                                                 temperature, generator)
+    accepted, eos_stop, reachable = _cut_at_eos(draft_tokens, accepted, eos_token_ids)
 
-    # An accepted EOS ends the round: no correction or bonus after it.
-    eos = list(eos_token_ids)
-    if eos:
-        is_eos = torch.isin(draft_tokens, torch.tensor(eos, device=device))
-        pos = torch.arange(g, device=device).expand(B, g)
-        first_eos = _first_true(is_eos & (pos < accepted.unsqueeze(-1)), g)
-        eos_stop = first_eos < g
-        accepted = torch.where(eos_stop, first_eos + 1, accepted)
-        reachable = (_first_true(is_eos, g) + 1).clamp(max=g)
-    else:
-        eos_stop = torch.zeros(B, dtype=torch.bool, device=device)
-        reachable = torch.full((B,), g, dtype=torch.long, device=device)
-
-    tokens = torch.full((B, g + 1), -1, dtype=torch.long, device=device)
-    pos = torch.arange(g + 1, device=device).expand(B, g + 1)
-    keep = pos < accepted.unsqueeze(-1)
-    tokens[:, :g] = torch.where(keep[:, :g], draft_tokens, tokens[:, :g])
+    rows = torch.arange(B, device=draft_tokens.device)
+    tokens = torch.full((B, g + 1), -1, dtype=torch.long, device=draft_tokens.device)
+    keep = torch.arange(g, device=draft_tokens.device).expand(B, g) < accepted.unsqueeze(-1)
+    tokens[:, :g] = torch.where(keep, draft_tokens, tokens[:, :g])
     put = ~eos_stop
     tokens[rows[put], accepted[put]] = fill[put]
     num_emitted = accepted + put.long()
     return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted, accept_prob=accept_prob, alpha=alpha,
                         eos_stop=eos_stop, reachable=reachable)
+
+
+def _greedy_decisions(target_logits, draft_tokens):
+    """T = 0: a draft token is accepted iff it is the target's argmax; the
+    correction (or the bonus after g accepted) is the argmax there."""
+    g = draft_tokens.shape[1]
+    greedy = target_logits.argmax(-1)  # [B, g+1]
+    ok = draft_tokens == greedy[:, :g]
+    accepted = _first_true(~ok, g)
+    fill = greedy[torch.arange(len(greedy), device=greedy.device), accepted]
+    return accepted, fill, ok.float(), ok.float()
+
+
+def _rejection_sampling(target_logits, draft_probs, draft_tokens, temperature, generator):
+    """Accept token k w.p. min(1, p_t(x_k)/p_d(x_k)); at the first rejection
+    sample from norm(max(0, p_t - p_d)). Returns (accepted [B], correction or
+    bonus token [B], a_k [B, g], alpha_k [B, g])."""
+    B, g = draft_tokens.shape
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_t = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, g+1, V]
+    p_d = draft_probs.float()
+    pt_x = p_t[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    pd_x = p_d.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).clamp_min(DRAFT_PROB_FLOOR)
+    u = torch.rand((B, g), generator=generator, device=draft_tokens.device)
+    ok = u < pt_x / pd_x  # min(1, ratio) is implicit: u < 1 always
+    accepted = _first_true(~ok, g)
+    # Residual at the first rejected position; at position g+1 p_d is zero,
+    # so the same expression yields p_t itself (the bonus distribution).
+    p_d_pad = torch.cat([p_d, torch.zeros_like(p_d[:, :1])], dim=1)
+    residual = (p_t[rows, accepted] - p_d_pad[rows, accepted]).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_t[rows, accepted])
+    fill = sample(residual, generator)
+    return accepted, fill, (pt_x / pd_x).clamp(max=1.0), acceptance_rate(p_d, p_t[:, :g])
+
+
+def _cut_at_eos(draft_tokens, accepted, eos_token_ids):
+    """An accepted EOS ends the round: no correction or bonus after it.
+    Returns (accepted, eos_stop [B] bool, reachable [B]: positions up to and
+    including the first drafted EOS)."""
+    B, g = draft_tokens.shape
+    device = draft_tokens.device
+    eos = list(eos_token_ids)
+    if not eos:
+        return accepted, torch.zeros(B, dtype=torch.bool, device=device), torch.full((B,), g, device=device)
+    is_eos = torch.isin(draft_tokens, torch.tensor(eos, device=device))
+    pos = torch.arange(g, device=device).expand(B, g)
+    first_eos = _first_true(is_eos & (pos < accepted.unsqueeze(-1)), g)
+    eos_stop = first_eos < g
+    accepted = torch.where(eos_stop, first_eos + 1, accepted)
+    return accepted, eos_stop, (_first_true(is_eos, g) + 1).clamp(max=g)
 
 
 def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import DeepSpecError
-from ..files import atomic_path, read_json, write_csv_atomic
+from ..files import read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
 from . import published as paper
 from .methods import fig3_methods, fig4_methods, resolve_method, variant_base
@@ -46,9 +46,7 @@ def _plt():
 
 
 def _save(fig, pdf: Path) -> None:
-    for out in (pdf, pdf.with_suffix(".png")):
-        with atomic_path(out, suffix=out.suffix) as tmp:
-            fig.savefig(tmp, format=out.suffix.lstrip("."), dpi=150)
+    save_figure(fig, pdf, pdf.with_suffix(".png"))
 
 
 def fig3(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:

@@ -20,7 +20,7 @@ import pandas as pd
 
 from ..core.acceptance import domain_position_table
 from ..errors import DeepSpecError
-from ..files import atomic_path, read_json, write_csv_atomic, write_text_atomic
+from ..files import read_json, save_figure, write_csv_atomic, write_text_atomic
 from ..paths import RunPaths
 from . import published as paper
 
@@ -170,9 +170,7 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
             + f"; positions with < {min_attempts} {'expected ' if kind != 'count' else ''}attempts omitted")
     fig.suptitle((title + "\n" if title else "") + note, fontsize=8)
     fig.tight_layout()
-    for out in [pdf] + ([png] if png else []):
-        with atomic_path(out, suffix=out.suffix) as tmp:
-            fig.savefig(tmp, format=out.suffix.lstrip("."), dpi=150)
+    save_figure(fig, pdf, *([png] if png else []))
     plt.close(fig)
 
 
