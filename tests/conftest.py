@@ -2,7 +2,10 @@
 a test says otherwise. Session-scoped fixtures build each target once.
 
 `target` / `target_cfg` run a test on both tiny targets (`target_kind`): the
-Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.pipeline.target.build_tiny)."""
+Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.pipeline.target.build_tiny).
+`qwen3_target` / `qwen3_cfg` are a tiny random Qwen3 target (q/k norms) for the
+Qwen3-only paths (the standard Eagle3 layer with q/k norms, released-checkpoint
+layouts, export)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,6 +82,28 @@ def gemma4_cfg(tiny_cfg) -> dict:
 
     c = copy.deepcopy(tiny_cfg)
     c["target"]["feature_layers"] = GEMMA4_FEATURE_LAYERS
+    return c
+
+
+QWEN3_FEATURE_LAYERS = [0, 1]
+
+
+@pytest.fixture(scope="session")
+def qwen3_target():
+    """A tiny random Qwen3ForCausalLM (3 layers, q/k norms, untied head, 512 tokens, no tokenizer)."""
+    from deepspec.pipeline.target import Target, build_tiny, eos_ids_of
+
+    model = build_tiny("qwen3").eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, target_id="tiny-qwen3", eos_token_ids=eos_ids_of(model, None))
+
+
+@pytest.fixture(scope="session")
+def qwen3_cfg(tiny_cfg) -> dict:
+    """The tiny preset with the Qwen3 target's feature layers."""
+    import copy
+
+    c = copy.deepcopy(tiny_cfg)
+    c["target"]["feature_layers"] = QWEN3_FEATURE_LAYERS
     return c
 
 

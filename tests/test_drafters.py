@@ -213,6 +213,10 @@ def test_init_from_target_copies_last_layers(target, target_cfg):
         c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 1}
         d = build_drafter(method, target, c)
         t_layer = target.model.get_decoder().layers[-1]  # Gemma4: a full-attention layer
+        if method == "eagle3":  # 2d-wide q/k/v (standard EAGLE-3 layer): not copied
+            assert d.layers[0].self_attn.q_proj.weight.shape[1] == 2 * t_layer.self_attn.q_proj.weight.shape[1]
+            assert torch.equal(d.layers[0].mlp.down_proj.weight, t_layer.mlp.down_proj.weight)
+            continue
         assert torch.equal(d.layers[0].self_attn.q_proj.weight, t_layer.self_attn.q_proj.weight)
         assert torch.equal(d.layers[0].mlp.down_proj.weight, t_layer.mlp.down_proj.weight)
         assert d.layers[0].self_attn.q_proj.weight.data_ptr() != t_layer.self_attn.q_proj.weight.data_ptr()

@@ -29,6 +29,7 @@ from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for, gemma4_draft_config
 from deepspec.drafters.dflash import Gemma4KVInjectionLayer
+from deepspec.drafters.eagle3 import Gemma4Eagle3Layer
 from deepspec.pipeline.train import step_spec
 from deepspec.pipeline.target import tiny_config
 
@@ -87,11 +88,16 @@ def test_draft_config_uses_full_attention_geometry(gemma4_target, gemma4_cfg):
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_drafter_layers_are_gemma4_layers(gemma4_target, gemma4_cfg, method):
-    """Eagle3 uses transformers' Gemma4 decoder layer, DFlash/DSpark the injection
-    layer; the draft config is a Gemma4TextConfig (save/load: test_drafters.py)."""
+    """Eagle3 uses DeepSeek's Gemma4 Eagle3 layer (transformers' Gemma4 attention with
+    2d-wide q/k projections), DFlash/DSpark the injection layer; the draft config is a
+    Gemma4TextConfig (save/load: test_drafters.py)."""
     d = _drafter(method, gemma4_target, gemma4_cfg)
-    layer_cls = g4.Gemma4TextDecoderLayer if method == "eagle3" else Gemma4KVInjectionLayer
+    layer_cls = Gemma4Eagle3Layer if method == "eagle3" else Gemma4KVInjectionLayer
     assert all(type(layer) is layer_cls for layer in d.layers)
+    if method == "eagle3":
+        a = d.layers[0].self_attn
+        assert type(a) is g4.Gemma4TextAttention and a.v_proj is None  # keys as values (attention_k_eq_v)
+        assert a.q_proj.in_features == 2 * d.config.hidden_size == a.k_proj.in_features
     assert isinstance(d.config, Gemma4TextConfig) and d.config.head_dim == 32
 
 
@@ -186,7 +192,11 @@ def test_multimodal_wrapper_target(gemma4_wrapped_target, gemma4_cfg, method):
     c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 1, "dspark": 1}
     d = _drafter(method, t, c)
     assert isinstance(d.config, Gemma4TextConfig) and d._shared.softcap == 30.0
-    assert torch.equal(d.layers[0].self_attn.q_proj.weight, t.model.get_decoder().layers[-1].self_attn.q_proj.weight)
+    src = t.model.get_decoder().layers[-1]
+    if method == "eagle3":  # 2d-wide q/k/v: only the MLP and norms come from the target
+        assert torch.equal(d.layers[0].mlp.down_proj.weight, src.mlp.down_proj.weight)
+    else:
+        assert torch.equal(d.layers[0].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
     d.train()
     loss, _ = d.training_step(_batch(t, c, SEQ), step_spec(c), torch.Generator().manual_seed(0))
     assert torch.isfinite(loss)

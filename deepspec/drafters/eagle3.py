@@ -1,18 +1,27 @@
-"""Eagle3 chain drafter as used by DeepSpec (notes §3-4, §6.4; EAGLE-3 with
+"""Eagle3 chain drafter: the standard EAGLE-3 layer (notes §3-4, §6.4; EAGLE-3 with
 training-time test, 7 steps, chain drafting, full vocabulary by default).
 
-Input of the single decoder layer at row t:
-    x = W_in [RMSNorm_e(emb(token)); RMSNorm_h(hidden)]      (Linear(2d -> d))
-where `hidden` is the fused target features fc([h^(l1); ...; h^(lm)]) at step 0
-and the draft's own (pre-norm) output hidden from the previous step afterwards;
-the layer is the target architecture's standard transformers decoder layer
-(Gemma4: Gemma4TextDecoderLayer of the all-full-attention draft config, with
-its sandwich norms, q/k/v norms, attention_k_eq_v and layer_scalar).
-Design choice: the reference (SpecForge) instead feeds the 2d concatenation
-straight into a modified attention (q/k/v projections of width 2d). The
-Linear(2d -> d) variant reuses the stock decoder layer unchanged; the two are
-equally expressive up to the first projection, but released reference
-checkpoints cannot be loaded into this layout.
+The layer (`Eagle3Layer`), as in DeepSeek's `Qwen3Eagle3DecoderLayer`, SpecForge's
+`LlamaForCausalLMEagle3` and vLLM's `llama_eagle3.py` / `qwen3_eagle3.py`:
+
+    residual = g
+    x = [input_layernorm(emb(token)); hidden_norm(g)]           (width 2d)
+    h = residual + o_proj(attn(q_proj(x), k_proj(x), v_proj(x)))  (q/k/v: Linear(2d -> heads*hd))
+    out = h + mlp(post_attention_layernorm(h))
+
+where `g` is the fused target features fc([h^(l1); ...; h^(lm)]) at step 0 and
+the draft's own pre-norm output of the previous step afterwards (every layer of
+a deeper draft takes the same token embedding and the previous layer's output).
+The attention is transformers' attention module of the target architecture with
+its q/k/v projections widened to 2d inputs (Qwen3: q/k RMSNorm per head; Llama:
+none). Gemma4 targets (`Gemma4Eagle3Layer`) follow DeepSeek's
+`Gemma4Eagle3DecoderLayer`: Gemma4TextAttention of the all-full-attention draft
+config (q/k norms, scale-free value norm, keys as values with attention_k_eq_v,
+scaling 1), sandwich norms (post-attention norm on the attention output before
+the residual, pre/post feed-forward norms) and the output times `layer_scalar`.
+Parameter names are the reference's (`fc`, `layers.{i}.hidden_norm`,
+`layers.{i}.input_layernorm`, `layers.{i}.self_attn.*`, ..., `norm`), so
+released checkpoints map one to one (pipeline/convert.py).
 
 Training-time test (TTT, `forward`): step 0 pairs the target features at
 position t with token t+1 and predicts token t+2; step s > 0 replaces the target
@@ -48,6 +57,62 @@ def ttt_mask(L: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [eye] * step, dim=1).view(1, 1, L, -1)
 
 
+def widen(lin: nn.Linear, in_features: int) -> nn.Linear:
+    """A fresh Linear(in_features -> lin.out_features) with lin's bias setting."""
+    return nn.Linear(in_features, lin.out_features, bias=lin.bias is not None)
+
+
+class Eagle3Layer(nn.Module):
+    """The standard EAGLE-3 decoder layer (module docstring) on transformers'
+    attention / MLP / RMSNorm of the target architecture."""
+
+    def __init__(self, config, layer_idx: int, blocks):
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = self._attention(config, layer_idx, blocks)
+        self.mlp = blocks.MLP(config, layer_idx) if blocks.family == "gemma4" else blocks.MLP(config)
+        self.hidden_norm = blocks.RMSNorm(d, eps=eps)
+        self.input_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = blocks.RMSNorm(d, eps=eps)
+        self._gemma4 = blocks.family == "gemma4"
+
+    @staticmethod
+    def _attention(config, layer_idx, blocks):
+        a = blocks.Attention(config=config, layer_idx=layer_idx)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            if getattr(a, name, None) is not None:  # Gemma4 with attention_k_eq_v has no v_proj
+                setattr(a, name, widen(getattr(a, name), 2 * config.hidden_size))
+        return a
+
+    def attend(self, emb, g, cos, sin, mask, cache):
+        """o_proj(attn(x)) for x = [input_layernorm(emb); hidden_norm(g)]."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(g)], -1)
+        kw = {cache_kwarg(self.self_attn): cache}
+        if self._gemma4:
+            kw["shared_kv_states"] = {}  # the draft shares no K/V across layers
+        return self.self_attn(x, position_embeddings=(cos, sin), attention_mask=mask, **kw)[0]
+
+    def forward(self, emb, g, cos, sin, mask=None, cache=None):
+        h = g + self.attend(emb, g, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Gemma4Eagle3Layer(Eagle3Layer):
+    """DeepSeek's Gemma4 Eagle3 layer: sandwich norms and `layer_scalar`."""
+
+    def __init__(self, config, layer_idx: int, blocks):
+        super().__init__(config, layer_idx, blocks)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_feedforward_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.post_feedforward_layernorm = blocks.RMSNorm(d, eps=eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, emb, g, cos, sin, mask=None, cache=None):
+        h = g + self.post_attention_layernorm(self.attend(emb, g, cos, sin, mask, cache))
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h * self.layer_scalar
+
+
 @dataclass
 class ChainState:
     cache: KVStore = field(default_factory=KVStore)
@@ -62,10 +127,8 @@ class Eagle3Drafter(DrafterBase):
         super().__init__(config)
         d = config.hidden_size
         self.fc, _ = self.feature_projection()
-        self.emb_norm = self.blocks.RMSNorm(d, eps=config.rms_norm_eps)
-        self.hidden_norm = self.blocks.RMSNorm(d, eps=config.rms_norm_eps)
-        self.in_proj = nn.Linear(2 * d, d, bias=False)
-        self.layers = nn.ModuleList(self.blocks.DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        layer_cls = Gemma4Eagle3Layer if self.blocks.family == "gemma4" else Eagle3Layer
+        self.layers = nn.ModuleList(layer_cls(config, i, self.blocks) for i in range(config.num_hidden_layers))
         self.norm = self.blocks.RMSNorm(d, eps=config.rms_norm_eps)
         self.rotary_emb = self.blocks.RotaryEmbedding(config=config)
         self.post_init()
@@ -74,20 +137,13 @@ class Eagle3Drafter(DrafterBase):
     def gamma(self) -> int:
         return self.config.deepspec_ttt_length
 
-    def _layer_kwargs(self) -> dict:
-        """Gemma4TextDecoderLayer stores the K/V of the last layer of each attention
-        type in a `shared_kv_states` dict (for KV-sharing layers); the draft shares
-        nothing, so it gets a fresh dict per step."""
-        return {"shared_kv_states": {}} if self.blocks.family == "gemma4" else {}
-
     def _step(self, tokens, hidden, pos, mask, cache):
         """One chain step over rows: returns the pre-norm output hidden [B, L, d]."""
-        x = self.in_proj(torch.cat([self.emb_norm(self.embed(tokens)), self.hidden_norm(hidden)], -1))
-        cos, sin = self.rotary(x, pos)
+        emb = self.embed(tokens).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, pos)
         for layer in self.layers:
-            kw = {cache_kwarg(layer): cache, **self._layer_kwargs()}
-            x = layer(x, attention_mask=mask, position_embeddings=(cos, sin), use_cache=True, **kw)
-        return x
+            hidden = layer(emb, hidden, cos, sin, mask, cache)
+        return hidden
 
     def forward(self, input_ids, features, attention_mask=None, steps: Optional[int] = None):
         """TTT pass. Returns a list over steps s of post-norm hidden states

