@@ -13,7 +13,9 @@ DSpark (Eq. 12):  L = a_ce L_ce + a_tv L_tv + a_conf L_conf, a = (0.1, 0.9, 1.0)
   §0.5) normalises by sum(w) and uses loss_decay_gamma = 4.0.
 DFlash: the same weighted CE alone (the reference's ce alpha 1.0, others 0).
 Eagle3: soft-label CE against p_t at each of the ttt_length chained steps,
-  step weight 0.8^s (`chain_loss`).
+  step weight 0.8^s (`chain_loss`); which rows count at step s
+  (`chain_row_mask`) and what each step's sum is divided by (`chain_normalizer`)
+  follow DeepSeek's eagle3/loss.py by default.
 
 Reduced draft vocabulary: p_d is zero outside the draft vocabulary, so
 ||p_d - p_t||_1 = sum_in |p_d - p_t| + (target mass outside) (`out_mass`); c*
@@ -43,6 +45,10 @@ class LossWeights:
     conf_alpha: float = 1.0
     decay_gamma: float = 4.0
     eagle3_step_decay: float = 0.8
+    # Eagle3's rows and normaliser (`chain_row_mask`, `chain_normalizer`); the
+    # defaults are the reference's, the alternatives are documented there.
+    eagle3_row_mask: str = "reference"
+    eagle3_normalizer: str = "batch_tokens"
 
 
 def position_weights(gamma: int, decay: float = 4.0, device=None) -> torch.Tensor:
@@ -113,3 +119,43 @@ def chain_loss(step_losses: Sequence[Optional[torch.Tensor]], decay: float = 0.8
         if step_loss is not None:
             loss = loss + decay**s * step_loss
     return loss
+
+
+CHAIN_ROW_MASKS = ("reference", "predicted")
+CHAIN_NORMALIZERS = ("batch_tokens", "valid_rows")
+
+
+def chain_row_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, step: int, rule: str = "reference"):
+    """Rows [B, L] of TTT step `step` that enter the Eagle3 loss (row t predicts
+    token t+2+step, whose target distribution is p_t at t+1+step).
+
+    "reference" (DeepSeek's eagle3/loss.py, the default): the loss mask at t+step,
+    and t+step < length-1 (the last token has no next-token target), i.e. the
+    step-0 row mask shifted left by `step`.
+    "predicted": the loss mask of the predicted token t+2+step (inside the
+    sequence). The reference's rule is two tokens off the predicted token: it
+    trains on the two tokens after each assistant span and skips its first two;
+    "predicted" trains exactly on the assistant tokens. loss_mask [B, L] bool
+    (padding already False), lengths [B] the unpadded lengths."""
+    B, L = loss_mask.shape
+    t = torch.arange(L, device=loss_mask.device)
+    if rule == "predicted":
+        tgt = t + 2 + step
+        return (tgt < L).expand(B, L) & loss_mask.gather(1, tgt.clamp(max=L - 1).expand(B, L))
+    if rule != "reference":
+        raise ValueError(f"unknown Eagle3 row mask {rule!r}: use one of {CHAIN_ROW_MASKS}")
+    src = t + step
+    ok = (src < L).expand(B, L) & loss_mask.gather(1, src.clamp(max=L - 1).expand(B, L))
+    return ok & (src.view(1, L) < (lengths.view(B, 1) - 1))
+
+
+def chain_normalizer(valid: torch.Tensor, rule: str = "batch_tokens") -> float:
+    """What one TTT step's summed soft CE is divided by. "batch_tokens" (the
+    reference's `local_mean`, the default): B*T of the (padded) batch, whatever
+    the number of valid rows, so later steps and short answers weigh less;
+    "valid_rows": the step's number of valid rows (a per-step mean)."""
+    if rule == "batch_tokens":
+        return float(valid.numel())
+    if rule == "valid_rows":
+        return float(valid.sum().clamp_min(1))
+    raise ValueError(f"unknown Eagle3 normaliser {rule!r}: use one of {CHAIN_NORMALIZERS}")

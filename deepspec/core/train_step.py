@@ -10,8 +10,9 @@ targets past the sequence or outside the loss mask are masked, and validity
 is a contiguous prefix of each block (`block_targets`).
 
 Chain drafter (Eagle3; `chain_step`): row t of TTT step s predicts token
-t+2+s, which the target predicted at t+1+s; each step's loss is the mean over
-its valid rows.
+t+2+s, which the target predicted at t+1+s; the rows that count and each
+step's normaliser are `losses.chain_row_mask` / `losses.chain_normalizer`
+(DeepSeek's rules by default: loss mask at t+s, t+s < length-1, divided by B*T).
 
 p_t (the frozen full-vocabulary head on the cached final hidden states)
 dominates the cost of a small drafter, so it is computed once per distinct
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .losses import LossWeights, block_loss, chain_loss, position_weights, soft_ce_terms, token_terms
+from .losses import (LossWeights, block_loss, chain_loss, chain_normalizer, chain_row_mask, position_weights,
+                     soft_ce_terms, token_terms)
 from .verify import expected_tau
 
 
@@ -200,46 +202,48 @@ def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     return loss, metrics
 
 
+def _chain_target_table(drafter, last, spec: StepSpec):
+    """p_t on the draft vocabulary for every position [B, L, K], or None when it
+    exceeds spec.pt_table_bytes. Every TTT step reads p_t at the same positions
+    shifted by one, so the full-vocabulary head runs once per position, not per
+    step (and not again in the checkpointed backward)."""
+    B, L = last.shape[:2]
+    if B * L * drafter.draft_vocab_size * 4 > spec.pt_table_bytes:
+        return None
+    return _restricted_pt(drafter, last.reshape(B * L, -1), spec.chunk_positions)[0].view(B, L, -1)
+
+
 def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     """Eagle3 (TTT): one forward + loss (no backward) -> (loss, metrics)."""
     dev = drafter.device
     ids, lm = batch["input_ids"].to(dev), batch["loss_mask"].to(dev).bool()
     am = batch.get("attention_mask")
+    B, L = ids.shape
+    lengths = torch.full((B,), L, device=dev) if am is None else am.to(dev).long().sum(1)
     if am is not None:
         lm = lm & am.to(dev).bool()
-    B, L = ids.shape
     last = batch["last_hidden"].to(dev)
     outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev))
     t = torch.arange(L, device=dev)
-    # Every TTT step reads p_t at the same positions shifted by one, so when it
-    # fits, the full-vocabulary target head runs once per position, not per step
-    # (and not again in the checkpointed backward).
-    pt_all = None
-    if B * L * drafter.draft_vocab_size * 4 <= spec.pt_table_bytes:
-        pt_all = _restricted_pt(drafter, last.reshape(B * L, -1), spec.chunk_positions)[0].view(B, L, -1)
+    pt_all = _chain_target_table(drafter, last, spec)
+    table = pt_all if pt_all is not None else last
+
+    def terms(h_, x_):
+        logp = torch.log_softmax(drafter.draft_logits(h_).float(), -1)
+        pt = x_ if pt_all is not None else drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
+        return soft_ce_terms(logp, pt)
+
     metrics, cs, step_losses, n_pos = {}, [], [], 0
     for s, h in enumerate(outs):
-        tgt = t + 2 + s  # row t of step s predicts token t+2+s ...
-        valid = (tgt < L).expand(B, L) & lm.gather(1, tgt.clamp(max=L - 1).expand(B, L))
-        src = (t + 1 + s).clamp(max=L - 1).expand(B, L)  # ... which the target predicted at t+1+s
+        valid = chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask)
+        src = (t + 1 + s).clamp(max=L - 1).expand(B, L)  # row t's target: p_t at t+1+s (token t+2+s)
         if not valid.any():
             metrics[f"loss_step_{s + 1}"] = 0.0
             cs.append(0.0)
             step_losses.append(None)
             continue
-        table = pt_all if pt_all is not None else last
-
-        def terms(h_, x_):
-            logp = torch.log_softmax(drafter.draft_logits(h_).float(), -1)
-            pt = x_ if pt_all is not None else drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
-            return soft_ce_terms(logp, pt)
-
         sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(table, src)[valid])
-        # Mean over this step's valid rows. The reference divides each step by the
-        # local B*T instead (padding included); the mean keeps steps with fewer
-        # valid rows (later TTT steps, short answers) from being down-weighted
-        # beyond the paper's 0.8^step.
-        step_losses.append(sce.mean())
+        step_losses.append(sce.sum() / chain_normalizer(valid, spec.coef.eagle3_normalizer))
         metrics[f"loss_step_{s + 1}"] = float(step_losses[-1].detach())
         cs.append(float(cstar.mean()))
         n_pos += int(valid.sum())

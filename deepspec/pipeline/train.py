@@ -470,7 +470,8 @@ def step_spec(cfg: dict) -> StepSpec:
     """The training step's settings from a preset (train.num_anchors, the loss section)."""
     L = cfg["loss"]
     coef = LossWeights(ce_alpha=L["ce_alpha"], l1_alpha=L["l1_alpha"], conf_alpha=L["conf_alpha"],
-                       decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"])
+                       decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"],
+                       eagle3_row_mask=L["eagle3_row_mask"], eagle3_normalizer=L["eagle3_normalizer"])
     return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), coef=coef)
 
 
