@@ -1,13 +1,21 @@
 """Presets as data: YAML files validated by workflow/schemas/config.schema.yaml.
 
 Unknown or ill-typed keys stop with a one-line message naming the key; defaults
-(the paper's values) are filled in from the schema.
+(the paper's values) are filled in from the schema. Presets and overrides are
+read with YAML 1.2 scalars (3e-4 is a number, yes/no are strings), and
+Snakemake's `--config` strings are parsed the same way (`coerce_overrides`).
+
+`settings_fingerprint(cfg, rule)` hashes exactly the settings a rule's outputs
+depend on (`RULE_SETTINGS`); the rules pass it as a param, so a changed
+setting reruns that rule and its descendants and nothing else.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -18,6 +26,45 @@ from .errors import DeepSpecError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 PRESETS_DIR = REPO_ROOT / "config" / "presets"
+
+
+class _Yaml12Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core-schema scalars: floats without a dot
+    (3e-4) are numbers and only true/false are booleans."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in rs if tag not in ("tag:yaml.org,2002:float", "tag:yaml.org,2002:bool")]
+    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str):
+    """YAML with 1.2 scalars (see _Yaml12Loader)."""
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
+def coerce_overrides(node):
+    """Overrides whose leaves may be strings (Snakemake's --config passes
+    `{epochs: 2}` and `true` as text): every string is re-read as YAML 1.2."""
+    if isinstance(node, dict):
+        return {k: coerce_overrides(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [coerce_overrides(v) for v in node]
+    if isinstance(node, str):
+        try:
+            value = load_yaml(node)
+        except yaml.YAMLError:
+            return node
+        return coerce_overrides(value) if isinstance(value, (dict, list)) else value
+    return node
 
 
 def _schema() -> dict:
@@ -100,20 +147,70 @@ def parse_set(items: Iterable[str]) -> dict:
         parts = key.split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(val)
+        try:
+            node[parts[-1]] = load_yaml(val)
+        except yaml.YAMLError as e:
+            raise DeepSpecError(f"override '{item}': malformed YAML value ({str(e).splitlines()[0]})") from None
     return out
 
 
 def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) -> dict:
     path = preset_path(preset)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise DeepSpecError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
     raw.setdefault("preset", path.stem)
     if overrides:
         raw = deep_merge(raw, overrides)
     return validate(raw, source=str(path))
+
+
+# The settings each rule's outputs depend on (dotted paths into the preset).
+# Left out: where files live (results_dir, data.root, ...), scheduler resources,
+# and execution-only keys (server URLs, concurrency, timeouts, retries,
+# checkpoint cadence, GPU counts), which do not change what a rule computes.
+_TARGET = ["target.spec", "target.revision", "target.dtype"]
+_TOKENS = ["data.max_length", "data.min_loss_tokens", "data.system_prompt"]
+RULE_SETTINGS = {
+    "prepare_target": ["target.spec"],
+    "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
+    "build_cache": _TARGET + ["target.feature_layers", *_TOKENS, "cache.dtype", "cache.shard_tokens", "cache.batch_size"],
+    "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
+    "evaluate": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
+    "baseline": _TARGET + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.temperature",
+                           "eval.max_new_tokens", "eval.seed", "eval.baselines", "eval.prompt_lookup_num_tokens"],
+    "schedule": _TARGET + ["data.max_length", "eval", "ablations.thresholds"],
+    "report": ["preset", "description", "target", "data.benchmarks", "drafter", "train", "eval"],
+    "ablation": ["data.benchmarks", "drafter", "train.max_steps", "eval", "ablations"],
+}
+EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.request_timeout_s",
+                  "regenerate.max_retries", "regenerate.retry_backoff_s", "cache.mode", "train.checkpoint_every",
+                  "train.keep_checkpoints", "train.gpus", "eval.gpus"}
+
+
+def _pick(cfg: dict, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _drop_execution_keys(node, prefix: str):
+    if not isinstance(node, dict):
+        return node
+    return {k: _drop_execution_keys(v, f"{prefix}.{k}") for k, v in node.items() if f"{prefix}.{k}" not in EXECUTION_KEYS}
+
+
+def rule_settings(cfg: dict, rule: str) -> dict:
+    """The part of the (validated) config that rule `rule` depends on."""
+    return {key: _drop_execution_keys(_pick(cfg, key), key) for key in RULE_SETTINGS[rule]}
+
+
+def settings_fingerprint(cfg: dict, rule: str) -> str:
+    """sha256 (16 hex digits) of `rule_settings`, canonical JSON."""
+    blob = json.dumps(rule_settings(cfg, rule), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def cli_show_config(argv) -> int:

@@ -3,6 +3,7 @@ writing with one-line errors naming the file and line."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -34,6 +35,14 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -209,13 +209,77 @@ def test_resume_flags(tmp_path):
     T.train(toy_model(), data, make_step_fn(False), train_cfg(keep_checkpoints=1, checkpoint_every=1),
             tmp_path, collate_fn=collate)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]
-    with pytest.raises(T.DeepSpecError, match="global_batch was 4"):
-        T.train(toy_model(), data, make_step_fn(False), train_cfg(global_batch=8), tmp_path, collate_fn=collate)
     res = T.train(toy_model(), data, make_step_fn(False), train_cfg(global_batch=8), tmp_path,
                   collate_fn=collate, resume=False)
     assert res.steps == 1 and len(read_log(tmp_path / T.LOG_NAME)) == 1
     header = next(csv.reader(open(tmp_path / T.LOG_NAME)))
     assert header[:4] == ["step", "epoch", "lr", "loss"] and "c_star_1" in header and "tau_expected" in header
+
+
+@pytest.mark.parametrize("change", [dict(lr=5e-2), dict(epochs=2), dict(global_batch=2), dict(seed=1)])
+def test_changed_settings_never_resume(tmp_path, caplog, change):
+    """A finished run rerun with another setting trains afresh (and says so);
+    with --resume it refuses. The same setting resumes (nothing left to do)."""
+    data = toy_dataset(n=8)
+    T.train(toy_model(), data, make_step_fn(False), train_cfg(lr=1e-2), tmp_path, collate_fn=collate)
+    same = T.train(toy_model(), data, make_step_fn(False), train_cfg(lr=1e-2), tmp_path, collate_fn=collate)
+    assert same.steps_this_process == 0
+    with pytest.raises(T.DeepSpecError, match="settings or data changed"):
+        T.train(toy_model(), data, make_step_fn(False), train_cfg(**{"lr": 1e-2, **change}), tmp_path, collate_fn=collate,
+                resume=True)
+    fresh = toy_model()
+    res = T.train(fresh, data, make_step_fn(False), train_cfg(**{"lr": 1e-2, **change}), tmp_path, collate_fn=collate)
+    assert res.steps_this_process == res.steps > 0 and "settings or data changed" in caplog.text
+    ref = toy_model()
+    T.train(ref, data, make_step_fn(False), train_cfg(**{"lr": 1e-2, **change}), tmp_path / "ref", collate_fn=collate)
+    for (n, p), (_, q) in zip(ref.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(p, q), n  # exactly a run from scratch with the new settings
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    data = toy_dataset()
+    cfg = train_cfg(checkpoint_every=2, lr=1e-2)  # 6 steps, checkpoints at 2, 4, 6
+    step_fn = make_step_fn(True)
+    ref = toy_model()
+    T.train(ref, data, step_fn, cfg, tmp_path / "ref", collate_fn=collate)
+    out = tmp_path / "run"
+    calls = []
+
+    def dies_in_step_6(model, batch, generator, log_step=True):
+        calls.append(1)
+        if len(calls) > 5 * 4:
+            raise RuntimeError("killed")
+        return step_fn(model, batch, generator, log_step=log_step)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        T.train(toy_model(), data, dies_in_step_6, cfg, out, collate_fn=collate)
+    shard = out / "checkpoints" / "step_4" / "model.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF  # flip bits in a tensor: loads fine, but is not what was saved
+    shard.write_bytes(bytes(raw))
+    resumed = toy_model(seed=5)
+    res = T.train(resumed, data, step_fn, cfg, out, collate_fn=collate)
+    assert res.steps_this_process == 4 and "step_4/model.safetensors is damaged" in caplog.text
+    for (n, p), (_, q) in zip(ref.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(p, q), n  # resumed from step 2, still bit-identical
+    # every checkpoint damaged: --resume refuses with one line, the default starts afresh
+    (out / "checkpoints" / "step_6" / "optimizer.pt").unlink()
+    (out / "checkpoints" / "step_4" / "trainer_state.json").write_text("{not json")
+    (out / "checkpoints" / "step_2" / "scheduler.pt").write_bytes(b"x")
+    with pytest.raises(T.DeepSpecError, match="every checkpoint is damaged"):
+        T.train(toy_model(), data, step_fn, cfg, out, collate_fn=collate, resume=True)
+    assert T.train(toy_model(), data, step_fn, cfg, out, collate_fn=collate).steps_this_process == 6
+
+
+def test_a_second_trainer_of_the_same_directory_stops(tmp_path):
+    import fcntl
+
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".train.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(T.DeepSpecError, match="another training run is writing"):
+            T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(), tmp_path, collate_fn=collate)
+    T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(), tmp_path, collate_fn=collate)
 
 
 # --------------------------------------------------------------------------- the real thing

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_path, read_json, write_json_atomic
+from ..files import atomic_path, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
 from .conversations import TokenizedSample, tokenized_samples
 
@@ -59,14 +59,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- samples and plan
@@ -111,7 +103,7 @@ def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSampl
     return [(feats[r, : len(s.input_ids)].to(dtype).cpu(), last[r, : len(s.input_ids)].to(dtype).cpu()) for r, s in enumerate(samples)]
 
 
-def _fingerprint(cfg: dict, target_id: str, samples: Sequence[TokenizedSample]) -> str:
+def data_fingerprint(cfg: dict, target_id: str, samples: Sequence[TokenizedSample]) -> str:
     """Everything the cache's bytes depend on: settings and the exact token data."""
     t, c = cfg["target"], cfg["cache"]
     h = hashlib.sha256()
@@ -206,7 +198,7 @@ def build_cache(
     log.info(msg)
 
     target_id = target.target_id if target is not None else t["spec"]
-    fp = _fingerprint(cfg, target_id, samples)
+    fp = data_fingerprint(cfg, target_id, samples)
     progress = _resume_state(out, fp)
     if progress is None:  # up to date
         return read_manifest(out)

@@ -3,22 +3,31 @@
 every process's RNG states (python, numpy, torch, CUDA, the anchor
 generator), plus an atomically written `latest` pointer. Resuming restores all
 of it, so a killed run continues exactly (tests/test_train.py).
+
+A checkpoint records the training fingerprint (every setting that changes the
+result, the data's fingerprint and FORMAT_VERSION) and the sha256 of each of
+its files. Resuming takes the newest intact checkpoint with the current
+fingerprint: a damaged one is skipped (and said so), one made with other
+settings is never resumed.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import write_json_atomic, write_text_atomic
+from ..files import read_json, sha256_file, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("deepspec.train")
 
@@ -26,6 +35,33 @@ LOG_NAME = "train_log.csv"
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+LOCK = ".train.lock"
+FORMAT_VERSION = 2  # of checkpoints and of the training code's results; part of every fingerprint
+
+
+def training_fingerprint(*parts) -> str:
+    """sha256 (16 hex digits) of the JSON of `parts` and FORMAT_VERSION."""
+    blob = json.dumps([FORMAT_VERSION, *parts], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def training_lock(out: Path, enabled: bool = True) -> Iterator[None]:
+    """Hold an exclusive lock on the output directory while training: a second
+    trainer of the same directory stops with one line instead of interleaving."""
+    if not enabled:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / LOCK, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DeepSpecError(f"another training run is writing {out} (lock {out / LOCK})") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def rng_state(generator: torch.Generator) -> dict:
@@ -49,15 +85,43 @@ def set_rng_state(state: dict, generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def latest_checkpoint(out_dir: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint the `latest` pointer names, or None."""
-    ptr = Path(out_dir) / CKPT_DIR / LATEST
-    if not ptr.exists():
-        return None
-    path = ptr.parent / ptr.read_text().strip()
-    if not (path / TRAINER_STATE).exists():
-        raise DeepSpecError(f"{ptr} points to an incomplete checkpoint: {path}")
-    return path
+def checkpoints_newest_first(out_dir: str | os.PathLike) -> list[Path]:
+    root = Path(out_dir) / CKPT_DIR
+    steps = [p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(steps, key=lambda p: -int(p.name[5:]))
+
+
+def check_checkpoint(ckpt: Path) -> dict:
+    """The trainer state of an intact checkpoint; a one-line DeepSpecError
+    naming what is missing or damaged otherwise."""
+    st = read_json(ckpt / TRAINER_STATE, f"{ckpt}: {TRAINER_STATE} missing (incomplete checkpoint)")
+    if not isinstance(st, dict) or st.get("format_version") != FORMAT_VERSION or "files" not in st:
+        raise DeepSpecError(f"{ckpt}: written by another version of deepspec (format {st.get('format_version')!r})")
+    for name, digest in st["files"].items():
+        if not (ckpt / name).exists():
+            raise DeepSpecError(f"{ckpt / name} is missing")
+        if sha256_file(ckpt / name) != digest:
+            raise DeepSpecError(f"{ckpt / name} is damaged (sha256 mismatch)")
+    return st
+
+
+def find_resumable(out_dir: str | os.PathLike, fingerprint: str) -> tuple[Optional[Path], Optional[dict], str]:
+    """(checkpoint, its state, "") for the newest intact checkpoint; damaged ones
+    are skipped with a warning. (None, None, why) when there is none to resume:
+    why is "changed" when the newest intact one was made with other settings or
+    data, "damaged" when none is intact, "" when there are none."""
+    why = ""
+    for ckpt in checkpoints_newest_first(out_dir):
+        try:
+            st = check_checkpoint(ckpt)
+        except DeepSpecError as e:
+            log.warning("%s: falling back to the previous checkpoint", e)
+            why = "damaged"
+            continue
+        if st.get("fingerprint") != fingerprint:
+            return None, None, "changed"
+        return ckpt, st, ""
+    return None, None, why
 
 
 def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
@@ -78,9 +142,10 @@ def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
 
 
 def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: int, n: int, train_cfg: dict,
-                     elapsed: float) -> None:
+                    elapsed: float, fingerprint: str) -> None:
     """<out>/checkpoints/step_N/ (built under a temporary name, then renamed)
-    and the `latest` pointer, written atomically."""
+    and the `latest` pointer, written atomically; the trainer state (written
+    last) holds the fingerprint and every file's sha256."""
     root = out / CKPT_DIR
     final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
     if acc.is_main_process:
@@ -95,9 +160,13 @@ def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: in
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
         if (out / LOG_NAME).exists():
             shutil.copyfile(out / LOG_NAME, tmp / LOG_NAME)
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / TRAINER_STATE, {
-            "step": step, "total_steps": total, "num_samples": n, "world_size": acc.num_processes,
-            "global_batch": int(train_cfg["global_batch"]), "seed": int(train_cfg["seed"]), "elapsed_s": elapsed,
+            "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "step": step, "total_steps": total,
+            "num_samples": n, "world_size": acc.num_processes, "global_batch": int(train_cfg["global_batch"]),
+            "seed": int(train_cfg["seed"]), "elapsed_s": elapsed, "files": files,
         })
     acc.wait_for_everyone()
     if acc.is_main_process:
@@ -118,14 +187,10 @@ def prune_checkpoints(root: Path, keep: Optional[int]) -> None:
         shutil.rmtree(root / f"step_{s}")
 
 
-def resume_checkpoint(ckpt: Path, model, opt, sched, gen, out: Path, rank: int, main: bool, n: int, train_cfg: dict):
-    """Restore weights, optimiser, scheduler, RNG states and the log; return
-    (step, elapsed seconds before the interruption)."""
-    st = json.loads((ckpt / TRAINER_STATE).read_text())
-    for key, now in (("num_samples", n), ("global_batch", int(train_cfg["global_batch"])),
-                     ("seed", int(train_cfg["seed"]))):
-        if st[key] != now:
-            raise DeepSpecError(f"cannot resume from {ckpt}: {key} was {st[key]}, now {now} (use --no-resume)")
+def resume_checkpoint(ckpt: Path, st: dict, model, opt, sched, gen, out: Path, rank: int, main: bool):
+    """Restore weights, optimiser, scheduler, RNG states and the log from an
+    intact checkpoint (`check_checkpoint`'s state st); return (step, elapsed
+    seconds before the interruption)."""
     load_model_weights(model, ckpt)
     dev = next(model.parameters()).device
     opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=dev, weights_only=False))

@@ -53,12 +53,21 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..config import rule_settings
 from ..core.losses import LossWeights
 from ..core.train_step import StepSpec
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
-from .checkpoints import CKPT_DIR, LOG_NAME, latest_checkpoint, resume_checkpoint, save_checkpoint
+from .checkpoints import (
+    CKPT_DIR,
+    LOG_NAME,
+    find_resumable,
+    resume_checkpoint,
+    save_checkpoint,
+    training_fingerprint,
+    training_lock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +272,7 @@ class _Loop:
     sampler: StepSampler
     per_epoch: int
     total: int
+    fingerprint: str
 
     @property
     def world(self) -> int:
@@ -279,15 +289,34 @@ def train(
     collate_fn: Callable[[list], dict],
     resume: Optional[bool] = None,
     device: str = "cpu",
+    fingerprint: Optional[str] = None,
 ) -> TrainResult:
     """Train `model` on `dataset` with the recipe of the module docstring.
 
-    resume: None resumes from `<out>/checkpoints/latest` when it exists, True
-    requires it, False starts afresh (deleting old checkpoints).
+    fingerprint: everything the result depends on (settings, data, code
+    version; default: the train settings and the dataset size). Only a
+    checkpoint with the same fingerprint is resumed. resume: None resumes from
+    the newest intact checkpoint of this fingerprint and otherwise starts
+    afresh (saying why), True requires one, False starts afresh (deleting old
+    checkpoints). The output directory is locked while training.
     """
     from accelerate import PartialState
 
     out = Path(out_dir)
+    state = PartialState(cpu=_use_cpu(device))
+    with training_lock(out, enabled=state.is_main_process):
+        return _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device,
+                             fingerprint or training_fingerprint(_result_settings(train_cfg), len(dataset)))
+
+
+def _result_settings(train_cfg: dict) -> dict:
+    """The train settings that change the result (not checkpoint cadence, GPU count)."""
+    return {k: v for k, v in train_cfg.items() if k not in ("checkpoint_every", "keep_checkpoints", "gpus")}
+
+
+def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device, fingerprint) -> TrainResult:
+    from accelerate import PartialState
+
     world = PartialState(cpu=_use_cpu(device)).num_processes
     acc = make_accelerator(device, accumulation_steps(train_cfg, world))
     n = len(dataset)
@@ -299,8 +328,8 @@ def train(
     opt, sched = make_optimizer(params, train_cfg, total)
     gen = torch.Generator(device=acc.device).manual_seed(int(train_cfg["seed"]) + acc.process_index)
     run = _Loop(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, train_cfg, out,
-                StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total)
-    start, elapsed_before = _start_or_resume(run, resume, n)
+                StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total, fingerprint)
+    start, elapsed_before = _start_or_resume(run, resume)
     log.info(
         "training: %d samples, %d steps/epoch, %d steps (epochs %s, max_steps %s), global batch %d = "
         "%d processes x %d micro x %d accumulation, %.2fM trainable / %.2fM frozen params, %s, %s",
@@ -339,24 +368,31 @@ def _trainable_params(model: torch.nn.Module, acc) -> list:
     return params
 
 
-def _start_or_resume(run: _Loop, resume: Optional[bool], n: int) -> tuple[int, float]:
-    """(first step, seconds trained before): resume from the latest checkpoint
-    (unless resume is False, which deletes old checkpoints) or start afresh."""
+def _start_or_resume(run: _Loop, resume: Optional[bool]) -> tuple[int, float]:
+    """(first step, seconds trained before): resume from the newest intact
+    checkpoint with this run's fingerprint, or start afresh (resume False
+    deletes old checkpoints; True requires a checkpoint to resume)."""
     acc, out = run.acc, run.out
     ckpt_root = out / CKPT_DIR
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").unlink(missing_ok=True)  # present only once training completed
-    ckpt = latest_checkpoint(out) if resume is not False else None
-    if resume and ckpt is None:
-        raise DeepSpecError(f"--resume: no checkpoint under {ckpt_root}")
-    if resume is False and acc.is_main_process and ckpt_root.exists():
+    ckpt, st, why = find_resumable(out, run.fingerprint) if resume is not False else (None, None, "")
+    if ckpt is None and resume:
+        reason = {"changed": "the training settings or data changed since it was written",
+                  "damaged": "every checkpoint is damaged"}.get(why, "there is none")
+        raise DeepSpecError(f"--resume: no checkpoint to resume under {ckpt_root}: {reason}")
+    if ckpt is None and why:
+        log.warning("%s: %s; starting afresh", ckpt_root, "the training settings or data changed" if why == "changed"
+                    else "no intact checkpoint")
+    acc.wait_for_everyone()
+    if ckpt is None and acc.is_main_process and ckpt_root.exists():
         shutil.rmtree(ckpt_root)
     acc.wait_for_everyone()
     start, elapsed_before = 0, 0.0
     if ckpt is not None:
-        start, elapsed_before = resume_checkpoint(ckpt, run.model, run.opt, run.sched, run.gen, out,
-                                                  acc.process_index, acc.is_main_process, n, run.train_cfg)
+        start, elapsed_before = resume_checkpoint(ckpt, st, run.model, run.opt, run.sched, run.gen, out,
+                                                  acc.process_index, acc.is_main_process)
         log.info("resumed from %s at step %d/%d", ckpt, start, run.total)
     elif acc.is_main_process:
         (out / LOG_NAME).unlink(missing_ok=True)
@@ -393,7 +429,7 @@ def _run_steps(run: _Loop, start: int, elapsed_before: float, t_run: float) -> f
         bar.update(1)
         if done % int(cfg["checkpoint_every"]) == 0 or done == run.total:
             save_checkpoint(acc, run.model, run.opt, run.sched, run.gen, run.out, done, run.total,
-                            len(run.dataset), cfg, elapsed_before + time.perf_counter() - t_run)
+                            len(run.dataset), cfg, elapsed_before + time.perf_counter() - t_run, run.fingerprint)
     bar.close()
     return positions_run
 
@@ -500,8 +536,11 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
         return model.training_step(batch, spec, generator, log_step=log_step)
 
     out = Path(out_dir) if out_dir else RunPaths.of(cfg).drafter_dir(method)
-    log.info("training %s (%s) on %s -> %s", method, base, cfg["target"]["name"], out)
-    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=collate, resume=resume, device=device)
+    # every setting that changes the result (the variant's, after resolve_method) and the data
+    fingerprint = training_fingerprint(method, rule_settings(cfg, "train"), dataset.fingerprint)
+    log.info("training %s (%s) on %s -> %s (fingerprint %s)", method, base, cfg["target"]["name"], out, fingerprint)
+    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=collate, resume=resume, device=device,
+                 fingerprint=fingerprint)
 
 
 def cli_train(argv=None) -> int:

@@ -19,7 +19,8 @@ import torch
 
 from ..errors import DeepSpecError
 from ..paths import RunPaths
-from .cache import DTYPES, compute_rows, forward_plan, validate_cache
+from ..files import sha256_file
+from .cache import DTYPES, compute_rows, data_fingerprint, forward_plan, validate_cache
 from .conversations import TokenizedSample, tokenized_samples
 
 
@@ -33,13 +34,16 @@ def _sample_dict(ids, mask, feats, last) -> dict:
 
 
 class CacheDataset(torch.utils.data.Dataset):
-    """Samples read from a built cache (memory-mapped slices of the shards)."""
+    """Samples read from a built cache (memory-mapped slices of the shards).
+    Each process checks a shard's sha256 against the manifest the first time
+    it opens it: a damaged shard stops training with one line."""
 
     def __init__(self, cache_dir: str | os.PathLike, manifest: Optional[dict] = None):
         from safetensors import safe_open
 
         self.dir = Path(cache_dir)
         self.manifest = manifest or validate_cache(self.dir, checksums=False)
+        self.fingerprint = self.manifest["fingerprint"]  # the data's, same as OnlineDataset's
         self._index: list[tuple[int, int, int]] = []  # (shard, row start, row end)
         self.ids: list[str] = []
         for k, sh in enumerate(self.manifest["shards"]):
@@ -59,7 +63,10 @@ class CacheDataset(torch.utils.data.Dataset):
         if self._pid != os.getpid():  # a DataLoader worker: do not share file handles
             self._handles, self._pid = {}, os.getpid()
         if k not in self._handles:
-            self._handles[k] = safe_open(str(self.dir / self.manifest["shards"][k]["file"]), framework="pt")
+            shard = self.manifest["shards"][k]
+            if sha256_file(self.dir / shard["file"]) != shard["sha256"]:
+                raise DeepSpecError(f"shard {self.dir / shard['file']} is corrupt: sha256 mismatch (rebuild it: build-cache)")
+            self._handles[k] = safe_open(str(self.dir / shard["file"]), framework="pt")
         return self._handles[k]
 
     def __getitem__(self, i: int) -> dict:
@@ -84,6 +91,7 @@ class OnlineDataset(torch.utils.data.Dataset):
         self.layers = list(cfg["target"]["feature_layers"])
         self.dtype = DTYPES[cfg["cache"]["dtype"]]
         self.ids = [s.id for s in self.samples]
+        self.fingerprint = data_fingerprint(cfg, target.target_id, self.samples)  # the data's, same as the cache's
         self.batches = forward_plan([len(s.input_ids) for s in self.samples], cfg)
         self._batch_of = {j: b for b, batch in enumerate(self.batches) for j in batch}
         self._memo: OrderedDict[int, dict] = OrderedDict()
