@@ -106,21 +106,30 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     draft = prop.tokens[:, :n].to(device)
     n_cached = cache.get_seq_length()
     logits, feats = _forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
-    if n > 0:
-        res = verify_chain(logits, prop.probs[:, :n].to(device), draft, temperature=temperature,
-                           eos_token_ids=target.eos_token_ids, generator=generator)
-        accepted, emitted = int(res.accepted[0]), res.tokens[0, : int(res.num_emitted[0])].tolist()
-        reach = int(res.reachable[0])  # positions past a drafted EOS cannot be reached
-        a_k, alpha_k = res.accept_prob[0, :reach].tolist(), res.alpha[0, :reach].tolist()
-        proposal_len = accepted if bool(res.eos_stop[0]) else n
-    else:  # nothing to verify: a plain decoding step
-        accepted, proposal_len, a_k, alpha_k = 0, 0, [], []
-        emitted = [int(sample(logits_to_probs(logits[:, -1], temperature), generator))]
+    v = verify_row(logits, prop.probs[:, :n].to(device), draft, temperature=temperature,
+                   eos_token_ids=target.eos_token_ids, generator=generator)
+    accepted, emitted, proposal_len, a_k, alpha_k = v
     crop_cache(cache, n_cached + 1 + accepted)  # anchor + accepted drafts are now verified
     _sync(device)
     conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
     return Round(emitted, accepted, proposal_len, a_k, alpha_k, conf, prop.tokens.shape[1], t_verify - t_draft,
                  time.perf_counter() - t_verify, torch.cat([anchor, draft[:, :accepted]], 1), feats[:, : accepted + 1])
+
+
+def verify_row(logits, probs, draft, *, temperature, eos_token_ids, generator):
+    """Verification of one request's round: logits [1, n+1, V] of anchor + n drafts,
+    their draft distributions probs [1, n, V] and tokens draft [1, n]. Chain
+    rejection sampling (`verify_chain`) for n > 0, else a plain decoding step.
+    Returns (accepted, emitted tokens, proposal_len, a_k list, alpha_k list);
+    proposal_len stops at an accepted EOS, a_k / alpha_k at the reachable positions."""
+    n = draft.shape[1]
+    if n == 0:  # nothing to verify: a plain decoding step
+        return 0, [int(sample(logits_to_probs(logits[:, 0], temperature), generator))], 0, [], []
+    res = verify_chain(logits, probs, draft, temperature=temperature, eos_token_ids=eos_token_ids, generator=generator)
+    accepted, emitted = int(res.accepted[0]), res.tokens[0, : int(res.num_emitted[0])].tolist()
+    reach = int(res.reachable[0])  # positions past a drafted EOS cannot be reached
+    a_k, alpha_k = res.accept_prob[0, :reach].tolist(), res.alpha[0, :reach].tolist()
+    return accepted, emitted, (accepted if bool(res.eos_stop[0]) else n), a_k, alpha_k
 
 
 def round_record(index: int, r: Round) -> dict:

@@ -219,13 +219,9 @@ class DFlashDrafter(DrafterBase):
         return None
 
     def _sample_block(self, h, anchor, temperature, generator):
-        """DFlash: positions are independent given the block pass."""
-        probs = verify.logits_to_probs(self.draft_logits(h), temperature)  # [1,g,K]
-        if verify.is_greedy(temperature):
-            idx = probs.argmax(-1)
-        else:
-            idx = verify.sample(probs, generator)
-        return self.to_target_ids(idx), probs, None
+        """DFlash: positions are independent given the block pass (h [R,g,d])."""
+        probs = verify.logits_to_probs(self.draft_logits(h), temperature)  # [R,g,K]
+        return self.to_target_ids(draw(probs, temperature, generator)), probs, None
 
     # -- inference ----------------------------------------------------------------------
     def init_state(self) -> BlockState:
@@ -235,25 +231,78 @@ class DFlashDrafter(DrafterBase):
     def propose(self, state: BlockState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
         """feats [1, n, m*d] of the newly verified positions, tokens [1, n+1] (their
         tokens then the anchor). Appends context K/V, drafts gamma tokens."""
-        dev = self.device
-        n = feats.shape[1]
-        if n > 0:
-            ctx = self.context(feats.to(dev))
-            pos = torch.arange(state.n, state.n + n, device=dev).unsqueeze(0)
-            cos, sin = self.rotary(ctx, pos)
-            for i, layer in enumerate(self.layers):
-                k, v = layer.context_kv(ctx, cos, sin)
-                state.k[i] = k if state.k[i] is None else torch.cat([state.k[i], k], 2)
-                state.v[i] = v if state.v[i] is None else torch.cat([state.v[i], v], 2)
-            state.n += n
-        anchor = tokens[:, -1].to(dev)
-        x = self.block_inputs(anchor)  # [1,g,d]
-        pos = torch.arange(state.n, state.n + self.gamma, device=dev).unsqueeze(0)
-        cos, sin = self.rotary(x, pos)
-        for i, layer in enumerate(self.layers):
-            ck = state.k[i] if state.k[i] is not None else x.new_zeros(1, layer.self_attn.config.num_key_value_heads, 0, layer.self_attn.head_dim)
-            cv = state.v[i] if state.v[i] is not None else ck
-            x = layer(x, ck, cv, cos, sin, None)  # full attention: all verified context + own block
-        h = self.norm(x)
+        return self.propose_batch([state], [feats], [tokens], temperature=temperature, generator=generator)
+
+    @torch.no_grad()
+    def propose_batch(self, states, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
+        """One drafter call for R requests (the batched engine, core/engine.py):
+        states, feats [1, n_r, m*d] and tokens [1, n_r+1] per request; `generator`
+        is one torch.Generator or a list with one per request (each row then draws
+        from its own stream exactly as it would alone). Returns a Proposal with
+        [R, gamma] tokens, [R, gamma, V] probs and [R, gamma] conf_logits (or None)."""
+        self._extend_context(states, feats)
+        anchor = torch.cat([t[:, -1] for t in tokens]).to(self.device)  # [R]
+        h = self._block_hidden(states, anchor)
         toks, probs, conf = self._sample_block(h, anchor, temperature, generator)
         return Proposal(tokens=toks, probs=self.to_full_vocab(probs).float(), conf_logits=conf)
+
+    def _extend_context(self, states, feats) -> None:
+        """Append each request's newly verified context K/V to its state. The
+        context projection and K/V are per position (no attention), so all
+        requests' new positions go through one packed call."""
+        dev = self.device
+        n = [f.shape[1] for f in feats]
+        if sum(n) == 0:
+            return
+        ctx = self.context(torch.cat([f.to(dev) for f in feats], 1))  # [1, sum n, d]
+        pos = torch.cat([torch.arange(s.n, s.n + k, device=dev) for s, k in zip(states, n)]).unsqueeze(0)
+        cos, sin = self.rotary(ctx, pos)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.context_kv(ctx, cos, sin)
+            for s, ks, vs in zip(states, k.split(n, 2), v.split(n, 2)):
+                if ks.shape[2]:
+                    s.k[i] = ks if s.k[i] is None else torch.cat([s.k[i], ks], 2)
+                    s.v[i] = vs if s.v[i] is None else torch.cat([s.v[i], vs], 2)
+        for s, k in zip(states, n):
+            s.n += k
+
+    def _block_hidden(self, states, anchor) -> torch.Tensor:
+        """The block pass for R requests: anchor + masks attend to each request's own
+        verified context (right-padded to the longest, padding masked) and, fully, to
+        their own block. Returns post-norm hidden states [R, gamma, d]."""
+        dev, g = self.device, self.gamma
+        x = self.block_inputs(anchor)  # [R,g,d]
+        ns = torch.tensor([s.n for s in states], device=dev)
+        cos, sin = self.rotary(x, ns.unsqueeze(1) + torch.arange(g, device=dev))
+        L, mask = int(ns.max()), None
+        if int(ns.min()) != L:  # ragged contexts: mask each row's padding keys
+            keys = torch.arange(L + g, device=dev)
+            mask = ((keys < ns[:, None]) | (keys >= L)).view(len(states), 1, 1, L + g).expand(-1, 1, g, -1)
+        for i, layer in enumerate(self.layers):
+            ck = _padded([s.k[i] for s in states], L, layer, x)
+            cv = _padded([s.v[i] for s in states], L, layer, x)
+            x = layer(x, ck, cv, cos, sin, mask)  # full attention: verified context + own block
+        return self.norm(x)
+
+
+def _padded(kvs, L: int, layer, x) -> torch.Tensor:
+    """Per-request context K or V [1, H, n_r, hd] right-padded to [R, H, L, hd]."""
+    if len(kvs) == 1 and kvs[0] is not None:
+        return kvs[0]
+    ref = next((t for t in kvs if t is not None), None)
+    if ref is None:  # no context yet anywhere
+        a = layer.self_attn
+        return x.new_zeros(len(kvs), a.config.num_key_value_heads, 0, a.head_dim)
+    return torch.cat([ref.new_zeros(1, ref.shape[1], L, ref.shape[3]) if t is None
+                      else torch.nn.functional.pad(t, (0, 0, 0, L - t.shape[2])) for t in kvs])
+
+
+def draw(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """Draft indices from probs [R, ..., K]: argmax when greedy; otherwise sampled
+    with `generator`, or row r with generator[r] when it is a list (per-request
+    streams: a row consumes its stream as it would at batch size 1)."""
+    if verify.is_greedy(temperature):
+        return probs.argmax(-1)
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([verify.sample(probs[r : r + 1], gen) for r, gen in enumerate(generator)])
+    return verify.sample(probs, generator)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..core import verify
-from .dflash import DFlashDrafter
+from .dflash import DFlashDrafter, draw
 
 
 class MarkovHead(nn.Module):
@@ -112,7 +112,7 @@ class DSparkDrafter(DFlashDrafter):
     def _sample_block(self, h, anchor, temperature, generator):
         if self.markov is None and self.confidence is None:
             return super()._sample_block(h, anchor, temperature, generator)
-        base = self.draft_logits(h)  # [1,g,K]; the backbone is not run again below
+        base = self.draft_logits(h)  # [R,g,K]; the backbone is not run again below
         prev, s = anchor, None
         toks, probs, confs = [], [], []
         for k in range(self.gamma):
@@ -121,7 +121,7 @@ class DSparkDrafter(DFlashDrafter):
                 bias, e, s = self.markov.step(prev, h[:, k], s)
                 logits = logits + bias.to(logits.dtype)  # before softmax and before temperature
             p = verify.logits_to_probs(logits, temperature)
-            idx = p.argmax(-1) if verify.is_greedy(temperature) else verify.sample(p, generator)
+            idx = draw(p, temperature, generator)  # [R]: one stream per request when a list
             if self.confidence is not None:
                 confs.append(self.confidence(h[:, k], e))
             tok = self.to_target_ids(idx)

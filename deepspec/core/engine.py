@@ -1,0 +1,304 @@
+"""Batched speculative decoding over R concurrent requests (paper Sec. 2.1 and
+3.2.2; notes §2): the engine that Algorithm 1 schedules.
+
+Each round, for the R active requests:
+
+    one batched drafter call (`drafter.propose_batch`, or `propose` per row for
+    drafters without it) -> the verification policy picks l_r draft tokens per
+    request (core/policies.py: fixed gamma, static threshold, live Algorithm 1)
+    -> one batched target forward over anchor + l_r drafts of every request ->
+    `verify_row` (chain rejection sampling, `verify_chain`) per row with that
+    request's own generator -> each row keeps only its verified tokens.
+
+Requests are independent: each has its own prompt length, its own
+torch.Generator seeded from the request (its draft and verification draws come
+from that stream in the order they would at batch size 1), and its own drafter
+state. Finished requests (EOS or max_new_tokens) leave and queued ones join
+(continuous batching); a joining request is prefilled alone.
+
+Ragged lengths are handled by padding (`BatchKV`): the target's transformers
+DynamicCache holds [R, H, L, hd] per layer with a validity mask [R, L]. A
+round's chunk is left-aligned per row (anchor, drafts, then padding), so after
+verification a row keeps the first 1 + accepted slots of the chunk; the rest
+is masked and zeroed, and the cache is cropped to the longest kept prefix.
+Masked slots are compacted away when they make up over half the cache. Every
+query attends to exactly its request's verified tokens (2-D attention mask),
+with RoPE positions = the request's verified length (explicit position_ids).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .decode import Round, _forward, _sync, round_record, verify_row
+from .scheduler import SPSCurve, profile_sps
+from .target import Target, cache_kwarg, new_cache, select_features
+from .verify import logits_to_probs, sample
+
+COMPACT_FRACTION = 0.5  # compact the cache when masked slots exceed this share of it
+
+
+@dataclass
+class Request:
+    request_id: object
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    seed: int = 0  # the request's own sampling stream
+
+
+@dataclass
+class Finished:
+    request: Request
+    tokens: list[int]  # new tokens (a final EOS included)
+    rounds: list[dict]  # per-round records, + batch_size and verify_tokens
+    time_s: float  # from joining (prefill) to leaving
+
+
+@dataclass
+class _Row:
+    request: Request
+    generator: torch.Generator
+    state: object  # the drafter's per-request state
+    out: list
+    ctx: Optional[torch.Tensor]  # [1, n] verified tokens the drafter has not seen
+    feats: Optional[torch.Tensor]  # [1, n, m*d] their target features
+    t_join: float
+    rounds: list = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.request.max_new_tokens
+
+
+class BatchKV:
+    """The target's KV cache for R rows: a DynamicCache [R, H, L, hd] per layer and
+    a validity mask [R, L]; row r's verified tokens are its valid slots, in order."""
+
+    def __init__(self):
+        self.cache, self.valid = None, None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def _layers(self):
+        return self.cache.layers
+
+    def add(self, cache, n: int) -> None:
+        """Append a request prefilled alone (its cache holds n positions), left-padding
+        the shorter side to a common length."""
+        valid = torch.ones(1, n, dtype=torch.bool, device=cache.layers[0].keys.device)
+        if self.cache is None:
+            self.cache, self.valid = cache, valid
+            return
+        T = max(self.length, n)
+        for mine, new in zip(self._layers(), cache.layers):
+            for name in ("keys", "values"):
+                a, b = getattr(mine, name), getattr(new, name)
+                a = torch.nn.functional.pad(a, (0, 0, T - a.shape[2], 0))
+                b = torch.nn.functional.pad(b, (0, 0, T - b.shape[2], 0))
+                setattr(mine, name, torch.cat([a, b]))
+        pad = lambda v: torch.nn.functional.pad(v, (T - v.shape[1], 0))  # noqa: E731
+        self.valid = torch.cat([pad(self.valid), pad(valid)])
+
+    def select(self, keep: Sequence[int]) -> None:
+        """Keep only these rows (requests that leave are dropped)."""
+        if not keep:
+            self.cache, self.valid = None, None
+            return
+        idx = torch.as_tensor(list(keep), device=self.valid.device)
+        self.cache.batch_select_indices(idx)
+        self.valid = self.valid[idx]
+        self.compact()
+
+    def commit(self, start: int, kept: torch.Tensor) -> None:
+        """After a round whose chunk began at `start`: row r keeps its first kept[r]
+        chunk slots (anchor + accepted drafts); the others are masked and zeroed."""
+        new_len = start + int(kept.max())
+        keep = torch.arange(new_len - start, device=kept.device)[None] < kept[:, None]  # [R, W']
+        for layer in self._layers():
+            for name in ("keys", "values"):
+                t = getattr(layer, name)[:, :, :new_len]
+                t[:, :, start:] *= keep[:, None, :, None].to(t.dtype)
+                setattr(layer, name, t)
+        self.valid = torch.cat([self.valid[:, :start], keep], 1)
+        if 1.0 - self.valid.float().mean().item() > COMPACT_FRACTION:
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the right end (order kept), dropping slots
+        no row needs."""
+        counts = self.valid.sum(1)
+        T, L = int(counts.max()), self.length
+        if T == L:
+            return
+        order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, L - T :]  # [R, T]: masked first
+        self.valid = self.valid.gather(1, order)
+        for layer in self._layers():
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                setattr(layer, name, t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], T, t.shape[3])))
+
+    def forward(self, target: Target, ids: torch.Tensor, widths: torch.Tensor, layers):
+        """Target forward of chunk ids [R, W] (row r's first widths[r] are real) after
+        each row's verified tokens. Returns (logits [R, W, V], features or None)."""
+        R, W = ids.shape
+        chunk = torch.arange(W, device=ids.device)[None] < widths[:, None]
+        pos = self.valid.sum(1, keepdim=True) + torch.arange(W, device=ids.device)[None]
+        out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
+                           use_cache=True, output_hidden_states=layers is not None,
+                           **{cache_kwarg(target.model): self.cache})
+        return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
+
+
+class BatchedEngine:
+    """Speculative decoding of many requests at once (module docstring). `drafter`
+    None runs plain batched decoding (one target token per request per forward)."""
+
+    def __init__(self, target: Target, drafter, *, feature_layers: Sequence[int], temperature: float = 1.0,
+                 policy=None, max_batch: int = 8):
+        from .policies import FixedGamma
+
+        self.target, self.drafter, self.temperature = target, drafter, temperature
+        self.layers = None if drafter is None else list(feature_layers)
+        self.policy = policy or FixedGamma()
+        self.max_batch = int(max_batch)
+        self.eos = set(target.eos_token_ids)
+        self.stats = {"rounds": 0, "verify_tokens": 0, "forward_tokens": 0}
+
+    @torch.no_grad()
+    def generate(self, requests: Iterable[Request], on_finish: Optional[Callable[[Finished], None]] = None):
+        """Decode every request; continuous batching over at most max_batch rows.
+        Returns the Finished requests in the order they finished."""
+        queue, rows, kv, done = deque(requests), [], BatchKV(), []
+
+        def finish(row):
+            f = Finished(row.request, row.out, row.rounds, time.perf_counter() - row.t_join)
+            done.append(f)
+            if on_finish:
+                on_finish(f)
+
+        while queue or rows:
+            while queue and len(rows) < self.max_batch:
+                row = self._join(queue.popleft(), kv)
+                if self._finished(row):
+                    finish(row)
+                else:
+                    rows.append(row)
+            if not rows:
+                continue
+            self._round(rows, kv)
+            leaving = [i for i, r in enumerate(rows) if self._finished(r)]
+            if leaving:
+                for i in leaving:
+                    finish(rows[i])
+                keep = [i for i in range(len(rows)) if i not in leaving]
+                rows[:] = [rows[i] for i in keep]
+                kv.select(keep)
+        return done
+
+    def _finished(self, row: _Row) -> bool:
+        return row.done or row.out[-1] in self.eos
+
+    def _join(self, req: Request, kv: BatchKV) -> _Row:
+        """Prefill the prompt alone, sample the first token from the request's stream."""
+        _sync(self.target.device)
+        t0 = time.perf_counter()
+        dev = self.target.device
+        gen = torch.Generator(device=dev).manual_seed(int(req.seed))
+        ids = torch.tensor([list(req.prompt_ids)], dtype=torch.long, device=dev)
+        cache = new_cache()
+        logits, feats = _forward(self.target, ids, cache, self.layers, last_only=True)
+        first = int(sample(logits_to_probs(logits[:, -1], self.temperature), gen))
+        state = None if self.drafter is None else self.drafter.init_state()
+        row = _Row(req, gen, state, [first], ids, feats, t0)
+        if not self._finished(row):
+            kv.add(cache, ids.shape[1])
+        return row
+
+    def _propose(self, rows) -> list:
+        """One batched drafter call; per-row (tokens [1,g], probs [1,g,V], conf [1,g] | None)."""
+        d, T = self.drafter, self.temperature
+        anchors = [torch.tensor([[r.out[-1]]], device=r.ctx.device) for r in rows]
+        tokens = [torch.cat([r.ctx, a], 1) for r, a in zip(rows, anchors)]
+        if hasattr(d, "propose_batch"):
+            p = d.propose_batch([r.state for r in rows], [r.feats for r in rows], tokens, temperature=T,
+                                generator=[r.generator for r in rows])
+            conf = [None] * len(rows) if p.conf_logits is None else p.conf_logits.split(1)
+            return list(zip(p.tokens.split(1), p.probs.split(1), conf))
+        out = []  # per-row fallback: drafters without a batched propose
+        for r, t in zip(rows, tokens):
+            p = d.propose(r.state, r.feats, t, temperature=T, generator=r.generator)
+            out.append((p.tokens, p.probs, p.conf_logits))
+        return out
+
+    def _round(self, rows, kv: BatchKV) -> None:
+        dev, R = self.target.device, len(rows)
+        _sync(dev)
+        t0 = time.perf_counter()
+        props = [(torch.zeros(1, 0, dtype=torch.long), None, None)] * R if self.drafter is None else self._propose(rows)
+        ells = [0] * R if self.drafter is None else [int(x) for x in self.policy.lengths(props)]
+        _sync(dev)
+        t1 = time.perf_counter()
+        W = 1 + max(ells)
+        ids = torch.tensor([[r.out[-1]] * W for r in rows], dtype=torch.long, device=dev)
+        for i, (p, ell) in enumerate(zip(props, ells)):
+            ids[i, 1 : 1 + ell] = p[0][0, :ell].to(dev)
+        widths = torch.tensor([1 + ell for ell in ells], device=dev)
+        start = kv.length
+        logits, feats = kv.forward(self.target, ids, widths, self.layers)
+        results = [verify_row(logits[i : i + 1, : 1 + ell], None if p[1] is None else p[1][:, :ell].to(dev),
+                              ids[i : i + 1, 1 : 1 + ell], temperature=self.temperature,
+                              eos_token_ids=self.target.eos_token_ids, generator=rows[i].generator)
+                   for i, (p, ell) in enumerate(zip(props, ells))]
+        kv.commit(start, torch.tensor([1 + res[0] for res in results], device=dev))
+        _sync(dev)
+        t2 = time.perf_counter()
+        B = int(widths.sum())
+        self.stats["rounds"] += 1
+        self.stats["verify_tokens"] += B
+        self.stats["forward_tokens"] += R * W
+        for i, (row, p, res) in enumerate(zip(rows, props, results)):
+            acc, emitted, plen, a_k, alpha_k = res
+            conf = None if p[2] is None else p[2][0].float().tolist()
+            rnd = Round(emitted, acc, plen, a_k, alpha_k, conf, p[0].shape[1], t1 - t0, t2 - t1,
+                        ids[i : i + 1, : 1 + acc], None if feats is None else feats[i : i + 1, : 1 + acc])
+            row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": B})
+            row.ctx, row.feats = rnd.ctx, rnd.feats
+            row.out.extend(emitted[: row.request.max_new_tokens - len(row.out)])
+
+
+@torch.no_grad()
+def profile_engine_sps(target: Target, rows: int, widths: Sequence[int], context_len: int = 256,
+                       seed: int = 0) -> SPSCurve:
+    """SPS(B) of the engine's own verification forward on this machine: `rows`
+    requests with `context_len` verified tokens each, every row verifying w tokens
+    (B = rows * w, w in `widths`), through `BatchKV` exactly as a round runs it."""
+    g = torch.Generator().manual_seed(seed)
+    dev = target.device
+    kv = BatchKV()
+    for _ in range(rows):
+        cache = new_cache()
+        ids = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
+        _forward(target, ids, cache, None, last_only=True)
+        kv.add(cache, context_len)
+    by_tokens = {rows * int(w): int(w) for w in widths}
+
+    def forward(B):
+        w = by_tokens[B]
+        ids = torch.randint(0, target.vocab_size, (rows, w), generator=g).to(dev)
+        kv.forward(target, ids, torch.full((rows,), w, device=dev), None)
+        kv.commit(context_len, torch.zeros(rows, dtype=torch.long, device=dev))
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
+    return profile_sps(forward, sorted(by_tokens), sync=sync)
+
+
+def padding_share(stats: dict) -> float:
+    """Share of the engine's forward tokens that were padding (ragged verify lengths)."""
+    return 1.0 - stats["verify_tokens"] / stats["forward_tokens"] if stats["forward_tokens"] else math.nan

@@ -1,0 +1,91 @@
+"""Verification policies of the batched engine (core/engine.py): how many of each
+request's draft tokens the round's target forward verifies (paper Sec. 3.2).
+
+* `FixedGamma` - every drafted token (the paper's Table 1 setting);
+* `StaticThreshold` - cut each proposal at the first position with
+  sigma(c_k) < threshold (the reference's rule, Figure 5);
+* `LiveAlgorithm1` - Algorithm 1 each round: this round's confidences of every
+  active request (STS-calibrated when temperatures are given) and the engine's
+  SPS(B) curve go to `scheduler.schedule_prefix`, which picks l_r greedily with
+  the non-anticipating early stop. The confidences exist before any token of
+  the round is verified, so the choice never looks at the verification outcome
+  (Appendix A's property holds by construction); verification of the chosen
+  prefix is the same rejection sampling, so every policy is lossless.
+
+A policy maps the round's per-request proposals (tokens [1, g], probs, conf
+logits [1, g] or None) to lengths l_r.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import DeepSpecError
+from .decode import proposal_length
+from .scheduler import SPSLike, schedule_prefix
+
+
+class FixedGamma:
+    name = "fixed"
+
+    def lengths(self, props) -> list[int]:
+        return [int(p[0].shape[1]) for p in props]
+
+
+class StaticThreshold:
+    name = "threshold"
+
+    def __init__(self, threshold: float):
+        self.threshold = float(threshold)
+
+    def lengths(self, props) -> list[int]:
+        out = []
+        for tokens, _, conf in props:
+            n = tokens.shape[1]
+            if self.threshold > 0 and conf is not None:
+                n = proposal_length(_Prop(tokens, conf), self.threshold)
+            out.append(int(n))
+        return out
+
+
+class _Prop:  # the two fields decode.proposal_length reads
+    def __init__(self, tokens, conf_logits):
+        self.tokens, self.conf_logits = tokens, conf_logits
+
+
+class LiveAlgorithm1:
+    """Algorithm 1 online. `sps` is the engine's SPS(B) curve (profiled at start-up
+    or read from CSV); `temperatures` [gamma] are STS temperatures (None: raw
+    sigmoid). Drafters without a confidence head need `default_confidence`, a
+    constant c used at every position (e.g. the drafter's measured acceptance)."""
+
+    name = "alg1"
+
+    def __init__(self, sps: SPSLike, temperatures: Optional[Sequence[float]] = None, early_stop: bool = True,
+                 default_confidence: Optional[float] = None):
+        self.sps, self.early_stop = sps, early_stop
+        self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+        self.default_confidence = default_confidence
+
+    def confidences(self, props) -> np.ndarray:
+        """c [R, gamma_max]: calibrated conditional confidences, 0 past a row's proposal."""
+        g = max(int(p[0].shape[1]) for p in props)
+        c = np.zeros((len(props), g))
+        for r, (tokens, _, conf) in enumerate(props):
+            n = tokens.shape[1]
+            if conf is None:
+                if self.default_confidence is None:
+                    raise DeepSpecError("Algorithm 1 needs confidences: this drafter has no confidence head "
+                                        "(give a default_confidence)")
+                c[r, :n] = self.default_confidence
+                continue
+            x = conf[0, :n].float().cpu().double().numpy()
+            t = np.ones(n) if self.temperatures is None else self.temperatures[:n]
+            c[r, :n] = torch.sigmoid(torch.from_numpy(x / t)).numpy()
+        return c
+
+    def lengths(self, props) -> list[int]:
+        ell, _ = schedule_prefix(self.confidences(props), self.sps, early_stop=self.early_stop)
+        return [int(x) for x in ell]

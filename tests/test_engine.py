@@ -1,0 +1,253 @@
+"""The batched speculative engine (deepspec/core/engine.py) and its verification
+policies (deepspec/core/policies.py), on the tiny target.
+
+* Lossless per row: in batches of 4 requests with different prompt lengths, the
+  first 3 tokens of each request (the prefill token and one batched round of 2
+  drafts) follow the target's exact distribution (chi-square, as test_decode);
+  the same test rejects a verifier with a wrong residual.
+* Greedy: batched output equals plain greedy decoding, request by request, for
+  every drafter (the distorted-target double, DFlash, DSpark, Eagle3) and every
+  policy (fixed gamma, static threshold, live Algorithm 1), with continuous
+  batching (more requests than rows, different max_new_tokens).
+* Batch independence: a request's greedy output is the same alone and in a
+  batch. Sampled outputs with the same per-request seed are also the same under
+  fixed gamma (each request draws from its own stream in batch-1 order; only
+  floating-point ties in the batched forward could break this), and equal the
+  batch-1 loop's; under Algorithm 1 l_r depends on the batch mates, so sampled
+  outputs differ while their distribution does not.
+* Live vs offline Algorithm 1: the engine verifies exactly the l_r that
+  `scheduler.schedule_prefix` picks from the same confidences and SPS curve.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from deepspec.core import decode
+from deepspec.core.decode import plain_generate, speculative_generate
+from deepspec.core.engine import BatchedEngine, BatchKV, Request, profile_engine_sps
+from deepspec.core.policies import FixedGamma, LiveAlgorithm1, StaticThreshold
+from deepspec.core.scheduler import SPSCurve, schedule_prefix
+from deepspec.drafters import build_drafter
+from test_decode import PROMPT, DistortedTargetDrafter, _broken_verify_chain, _chi2_pvalue
+
+# Four prompts of different lengths (5, 4, 7, 2 tokens)
+PROMPTS = [PROMPT, PROMPT[1:], [591, 2293] + PROMPT, PROMPT[3:]]
+LAYERS = [-1, 0]
+N_GEN = 300  # samples per row in the chi-square test
+P_MIN = 1e-3
+# A synthetic SPS(B): a fixed cost per forward plus a cost per token, so Algorithm 1
+# verifies some drafts and stops early on others.
+SPS = SPSCurve(np.arange(1, 65), 1.0 / (1.0 + 0.08 * np.arange(1, 65)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _requests(n_tok, prompts=PROMPTS, seed=0):
+    return [Request(i, p, n_tok, seed=seed + i) for i, p in enumerate(prompts)]
+
+
+def _by_id(finished):
+    return {f.request.request_id: f for f in finished}
+
+
+@torch.no_grad()
+def _exact_cells(target, prompt, n_tok, k=12):
+    """Exact probabilities of the likely n_tok-token continuations of `prompt` (top-k tree)."""
+    eos = set(target.eos_token_ids)
+    cells = {(): 1.0}
+    for _ in range(n_tok):
+        seqs = [s for s in cells if not (set(s) & eos)]
+        ids = torch.tensor([prompt + list(s) for s in seqs])
+        p = torch.softmax(target.model(ids, logits_to_keep=1).logits[:, -1].double(), -1)
+        top = p.topk(k, dim=-1)
+        cells = {s + (int(t),): cells[s] * float(q) for s, v, i in zip(seqs, top.values, top.indices)
+                 for q, t in zip(v, i)}
+    return cells
+
+
+def _batched_samples(target, drafter, n_tok=3):
+    """N_GEN requests per prompt, interleaved, through one engine of 4 rows."""
+    reqs = [Request((i, j), PROMPTS[j], n_tok, seed=980406 + 4 * i + j) for i in range(N_GEN) for j in range(4)]
+    eng = BatchedEngine(target, drafter, feature_layers=LAYERS, temperature=1.0, max_batch=4)
+    out = [[] for _ in PROMPTS]
+    for f in eng.generate(reqs):
+        out[f.request.request_id[1]].append(tuple(f.tokens))
+    return out, eng
+
+
+@pytest.fixture(scope="module")
+def exact4(tiny_target):
+    return [{n: _exact_cells(tiny_target, p, n) for n in (2, 3)} for p in PROMPTS]
+
+
+def test_lossless_per_row_in_a_batch(tiny_target, exact4):
+    samples, eng = _batched_samples(tiny_target, DistortedTargetDrafter(tiny_target, LAYERS, gamma=2))
+    assert eng.stats["rounds"] < len(PROMPTS) * N_GEN  # rows really shared forwards
+    for rows, exact in zip(samples, exact4):
+        pv = [_chi2_pvalue([s[:n] for s in rows], exact[n]) for n in (2, 3)]
+        assert min(pv) > P_MIN / 2, pv
+
+
+def test_batched_broken_verifier_is_detected(tiny_target, exact4, monkeypatch):
+    monkeypatch.setattr(decode, "verify_chain", _broken_verify_chain)
+    samples, _ = _batched_samples(tiny_target, DistortedTargetDrafter(tiny_target, LAYERS, gamma=2))
+    pv = [_chi2_pvalue([s[:2] for s in rows], exact[2]) for rows, exact in zip(samples, exact4)]
+    assert min(pv) < P_MIN, pv
+
+
+def _double(target, conf=True):
+    d = DistortedTargetDrafter(target, LAYERS, gamma=3, check_feats=True, conf=conf)
+    d.SHARP = 1.0  # long accepted runs as well as rejections
+    return d
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_target, tiny_cfg):
+    torch.manual_seed(0)
+    out = {"double": _double(tiny_target)}
+    for m in ("dflash", "dspark", "eagle3"):
+        out[m] = build_drafter(m, tiny_target, tiny_cfg).eval()
+    return out
+
+
+POLICIES = {
+    "fixed": lambda: FixedGamma(),
+    "threshold": lambda: StaticThreshold(0.5),
+    "alg1": lambda: LiveAlgorithm1(SPS, default_confidence=0.6),
+}
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(tiny_target):
+    return {i: plain_generate(tiny_target, p, max_new_tokens=14 - 2 * (i % 3), temperature=0.0).tokens
+            for i, p in enumerate(PROMPTS + PROMPTS[:2])}
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("method", ["double", "dflash", "dspark", "eagle3"])
+def test_batched_greedy_equals_plain(tiny_target, drafters, plain_greedy, method, policy):
+    """Six requests through three rows (continuous batching: three join mid-run)."""
+    reqs = [Request(i, p, 14 - 2 * (i % 3)) for i, p in enumerate(PROMPTS + PROMPTS[:2])]
+    eng = BatchedEngine(tiny_target, drafters[method], feature_layers=LAYERS, temperature=0.0, max_batch=3,
+                        policy=POLICIES[policy]())
+    got = _by_id(eng.generate(reqs))
+    for i, want in plain_greedy.items():
+        assert got[i].tokens == want, (method, policy, i)
+        assert all(r["emitted"] >= 1 and 1 <= r["batch_size"] <= 3 for r in got[i].rounds)
+    assert {r["batch_size"] for f in got.values() for r in f.rounds} >= {3}
+
+
+def test_plain_batched_decoding(tiny_target, plain_greedy):
+    eng = BatchedEngine(tiny_target, None, feature_layers=LAYERS, temperature=0.0, max_batch=4)
+    got = _by_id(eng.generate([Request(i, p, 14 - 2 * (i % 3)) for i, p in enumerate(PROMPTS + PROMPTS[:2])]))
+    assert {i: f.tokens for i, f in got.items()} == plain_greedy
+
+
+@pytest.mark.parametrize("method", ["double", "dspark"])
+def test_batch_independence(tiny_target, drafters, method):
+    """Alone == in a batch (greedy and, with fixed gamma, sampled with the same
+    seed); sampled also == the batch-1 loop with that seed."""
+    d = drafters[method]
+    for temp in (0.0, 1.0):
+        batched = _by_id(BatchedEngine(tiny_target, d, feature_layers=LAYERS, temperature=temp, max_batch=4)
+                         .generate(_requests(12, seed=5)))
+        for req in _requests(12, seed=5):
+            alone = BatchedEngine(tiny_target, d, feature_layers=LAYERS, temperature=temp, max_batch=1).generate([req])
+            assert alone[0].tokens == batched[req.request_id].tokens, (temp, req.request_id)
+            loop = speculative_generate(tiny_target, d, req.prompt_ids, feature_layers=LAYERS, max_new_tokens=12,
+                                        temperature=temp, generator=torch.Generator().manual_seed(req.seed))
+            assert loop.tokens == alone[0].tokens
+
+
+def test_propose_batch_equals_propose_per_request(tiny_target, tiny_cfg, drafters):
+    """Ragged contexts: one batched drafter call drafts what each request's own call drafts."""
+    g = torch.Generator().manual_seed(3)
+    for m in ("dflash", "dspark"):
+        d = drafters[m]
+        states, feats, toks = [], [], []
+        for n in (5, 2, 9):
+            ids = torch.randint(0, tiny_target.vocab_size, (1, n + 1), generator=g)
+            f, _ = tiny_target.features(ids[:, :-1], LAYERS)
+            states.append(d.init_state())
+            feats.append(f)
+            toks.append(ids)
+        alone = [d.propose(copy.deepcopy(s), f, t, temperature=0.0) for s, f, t in zip(states, feats, toks)]
+        both = d.propose_batch(states, feats, toks, temperature=0.0)
+        for r, p in enumerate(alone):
+            assert torch.equal(both.tokens[r : r + 1], p.tokens)
+            torch.testing.assert_close(both.probs[r : r + 1], p.probs, rtol=1e-4, atol=1e-5)
+            if p.conf_logits is not None:
+                torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
+
+
+class _Spy:
+    """Wraps a policy; keeps each round's proposals' confidences and its lengths."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def lengths(self, props):
+        ell = self.inner.lengths(props)
+        self.calls.append((self.inner.confidences(props), list(ell)))
+        return ell
+
+
+def test_live_algorithm1_matches_offline_scheduler(tiny_target, drafters):
+    d = drafters["dspark"]
+    temps = np.linspace(0.7, 1.6, d.gamma)
+    spy = _Spy(LiveAlgorithm1(SPS, temperatures=temps))
+    eng = BatchedEngine(tiny_target, d, feature_layers=LAYERS, temperature=1.0, max_batch=4, policy=spy)
+    done = eng.generate(_requests(16, seed=11))
+    assert spy.calls and any(len(set(ell)) > 1 for _, ell in spy.calls)  # ragged l_r happen
+    for c, ell in spy.calls:
+        want, _ = schedule_prefix(c, SPS, early_stop=True)
+        assert list(want) == ell
+    # the live confidences are the recorded conf logits, calibrated by STS
+    rec = done[0].rounds[0]
+    x = np.array([rec[f"conf_logit_{k}"] for k in range(1, d.gamma + 1)])
+    live = LiveAlgorithm1(SPS, temperatures=temps).confidences([(torch.zeros(1, d.gamma), None, torch.from_numpy(x[None]))])
+    np.testing.assert_allclose(live[0], 1 / (1 + np.exp(-x / temps)), rtol=1e-6)
+    # what the engine verified: each round's proposal_len is its l_r (shorter only after an accepted EOS)
+    chosen = Counter(x for _, ell in spy.calls for x in ell)
+    recorded = Counter(r["proposal_len"] for f in done for r in f.rounds)
+    assert sum(chosen.values()) == sum(recorded.values()) and max(recorded) <= max(chosen)
+
+
+def test_static_threshold_policy_truncates(tiny_target):
+    d = _double(tiny_target)  # conf logits 2, 0, -2: sigmoid .88, .5, .12
+    eng = BatchedEngine(tiny_target, d, feature_layers=LAYERS, temperature=0.0, max_batch=4,
+                        policy=StaticThreshold(0.6))
+    done = eng.generate(_requests(10))
+    assert {r["proposal_len"] for f in done for r in f.rounds} <= {0, 1}
+
+
+def test_batch_kv_compacts_and_keeps_rows(tiny_target):
+    """Masked slots are compacted away without changing any row's verified tokens."""
+    kv = BatchKV()
+    for p in PROMPTS:
+        cache = decode.new_cache()
+        decode._forward(tiny_target, torch.tensor([p]), cache, None)
+        kv.add(cache, len(p))
+    before = [kv.cache.layers[0].keys[r][:, kv.valid[r]].clone() for r in range(4)]
+    kv.compact()
+    assert kv.length == max(len(p) for p in PROMPTS) and bool(kv.valid[:, -1].all())
+    for r in range(4):
+        assert torch.equal(kv.cache.layers[0].keys[r][:, kv.valid[r]], before[r])
+    kv.select([1, 3])
+    assert kv.length == max(len(PROMPTS[1]), len(PROMPTS[3])) and torch.equal(kv.valid.sum(1), torch.tensor([4, 2]))
+
+
+def test_profile_engine_sps(tiny_target):
+    sps = profile_engine_sps(tiny_target, rows=2, widths=[1, 4], context_len=16)
+    assert list(sps.batch_tokens) == [2, 8] and np.all(sps.steps_per_s > 0)
