@@ -29,6 +29,7 @@ rule all:
 
 
 include: "workflow/rules/target.smk"
+include: "workflow/rules/prepare_data.smk"
 include: "workflow/rules/regenerate.smk"
 include: "workflow/rules/cache.smk"
 include: "workflow/rules/train.smk"

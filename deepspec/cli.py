@@ -17,6 +17,7 @@ from .errors import DeepSpecError
 
 COMMANDS = {
     "show-config": ("deepspec.config", "print a preset with defaults filled in, after validation"),
+    "prepare-data": ("deepspec.pipeline.prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
     "prepare-target": ("deepspec.pipeline.target", "convert or download a target into a plain HF checkpoint"),
     "regenerate": ("deepspec.pipeline.regenerate", "answer training prompts with the target itself"),
     "build-cache": ("deepspec.pipeline.cache", "cache the target's feature-layer and final hidden states"),

@@ -12,6 +12,8 @@ from deepspec.config import load_config
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
 from deepspec.pipeline.methods import fig3_methods, fig4_methods
+from deepspec.pipeline.prepare_data import check_sources, needed_files
+from deepspec.pipeline.prompts import data_root
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 _OVERRIDES = {k: v for k, v in config.items() if k != "preset"}
@@ -44,6 +46,15 @@ FIG3_METHODS = fig3_methods(CFG)
 FIG4_METHODS = fig4_methods(CFG)
 ALL_METHODS = list(dict.fromkeys(METHODS + FIG3_METHODS + FIG4_METHODS))
 BENCHMARKS = list(CFG["data"]["benchmarks"])
+# The prompt files the preset reads, under data.root (DEEPSPEC_DATA overrides);
+# prepare_data builds the missing ones. A missing file without a known source
+# stops the plan here.
+DATA_ROOT = data_root(CFG)
+DATA_FILES = needed_files(CFG)
+try:
+    check_sources(CFG)
+except DeepSpecError as e:
+    raise WorkflowError(f"config error: {e}")
 
 
 def _one_of(names):
@@ -84,12 +95,22 @@ def train_data(wc):
     return str(paths.cache_dir() / "manifest.json")
 
 
+def train_prompt_files(wc):
+    """The training prompt files (hub: sources are read directly)."""
+    return [str(DATA_ROOT / e["path"]) for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
+
+
+def benchmark_file(wc):
+    path = CFG["data"]["benchmarks"][wc.benchmark]["path"]
+    return [] if path.startswith("hub:") else str(DATA_ROOT / path)
+
+
 def eval_inputs(wc):
     """A method with a released checkpoint (eval.released_checkpoints) is
     evaluated from the hub and needs no trained drafter; evaluate waits for its
     benchmark's baseline so that its summary carries speedup_vs_plain."""
     paths = RunPaths.of(CFG, target=wc.target)
-    inputs = {"target": target_checkpoint(wc), "baseline": str(paths.baseline(wc.benchmark))}
+    inputs = {"target": target_checkpoint(wc), "baseline": str(paths.baseline(wc.benchmark)), "prompts": benchmark_file(wc)}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = str(paths.drafter_dir(wc.method) / "config.json")
     return inputs

@@ -36,6 +36,7 @@ rule evaluate:
 rule baseline:
     input:
         target=target_checkpoint,
+        prompts=benchmark_file,
     output:
         json=str(P.baseline("{benchmark}")),
         csv=str(P.baseline("{benchmark}").with_suffix(".csv")),

@@ -5,6 +5,7 @@
 rule regenerate:
     input:
         target=target_checkpoint,
+        prompts=train_prompt_files,
     output:
         str(P.conversations()),
     log:

@@ -1,0 +1,439 @@
+"""The prepare_data rule: build the preset's prompt files under `data.root` from
+their public sources when they are missing (a fresh clone has no
+``../shared/data``).
+
+Every file a preset reads (its `data.train` files and `data.benchmarks` files;
+``hub:`` sources are read directly and need nothing here) has a known source in
+`KNOWN_SOURCES`, keyed by its path under `data.root`: a Hugging Face dataset
+(id, config, split, pinned revision) read with `datasets.load_dataset`, or
+named files of a dataset repository (`huggingface_hub.hf_hub_download`) or of
+a GitHub repository at a pinned commit (``github:owner/repo``, downloaded by
+`datasets.DownloadManager`). A preset can change any field per file under
+`data.sources` (e.g. another revision). The formats are DeepSeek's DeepSpec
+``eval_datasets`` (``{"turns": [...]}`` per line, ``json.dumps(...,
+ensure_ascii=False)``) for the benchmarks and ``../shared/data/README.md`` for
+the training files; with the pinned sources each file is byte-identical to the
+reference copy, whose sha256 `KNOWN_SOURCES` holds.
+
+- A file that exists is never rewritten and nothing is downloaded for it.
+- A built file's sha256 is recorded in ``<data.root>/SHA256SUMS`` (the
+  ``sha256sum`` format); a sha that differs from the reference copy's, or from
+  the one recorded when the file was built, is a warning naming the file.
+- A missing file that cannot be downloaded (offline, ``HF_HUB_OFFLINE=1``, the
+  hub unreachable) is one DeepSpecError line naming the file, its source and
+  how to get it.
+- ``--hub-mirror DIR`` reads every source from ``DIR/<hub id>`` (GitHub sources
+  from ``DIR/github.com/<owner>/<repo>``) instead of the network: an air-gapped
+  mirror, and how the tests run the conversions.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+from ..errors import DeepSpecError
+from ..files import atomic_path, write_text_atomic
+from .prompts import data_root
+
+log = logging.getLogger("deepspec.prepare_data")
+
+SUMS_FILE = "SHA256SUMS"
+BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one prompt file comes from and how its rows become records."""
+
+    hub: str  # Hugging Face dataset id, or github:<owner>/<repo>
+    format: str  # a FORMATS key
+    revision: Optional[str] = None  # commit (or tag); None = the default branch
+    config: Optional[str] = None
+    split: str = "train"
+    files: tuple = ()  # files of the repository; () = datasets.load_dataset(hub, config, split)
+    sha256: Optional[str] = None  # the reference copy's sha256 (../shared/data)
+    lenient: bool = False  # skip malformed JSONL lines of the source (counted in the log)
+    dedup: bool = False  # drop records whose turns repeat an earlier record's
+
+    @property
+    def where(self) -> str:
+        at = f"@{self.revision}" if self.revision else ""
+        what = f" {self.config}/{self.split}" if self.config else (f" {self.split}" if not self.files else "")
+        files = f" [{', '.join(self.files)}]" if self.files else ""
+        return f"{self.hub}{at}{what}{files}"
+
+
+# ---------------------------------------------------------------- formats
+# Each maps a source row to (turns, reference); None skips the row.
+
+
+def _with_input(instruction: str, inp: str) -> str:
+    """The alpaca format of DeepSpec's eval_datasets: instruction, then the input if any."""
+    return f"{instruction}\n\nInput:\n{inp}" if inp else instruction
+
+
+def _livecodebench(row: dict):
+    if "messages" in row:
+        return [m["content"] for m in row["messages"] if m["role"] == "user"], None
+    starter = row["starter_code"]
+    label = "Use the following code structure:" if starter else "Write your code in the following format:"
+    return [
+        "You are an expert Python programmer. You will be given a question (problem specification) and will "
+        "generate a correct Python program that matches the specification and passes all tests. You will NOT "
+        "return anything except for the program\n\n"
+        f"### Question:\n{row['question_content']}\n\n### Format: {label}\n"
+        f"```python\n{starter or '# YOUR CODE HERE'}\n```\n\n### Answer: (use the provided format with backticks)"
+    ], None
+
+
+def _alpaca_libre(row: dict):
+    """Generated tasks with status "ok"; <noinput> / <nooutput> mean empty."""
+    if row.get("status") != "ok":
+        return None
+    inp = (row.get("input") or "").strip()
+    out = (row.get("output") or "").strip()
+    return [_with_input(row["instruction"].strip(), "" if inp == "<noinput>" else inp)], \
+        (None if out == "<nooutput>" else out)
+
+
+FORMATS: dict[str, Callable[[dict], Optional[tuple]]] = {
+    "question_boxed": lambda r: ([r["question"] + BOXED_SUFFIX], None),
+    "problem_boxed": lambda r: ([r["problem"] + BOXED_SUFFIX], None),
+    "alpaca": lambda r: ([_with_input(r["instruction"], r["input"])], None),
+    "prompt_turns": lambda r: (list(r["prompt"]), None),
+    "humaneval": lambda r: (["Write a solution to the following problem and make sure that it passes the tests:\n"
+                             f"```python\n{r['prompt']}\n```"], None),
+    "prompt": lambda r: ([r["prompt"]], None),
+    "instruction": lambda r: ([r["instruction"]], None),
+    "livecodebench": _livecodebench,
+    "question_answer": lambda r: ([r["question"]], r["answer"]),
+    "instruction_output": lambda r: ([_with_input(r["instruction"], r["input"])], r["output"]),
+    "alpaca_libre": _alpaca_libre,
+}
+
+_GSM8K_REV = "cc7b047b6e5bb11b4f1af84efc572db110a51b3c"
+_LCB_FILES = ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl")
+
+# The known sources, keyed by the file's path under data.root. The benchmarks
+# are DeepSpec's eval_datasets (deepseek-ai/DeepSpec@afdfa7c eval_datasets/);
+# revision None where no commit could be pinned offline: the recorded sha256
+# then pins the content (a changed upstream is a warning naming the file).
+KNOWN_SOURCES: dict[str, Source] = {
+    "eval/gsm8k.jsonl": Source("openai/gsm8k", "question_boxed", _GSM8K_REV, "main", "test",
+                               sha256="63330a20a17f416fdfca978ebcd5124f8da5546affb3a079b65a6e8daf42b41f"),
+    "eval/math500.jsonl": Source("HuggingFaceH4/MATH-500", "problem_boxed", "6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be",
+                                 split="test", sha256="4f530d9d3126dca41c12a96e78ec0dd460b7202052ba86101c4da159cea33aac"),
+    "eval/aime24.jsonl": Source("HuggingFaceH4/aime_2024", "problem_boxed", "2fe88a2f1091d5048c0f36abc874fb997b3dd99a",
+                                sha256="98b2449571c23886d67f99224ecdb4e48ad6cf74955b2908f70fbea9d66dead7"),
+    "eval/aime25.jsonl": Source("MathArena/aime_2025", "problem_boxed",
+                                sha256="b8835996839caa1d982c5bb9ecaeca636424f0b8ed9f33a40b084feb1c1766d0"),
+    # DeepSpec's alpaca.jsonl is all 52,002 rows; ../shared/data holds a 1,000-row stand-in (no reference sha).
+    "eval/alpaca.jsonl": Source("tatsu-lab/alpaca", "alpaca", "dce01c9b08f87459cf36a430d809084718273017"),
+    "eval/mt-bench.jsonl": Source("HuggingFaceH4/mt_bench_prompts", "prompt_turns",
+                                  sha256="df05defbcea350dff39f7d2996a7cba8a029e6e06069dfcdab11ceb998d743b0"),
+    "eval/humaneval.jsonl": Source("openai/openai_humaneval", "humaneval", "7dce6050a7d6d172f3cc5c32aa97f52fa1a2e544",
+                                   split="test", sha256="7aaed6a3987007ecee4851ee4572fde214aa2a36ae83fa21be9c5f443aa71675"),
+    "eval/mbpp.jsonl": Source("google-research-datasets/mbpp", "prompt", "4bb6404fdc6cacfda99d4ac4205087b89d32030c",
+                              "sanitized", "test", sha256="019b981f7122e39ce58866cf93f4206511c72532cb537bbaf298753a0f128ba7"),
+    "eval/lbpp.jsonl": Source("CohereLabs/lbpp", "instruction", files=("python/test.parquet",),
+                              sha256="0b973ef7ec26993896884a2cbfde640706390261778b4dc7a221ccb95b539ae2"),
+    "eval/livecodebench.jsonl": Source("livecodebench/code_generation_lite", "livecodebench", files=_LCB_FILES,
+                                       sha256="40ed536492f331ac27b3b68506072366ca1d3a304b92c31d822574e778c87318"),
+    "eval/arena-hard-v2.jsonl": Source("lmarena-ai/arena-hard-auto", "prompt",
+                                       files=("data/arena-hard-v2.0/question.jsonl",),
+                                       sha256="e5fcce94ffb1a2ef2082b5c63ac36608f2b7faf00da13ecb94ce2adc649b7b91"),
+    # Training prompts (../shared/data/README.md); each conversion reproduces the shared copy byte for byte.
+    "train/gsm8k_train.jsonl": Source("openai/gsm8k", "question_answer", _GSM8K_REV, "main", "train",
+                                      sha256="7cc806e66157aa7a779027ab1e58cca0660c2c46804ba7e20bde6017467852cb"),
+    "train/code_alpaca_2k.jsonl": Source("github:sahil280114/codealpaca", "instruction_output",
+                                         "2f78ddc5c682ed6738ad092bbbfa59ba915afcb0", files=("data/code_alpaca_2k.json",),
+                                         sha256="f1fe1782c03531441e6c59ac861eb511ae0e3a450e54f64927314a811107fd4e"),
+    "train/chat_alpaca_libre.jsonl": Source(
+        "github:mobarski/alpaca-libre", "alpaca_libre", "9024e0cb3b24d8857861b694df643d0bbb765e69",
+        files=tuple(f"data/output/work/alpaca_libre_tasks_v{v}.jsonl" for v in (1, 2, 3)),
+        sha256="62f29c9f24d32fb28fa1219726027336f8fe80aed0143f5e50fcdd8ef87b567c", lenient=True, dedup=True),
+}
+
+
+# ---------------------------------------------------------------- which files
+
+
+def needed_files(cfg: dict) -> list[str]:
+    """The preset's prompt files under data.root (hub: sources excluded), in order."""
+    paths = [e["path"] for e in cfg["data"]["train"]] + [b["path"] for b in cfg["data"]["benchmarks"].values()]
+    return list(dict.fromkeys(p for p in paths if not p.startswith("hub:")))
+
+
+def source_for(cfg: dict, rel: str) -> Optional[Source]:
+    """The known source of `rel`, with the preset's `data.sources[rel]` fields applied."""
+    over = dict(cfg["data"].get("sources", {}).get(rel) or {})
+    base = KNOWN_SOURCES.get(rel)
+    if base is None and "hub" not in over:
+        return None
+    if "files" in over:
+        over["files"] = tuple(over["files"] or ())
+    if base is None:
+        over.setdefault("format", "prompt")
+        return Source(**over)
+    return dataclasses.replace(base, **over)
+
+
+def check_sources(cfg: dict) -> None:
+    """Plan-time check: every missing file can be built (one line otherwise)."""
+    root = data_root(cfg)
+    for rel in needed_files(cfg):
+        if not (root / rel).exists() and source_for(cfg, rel) is None:
+            raise DeepSpecError(
+                f"prompt file {root / rel} is missing and has no known source: copy it there, set DEEPSPEC_DATA "
+                f"or data.root to a directory that has it, or give its source under data.sources")
+
+
+# ---------------------------------------------------------------- reading sources
+
+
+def _offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _local_repo(src: Source, mirror: Optional[Path]) -> Optional[Path]:
+    if mirror is None:
+        return None
+    if src.hub.startswith("github:"):
+        return Path(mirror) / "github.com" / src.hub[len("github:"):]
+    return Path(mirror) / src.hub
+
+
+def _download(src: Source, mirror: Optional[Path]) -> list[Path]:
+    """Local paths of the source's files (from the mirror, the hub or GitHub)."""
+    local = _local_repo(src, mirror)
+    if local is not None:
+        paths = [local / f for f in src.files]
+        for p in paths:
+            if not p.is_file():
+                raise FileNotFoundError(f"not in the mirror: {p}")
+        return paths
+    if src.hub.startswith("github:"):
+        import datasets
+
+        rev = src.revision or "HEAD"
+        urls = [f"https://raw.githubusercontent.com/{src.hub[len('github:'):]}/{rev}/{f}" for f in src.files]
+        return [Path(p) for p in datasets.DownloadManager().download(urls)]
+    from huggingface_hub import hf_hub_download
+
+    return [Path(hf_hub_download(src.hub, f, repo_type="dataset", revision=src.revision)) for f in src.files]
+
+
+def _file_rows(path: Path, lenient: bool, skipped: list) -> Iterator[dict]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(path).to_pylist()
+    elif path.suffix == ".json":
+        yield from json.loads(path.read_text(encoding="utf-8"))
+    else:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    if not lenient:
+                        raise DeepSpecError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+                    skipped.append(f"{path.name}:{lineno}")
+
+
+def _open_rows(src: Source, mirror: Optional[Path], skipped: list) -> Iterable[dict]:
+    """The source's rows; everything that touches the network happens here."""
+    if src.files:
+        paths = _download(src, mirror)
+        return (row for p in paths for row in _file_rows(p, src.lenient, skipped))
+    import datasets
+
+    local = _local_repo(src, mirror)
+    path = str(local) if local is not None else src.hub
+    return datasets.load_dataset(path, src.config, split=src.split, revision=src.revision)
+
+
+# ---------------------------------------------------------------- converting
+
+
+def convert_rows(rows: Iterable[dict], src: Source, where: str) -> list[dict]:
+    """Records `{"turns": [...], "reference"?: str}` of the source rows."""
+    fmt = FORMATS.get(src.format)
+    if fmt is None:
+        raise DeepSpecError(f"{where}: unknown format '{src.format}' (known: {', '.join(FORMATS)})")
+    out, seen = [], set()
+    for i, row in enumerate(rows):
+        try:
+            got = fmt(row)
+        except (KeyError, TypeError) as e:
+            raise DeepSpecError(f"{where}: row {i} of {src.where} does not fit format '{src.format}' "
+                                f"({type(e).__name__}: {e})") from None
+        if got is None:
+            continue
+        turns, ref = got
+        if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise DeepSpecError(f"{where}: row {i} of {src.where} gives an empty or non-text turn")
+        key = json.dumps(turns)
+        if src.dedup and key in seen:
+            continue
+        seen.add(key)
+        rec = {"turns": list(turns)}
+        if isinstance(ref, str) and ref:
+            rec["reference"] = ref
+        out.append(rec)
+    if not out:
+        raise DeepSpecError(f"{where}: {src.where} gave no records")
+    return out
+
+
+def write_records(path: Path, records: list[dict]) -> str:
+    """Write the JSONL atomically; return its sha256."""
+    h = hashlib.sha256()
+    with atomic_path(path, suffix=".jsonl") as tmp:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            for rec in records:
+                line = json.dumps(rec, ensure_ascii=False) + "\n"
+                f.write(line)
+                h.update(line.encode("utf-8"))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_sums(root: Path) -> dict[str, str]:
+    """`<root>/SHA256SUMS` as {relative path: sha256} ({} when absent)."""
+    path = Path(root) / SUMS_FILE
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        sha, _, rel = line.partition("  ")
+        if sha and rel:
+            out[rel.strip()] = sha.strip()
+    return out
+
+
+def record_sum(root: Path, rel: str, sha: str) -> None:
+    """Add or replace `rel`'s line in SHA256SUMS (locked: parallel jobs share it)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{SUMS_FILE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sums = read_sums(root)
+        sums[rel] = sha
+        write_text_atomic(root / SUMS_FILE, "".join(f"{s}  {r}\n" for r, s in sorted(sums.items())))
+
+
+def check_sha(rel: str, sha: str, src: Optional[Source], recorded: Optional[str] = None) -> bool:
+    """Warn (naming the file) when `sha` differs from the one recorded in
+    SHA256SUMS when the file was built, or (none recorded) from the reference
+    copy's."""
+    if recorded and recorded != sha:
+        log.warning("%s: sha256 %s differs from the one in %s (%s): the file changed after it was built",
+                    rel, sha, SUMS_FILE, recorded)
+        return False
+    if not recorded and src is not None and src.sha256 and src.sha256 != sha:
+        log.warning("%s: sha256 %s differs from the reference copy's (%s): %s may have changed upstream, "
+                    "so prompts (and results) may differ from the reference run's", rel, sha, src.sha256, src.where)
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _missing(path: Path, src: Source, preset: str, reason: str) -> DeepSpecError:
+    reason = " ".join(reason.split())[:200]
+    return DeepSpecError(
+        f"prompt file {path} is missing and could not be built from {src.where} ({reason}); "
+        f"with internet access run `python -m deepspec prepare-data --preset {preset}`, or copy the file there "
+        f"(or set DEEPSPEC_DATA to a directory that has it)")
+
+
+def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool = False) -> str:
+    """Build data.root/rel from its source; record and check its sha256; return it."""
+    root = data_root(cfg)
+    path = root / rel
+    src = source_for(cfg, rel)
+    if src is None:
+        check_sources(cfg)  # raises for a missing file
+        raise DeepSpecError(f"prompt file {path}: no known source (give one under data.sources)")
+    if mirror is None and (offline or _offline()):
+        raise _missing(path, src, cfg["preset"], "offline: --offline or HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set")
+    skipped: list = []
+    try:
+        rows = _open_rows(src, mirror, skipped)
+    except DeepSpecError:
+        raise
+    except Exception as e:  # no network, unknown repo or file, gated dataset, ...
+        raise _missing(path, src, cfg["preset"], f"{type(e).__name__}: {e}") from None
+    records = convert_rows(rows, src, str(path))
+    if skipped:
+        log.info("%s: skipped %d malformed source lines (%s)", rel, len(skipped), ", ".join(skipped[:5]))
+    sha = write_records(path, records)
+    record_sum(root, rel, sha)
+    log.info("%s: %d records from %s -> %s (sha256 %s)", rel, len(records), src.where, path, sha)
+    check_sha(rel, sha, src)
+    return sha
+
+
+def prepare_data(cfg: dict, files: Optional[list] = None, mirror: Optional[Path] = None,
+                 offline: bool = False) -> dict[str, str]:
+    """Build the missing files among `files` (default: every file the preset
+    reads); check the sha256 of those present. Returns {file: "built" | "present"}."""
+    root = data_root(cfg)
+    files = list(files) if files else needed_files(cfg)
+    sums = read_sums(root)
+    status = {}
+    for rel in files:
+        path = root / rel
+        if path.exists():
+            check_sha(rel, sha256_file(path), source_for(cfg, rel), sums.get(rel))
+            status[rel] = "present"
+        else:
+            log.info("%s: missing under %s, building it", rel, root)
+            build_file(cfg, rel, mirror, offline)
+            status[rel] = "built"
+    return status
+
+
+def cli_prepare_data(argv) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(
+        prog="deepspec prepare-data",
+        description="build the preset's missing prompt files under data.root from their public sources "
+                    "(Hugging Face hub, pinned revisions); files present are only checked against their sha256")
+    add_config_args(p)
+    p.add_argument("--file", dest="files", action="append", default=[], metavar="PATH",
+                   help="a file under data.root (e.g. eval/gsm8k.jsonl; repeatable); default: all the preset reads")
+    p.add_argument("--hub-mirror", type=Path, default=None, metavar="DIR",
+                   help="read sources from DIR/<hub id> (GitHub ones from DIR/github.com/<owner>/<repo>)")
+    p.add_argument("--offline", action="store_true", help="never download: a missing file is an error")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    status = prepare_data(cfg, args.files, args.hub_mirror, args.offline)
+    built = [f for f, s in status.items() if s == "built"]
+    log.info("data under %s: %d files present, %d built%s", data_root(cfg), len(status) - len(built), len(built),
+             f" ({', '.join(built)})" if built else "")
+    return 0

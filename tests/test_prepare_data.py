@@ -1,0 +1,234 @@
+"""prepare_data: the preset's prompt files built from hub-shaped sources.
+
+No network: the test writes small datasets in the shapes of the real hub
+repositories (parquet files and README configs that `datasets.load_dataset`
+reads, raw JSONL/JSON files) under a mirror directory, and points
+`--hub-mirror` at it.
+"""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspec import cli
+from deepspec.config import load_config
+from deepspec.errors import DeepSpecError
+from deepspec.pipeline import prepare_data as pd_mod
+from deepspec.pipeline.prepare_data import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
+from deepspec.pipeline.prompts import read_turns_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+HUMANEVAL_HEAD = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+
+
+def _parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _jsonl(path: Path, rows: list, raw_lines=()) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(raw_lines))
+
+
+def _configs_readme(repo: Path, configs: dict) -> None:
+    """A hub README whose YAML declares configs -> split -> parquet files."""
+    lines = ["---", "configs:"]
+    for name, splits in configs.items():
+        lines += [f"- config_name: {name}", "  data_files:"]
+        lines += [f"  - split: {s}\n    path: {name}/{s}-*" for s in splits]
+    (repo / "README.md").write_text("\n".join(lines + ["---", ""]))
+
+
+def _mirror(root: Path) -> Path:
+    """Every source of the CPU default preset, a few rows each, in its hub shape."""
+    m = root / "mirror"
+    gsm = m / "openai/gsm8k"
+    _parquet(gsm / "main/test-00000-of-00001.parquet", [{"question": "Janet’s ducks lay 16 eggs?", "answer": "#### 16"}])
+    _parquet(gsm / "main/train-00000-of-00001.parquet", [{"question": "Q1?", "answer": "A <<1+1=2>>2\n#### 2"}])
+    _parquet(gsm / "socratic/test-00000-of-00001.parquet", [{"question": "wrong config", "answer": "x"}])
+    _configs_readme(gsm, {"main": ["train", "test"], "socratic": ["test"]})
+    mbpp = m / "google-research-datasets/mbpp"
+    _parquet(mbpp / "sanitized/test-00000-of-00001.parquet", [{"task_id": 11, "prompt": "Write a function f.", "code": ""}])
+    _parquet(mbpp / "sanitized/train-00000-of-00001.parquet", [{"task_id": 602, "prompt": "wrong split", "code": ""}])
+    _parquet(mbpp / "full/test-00000-of-00001.parquet", [{"task_id": 11, "text": "wrong config", "code": ""}])
+    _configs_readme(mbpp, {"full": ["test"], "sanitized": ["train", "test"]})
+    _parquet(m / "HuggingFaceH4/MATH-500/test.parquet", [{"problem": "What is $1+1$?", "answer": "2"}])
+    _parquet(m / "MathArena/aime_2025/data/train-00000-of-00001.parquet", [{"problem": "Find x.", "answer": 70}])
+    _parquet(m / "openai/openai_humaneval/openai_humaneval/test-00000-of-00001.parquet",
+             [{"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"doc\"\"\"\n", "test": ""}])
+    _parquet(m / "HuggingFaceH4/mt_bench_prompts/data/train-00000-of-00001.parquet",
+             [{"prompt": ["Write a poem.", "Now shorter."], "category": "writing"}])
+    _parquet(m / "tatsu-lab/alpaca/data/train-00000-of-00001.parquet",
+             [{"instruction": "Give a tip.", "input": "", "output": "Sleep."},
+              {"instruction": "Sum these.", "input": "1, 2", "output": "3"}])
+    lcb = m / "livecodebench/code_generation_lite"
+    _jsonl(lcb / "test.jsonl", [{"question_content": "Add two numbers.", "starter_code": ""},
+                                {"question_content": "Reverse.", "starter_code": "class Solution:\n    pass"}])
+    _jsonl(lcb / "test2.jsonl", [{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "U1"}]}])
+    for i in (3, 4, 5, 6):
+        _jsonl(lcb / f"test{i}.jsonl", [])
+    _jsonl(m / "lmarena-ai/arena-hard-auto/data/arena-hard-v2.0/question.jsonl",
+           [{"uid": "a", "category": "hard_prompt", "prompt": "Write a zig program."}])
+    code = m / "github.com/sahil280114/codealpaca/data/code_alpaca_2k.json"
+    code.parent.mkdir(parents=True)
+    code.write_text(json.dumps([{"instruction": "Sort it.", "input": "[3, 1]", "output": "[1, 3]"},
+                                {"instruction": "Say hi.", "input": "", "output": ""}]))
+    libre = m / "github.com/mobarski/alpaca-libre/data/output/work"
+    _jsonl(libre / "alpaca_libre_tasks_v1.jsonl",
+           [{"instruction": "Name a color.", "input": "<noinput>", "output": "Red. ", "status": "ok"},
+            {"instruction": "Too close.", "input": "", "output": "x", "status": "too similar"}])
+    _jsonl(libre / "alpaca_libre_tasks_v2.jsonl", [{"instruction": "Name a color.", "input": "", "output": "Blue", "status": "ok"}],
+           raw_lines=['{"status": "ok", "instruction": "broken", "input": """", "output": "x"}\n'])
+    _jsonl(libre / "alpaca_libre_tasks_v3.jsonl",
+           [{"instruction": "Fix it.", "input": "I seen it.", "output": "<nooutput>", "status": "ok"}])
+    return m
+
+
+@pytest.fixture
+def built(tmp_path, monkeypatch, caplog):
+    import datasets
+
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    mirror = _mirror(tmp_path)
+    cfg = load_config("smollm2-135m", {"data": {"root": str(tmp_path / "data")}})
+    with caplog.at_level("INFO", logger="deepspec.prepare_data"):
+        status = prepare_data(cfg, mirror=mirror)
+    return cfg, tmp_path / "data", status, list(caplog.records)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_builds_every_file_of_the_preset_in_deepspec_format(built):
+    cfg, root, status, _ = built
+    assert set(status) == set(pd_mod.needed_files(cfg)) and set(status.values()) == {"built"}
+    ev = lambda name: _records(root / "eval" / name)  # noqa: E731
+    assert ev("gsm8k.jsonl") == [{"turns": ["Janet’s ducks lay 16 eggs?" + BOXED_SUFFIX]}]
+    assert "Janet’s".encode() in (root / "eval/gsm8k.jsonl").read_bytes()  # ensure_ascii=False, as DeepSpec's files
+    assert ev("math500.jsonl") == [{"turns": ["What is $1+1$?" + BOXED_SUFFIX]}]
+    assert ev("aime25.jsonl") == [{"turns": ["Find x." + BOXED_SUFFIX]}]
+    assert ev("mbpp.jsonl") == [{"turns": ["Write a function f."]}]  # sanitized config, test split
+    assert ev("humaneval.jsonl") == [{"turns": [HUMANEVAL_HEAD + "def f(x):\n    \"\"\"doc\"\"\"\n\n```"]}]
+    assert ev("mt-bench.jsonl") == [{"turns": ["Write a poem.", "Now shorter."]}]
+    assert ev("alpaca.jsonl") == [{"turns": ["Give a tip."]}, {"turns": ["Sum these.\n\nInput:\n1, 2"]}]
+    lcb = ev("livecodebench.jsonl")
+    assert len(lcb) == 3 and lcb[2] == {"turns": ["U1"]}
+    assert "### Question:\nAdd two numbers.\n\n### Format: Write your code in the following format:\n```python\n# YOUR CODE HERE\n```" in lcb[0]["turns"][0]
+    assert "Use the following code structure:\n```python\nclass Solution:\n    pass\n```" in lcb[1]["turns"][0]
+    assert ev("arena-hard-v2.jsonl") == [{"turns": ["Write a zig program."]}]
+    tr = lambda name: _records(root / "train" / name)  # noqa: E731
+    assert tr("gsm8k_train.jsonl") == [{"turns": ["Q1?"], "reference": "A <<1+1=2>>2\n#### 2"}]
+    assert tr("code_alpaca_2k.jsonl") == [{"turns": ["Sort it.\n\nInput:\n[3, 1]"], "reference": "[1, 3]"},
+                                          {"turns": ["Say hi."]}]
+    # status "ok" only, malformed source lines skipped, <noinput>/<nooutput> empty, repeated turns dropped
+    assert tr("chat_alpaca_libre.jsonl") == [{"turns": ["Name a color."], "reference": "Red."},
+                                             {"turns": ["Fix it.\n\nInput:\nI seen it."]}]
+    for rel in status:  # the shape prompts.py reads
+        assert read_turns_jsonl(root / rel)
+
+
+def test_sha256_recorded_and_reference_mismatch_warns(built):
+    cfg, root, status, records = built
+    sums = read_sums(root)
+    assert set(sums) == set(status)
+    for rel, sha in sums.items():
+        assert sha == hashlib.sha256((root / rel).read_bytes()).hexdigest()
+    assert (root / SUMS_FILE).read_text().splitlines()[0].split("  ")[1] == sorted(sums)[0]  # sha256sum -c format
+    warned = {r.getMessage().split(":")[0] for r in records if r.levelname == "WARNING"}
+    # the tiny fixtures differ from the reference copies; alpaca has no reference sha
+    assert "eval/gsm8k.jsonl" in warned and "train/chat_alpaca_libre.jsonl" in warned
+    assert "eval/alpaca.jsonl" not in warned
+
+
+def test_expected_sha_from_the_preset(built, caplog):
+    cfg, root, _, _ = built
+    rel = "eval/gsm8k.jsonl"
+    sha = read_sums(root)[rel]
+    mirror = root.parent / "mirror"
+    for expected, warns in ((sha, False), ("0" * 64, True)):
+        (root / rel).unlink()
+        c = load_config("smollm2-135m", {"data": {"root": str(root), "sources": {rel: {"sha256": expected}}}})
+        caplog.clear()
+        prepare_data(c, [rel], mirror=mirror)
+        msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(msgs) == warns and all(m.startswith(rel) for m in msgs)
+
+
+def test_present_files_are_not_touched_nor_downloaded(built, monkeypatch, caplog):
+    cfg, root, status, _ = built
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("*") if p.is_file()}
+
+    def no_download(*a, **k):
+        raise AssertionError("downloaded")
+
+    monkeypatch.setattr(pd_mod, "_open_rows", no_download)
+    caplog.clear()
+    assert set(prepare_data(cfg, offline=True).values()) == {"present"}
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("*") if p.is_file()} == before
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # shas match SHA256SUMS
+    # a file changed after it was built: a warning naming it
+    (root / "eval/mbpp.jsonl").write_text('{"turns": ["edited"]}\n')
+    prepare_data(cfg, offline=True)
+    msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(msgs) == 1 and msgs[0].startswith("eval/mbpp.jsonl") and "changed after it was built" in msgs[0]
+
+
+def test_offline_missing_file_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    rc = cli.main(["prepare-data", "--preset", "tiny", "--set", f"data.root={tmp_path}", "--offline"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("deepspec prepare-data: error: prompt file")
+    assert "train/gsm8k_train.jsonl" in err[0] and "openai/gsm8k@" in err[0] and "prepare-data --preset tiny" in err[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_unreachable_source_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    cfg = load_config("tiny", {"data": {"root": str(tmp_path / "data")}})
+    with pytest.raises(DeepSpecError) as e:
+        prepare_data(cfg, ["eval/livecodebench.jsonl"], mirror=tmp_path / "empty_mirror")
+    msg = str(e.value)
+    assert "\n" not in msg and "livecodebench/code_generation_lite" in msg and "FileNotFoundError" in msg
+    assert not (tmp_path / "data").exists()
+
+
+def test_missing_file_without_a_source_fails_at_plan_time(tmp_path, monkeypatch):
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    bench = {"nope": {"path": "eval/nope.jsonl", "domain": "Chat"}}
+    cfg = load_config("tiny", {"data": {"root": str(tmp_path), "benchmarks": bench}})
+    with pytest.raises(DeepSpecError, match="eval/nope.jsonl is missing and has no known source"):
+        check_sources(cfg)
+    cfg = load_config("tiny", {"data": {"root": str(tmp_path), "benchmarks": bench,
+                                        "sources": {"eval/nope.jsonl": {"hub": "me/nope", "format": "prompt"}}}})
+    check_sources(cfg)
+    assert pd_mod.source_for(cfg, "eval/nope.jsonl").where == "me/nope train"
+
+
+def test_the_dag_builds_only_missing_files(tmp_path, shared_data):
+    for name in ["Snakefile", "workflow", "config"]:
+        src = REPO / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    data = tmp_path / "data"
+    for rel in ["train/gsm8k_train.jsonl", "train/chat_alpaca_libre.jsonl", "eval/gsm8k.jsonl", "eval/mt-bench.jsonl"]:
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shared_data / rel, data / rel)
+    env = dict(os.environ, DEEPSPEC_DATA=str(data))
+    r = subprocess.run([sys.executable, "-m", "snakemake", "figures/fig2.pdf", "-n", "--cores", "1",
+                        "--config", "preset=tiny"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    jobs = [line.split()[1] for line in out.splitlines() if line.startswith("prepare_data ")]
+    assert jobs and set(jobs) == {"1"}, out[-3000:]  # only eval/humaneval.jsonl is missing
+    assert f"output: {data}/eval/humaneval.jsonl" in out

@@ -1,0 +1,23 @@
+# The preset's prompt files under data.root, built from their public sources
+# when missing (deepspec/pipeline/prepare_data.py): one job per file, so a
+# failed download never touches the files that are there. A file that exists
+# is up to date (no inputs) and is never rebuilt; hence no params.settings:
+# prompt files are data, and a changed source (data.sources) is rebuilt only
+# after the file is deleted. Local rule: compute nodes may lack internet.
+localrules:
+    prepare_data,
+
+
+rule prepare_data:
+    output:
+        str(DATA_ROOT / "{datafile}"),
+    log:
+        str(PATHS.log("prepare_data")).removesuffix(".log") + "/{datafile}.log",
+    wildcard_constraints:
+        datafile=_one_of(DATA_FILES),
+    threads: 1
+    resources:
+        mem_mb=res("prepare_data", "mem_mb", 8000),
+        runtime=res("prepare_data", "runtime", 60),
+    shell:
+        "python -m deepspec prepare-data {CONFIG_ARGS} --file {wildcards.datafile:q} > {log:q} 2>&1"
