@@ -28,7 +28,8 @@ COMMANDS = {
     "schedule": ("deepspec.pipeline.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
     "report": ("deepspec.pipeline.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
     "plot": ("deepspec.pipeline.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
-    "convert-checkpoint": ("deepspec.pipeline.convert", "convert a released DeepSpec DFlash/DSpark drafter into a deepspec drafter"),
+    "convert-checkpoint": ("deepspec.pipeline.convert", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
+    "export-checkpoint": ("deepspec.pipeline.export", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
 }
 
 

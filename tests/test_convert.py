@@ -1,4 +1,4 @@
-"""Loading released DeepSpec DFlash/DSpark checkpoints (deepspec/pipeline/convert.py):
+"""Loading released DeepSpec DFlash/DSpark checkpoints (Eagle3: test_export.py) (deepspec/pipeline/convert.py):
 synthetic reference-layout checkpoints made from random tiny drafters convert
 into drafters with bit-identical outputs; malformed ones fail with one line and
 leave nothing behind."""
@@ -164,11 +164,12 @@ def _fails(src, target, out, match):
     return msg
 
 
-def test_eagle3_checkpoint_is_refused(tiny_target, tiny_cfg, tmp_path):
+def test_other_architecture_is_refused(tiny_target, tiny_cfg, tmp_path):
+    """(DeepSeek's Eagle3 layout converts: tests/test_export.py.)"""
     d = _original("dflash", tiny_target, tiny_cfg)
-    cfg = dict(_reference_config(d, tiny_target), architectures=["Qwen3Eagle3Model"])
+    cfg = dict(_reference_config(d, tiny_target), architectures=["Qwen3MedusaModel"])
     src = write_reference(d, tiny_target, tmp_path / "ref", config=cfg)
-    _fails(src, tiny_target, tmp_path / "out", "Eagle3 checkpoint.*cannot represent")
+    _fails(src, tiny_target, tmp_path / "out", "not a DeepSpec Eagle3/DFlash/DSpark drafter")
 
 
 def test_unexpected_missing_and_misshapen_tensors(tiny_target, tiny_cfg, tmp_path):

@@ -29,6 +29,7 @@ def build_drafter(method: str, target, cfg: dict, token_counts=None):
     model.attach_target(target)
     if config.deepspec_draft_vocab_size is not None and token_counts is not None:
         model.set_draft_vocab(token_counts)
+    freeze_mask_embedding(model, target, init=True)
     if cfg["drafter"].get("init_from_target"):
         if config.num_hidden_layers > target.num_layers:
             raise DeepSpecError(
@@ -46,4 +47,24 @@ def load_drafter(path, target):
     check_target_match(config, target, where=f"drafter at {path}")
     model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
     model.attach_target(target)
+    freeze_mask_embedding(model, target, init=False)
     return model.eval()
+
+
+def freeze_mask_embedding(model, target, init: bool) -> None:
+    """Block drafters with a reserved mask token (drafter.mask_token_id; Qwen3 151669,
+    Gemma4 4, as the reference): the mask input is the target's frozen embedding of
+    that token (module output, so Gemma4's sqrt(d) scale included), set at build
+    time (`init`) and never trained, so that exports name the token exactly."""
+    mid = getattr(model.config, "deepspec_mask_token_id", None)
+    if mid is None or not hasattr(model, "mask_embedding"):
+        return
+    if not 0 <= mid < target.vocab_size:
+        raise DeepSpecError(f"drafter.mask_token_id {mid} is outside the target vocabulary ({target.vocab_size})")
+    if init:
+        import torch
+
+        with torch.no_grad():
+            ids = torch.tensor([mid], device=target.embed_tokens.weight.device)
+            model.mask_embedding.copy_(target.embed_tokens(ids)[0].to(model.mask_embedding))
+    model.mask_embedding.requires_grad_(False)

@@ -79,6 +79,10 @@ def draft_config(method: str, target, cfg: dict):
     c.deepspec_markov_head_type = d["markov_head_type"] if dspark else "vanilla"
     c.deepspec_confidence_head = bool(d["confidence_head"]) if dspark else False
     c.deepspec_confidence_with_markov = bool(d["confidence_with_markov"])
+    # the block drafters' mask input: the target's frozen embedding of a reserved
+    # token (the reference's mask_token_id) or, when None, a learned vector
+    mid = d.get("mask_token_id") if method in ("dflash", "dspark") else None
+    c.deepspec_mask_token_id = None if mid is None else int(mid)
     k = d.get("draft_vocab_size")
     c.deepspec_draft_vocab_size = None if k is None or int(k) >= target.vocab_size else int(k)
     return c

@@ -98,15 +98,12 @@ def read_reference_config(src: Path) -> dict:
     if "deepspec_method" in ref:
         raise DeepSpecError(f"{path}: already a deepspec drafter, nothing to convert")
     arch = (ref.get("architectures") or ["?"])[0]
-    if "eagle3" in arch.lower():
-        raise DeepSpecError(
-            f"{path}: {arch} is an Eagle3 checkpoint; its layer projects [embedding; hidden] with 2d-wide q/k/v, "
-            "which deepspec's Eagle3 cannot represent (only DFlash/DSpark checkpoints can be converted)"
-        )
-    if not arch.endswith("DSparkModel"):
-        raise DeepSpecError(f"{path}: architecture {arch!r} is not a DeepSpec DFlash/DSpark drafter")
-    for key in ("num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "markov_rank",
-                "hidden_size", "vocab_size"):
+    eagle3 = arch.endswith("Eagle3Model")
+    if not (eagle3 or arch.endswith("DSparkModel")):
+        raise DeepSpecError(f"{path}: architecture {arch!r} is not a DeepSpec Eagle3/DFlash/DSpark drafter")
+    need = ("num_hidden_layers", "target_layer_ids", "hidden_size", "vocab_size")
+    need += () if eagle3 else ("block_size", "mask_token_id", "markov_rank")
+    for key in need:
         if key not in ref:
             raise DeepSpecError(f"{path}: field {key!r} missing")
     return ref
@@ -136,6 +133,13 @@ def tensor_files(src: Path) -> dict[str, Path]:
 
 def _method(ref: dict) -> tuple[str, dict]:
     """deepspec method and drafter settings from a reference config."""
+    if ref["architectures"][0].endswith("Eagle3Model"):
+        return "eagle3", {
+            "num_layers": {"eagle3": int(ref["num_hidden_layers"])}, "block_size": 7,
+            "ttt_length": int(ref.get("ttt_length", 7)), "markov_rank": 0, "markov_head_type": "vanilla",
+            "confidence_head": False, "confidence_with_markov": False, "draft_vocab_size": None,
+            "init_from_target": False, "mask_token_id": None,
+        }
     r = int(ref["markov_rank"])
     conf = bool(ref.get("enable_confidence_head", False))
     kind = str(ref.get("markov_head_type", "vanilla")).lower()
@@ -146,7 +150,7 @@ def _method(ref: dict) -> tuple[str, dict]:
         "num_layers": {method: int(ref["num_hidden_layers"])}, "block_size": int(ref["block_size"]),
         "ttt_length": 7, "markov_rank": r, "markov_head_type": kind, "confidence_head": conf,
         "confidence_with_markov": bool(ref.get("confidence_head_with_markov", False)),
-        "draft_vocab_size": None, "init_from_target": False,
+        "draft_vocab_size": None, "init_from_target": False, "mask_token_id": int(ref["mask_token_id"]),
     }
     return method, drafter
 
@@ -192,8 +196,8 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
     n = ref.get("num_target_layers")
     if n is not None and int(n) != int(target.num_layers):
         raise DeepSpecError(f"{where}: made for a {n}-layer target, {target.target_id!r} has {target.num_layers}")
-    mid = int(ref["mask_token_id"])
-    if not 0 <= mid < int(target.vocab_size):
+    mid = ref.get("mask_token_id")
+    if mid is not None and not 0 <= int(mid) < int(target.vocab_size):
         raise DeepSpecError(f"{where}: mask_token_id {mid} is outside the target vocabulary")
     try:
         target.check_feature_layers(ref["target_layer_ids"])
@@ -214,44 +218,43 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
             raise DeepSpecError(f"{where}: {key} is {a!r} but the target {target.target_id!r} has {b!r}")
 
 
-def _check_same(name: str, w: torch.Tensor, ref_w: torch.Tensor, where: str, rows: int = 8192) -> None:
+def _check_same(name: str, w: torch.Tensor, ref_w: torch.Tensor, where: str, rows: int = 8192,
+                skip_row: int | None = None) -> None:
     """A checkpoint's copy of the target's embedding / LM head must be the target's
-    (up to bf16 rounding): otherwise it was trained for another target."""
+    (up to bf16 rounding): otherwise it was trained for another target. `skip_row`:
+    a row the exporter overwrote with a learned mask embedding (MASK_ROW_FIELD)."""
     for i in range(0, w.shape[0], rows):
         a = w[i:i + rows].detach().float().cpu()
-        if not torch.allclose(a, ref_w[i:i + rows].float(), rtol=1e-2, atol=1e-4):
+        b = ref_w[i:i + rows].float()
+        if skip_row is not None and i <= skip_row < i + rows:
+            a, b = a.clone(), b.clone()
+            a[skip_row - i] = b[skip_row - i]
+        if not torch.allclose(a, b, rtol=1e-2, atol=1e-4):
             raise DeepSpecError(f"{where}: {name} differs from the target's (from row {i}): made for another target?")
 
 
-# ----------------------------------------------------------------------------------------------
-# conversion
+# A config field written by `export-checkpoint` when the drafter's learned mask
+# embedding had no reserved token to stand for: embed_tokens row `mask_token_id`
+# then holds that embedding (divided by the target's embedding scale) instead of
+# the target's row.
+MASK_ROW_FIELD = "deepspec_mask_row_overwritten"
 
 
-def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -> Path:
-    """Convert the reference DFlash/DSpark checkpoint in directory `src` into a
-    deepspec drafter for `target`, saved (float32, like trained drafters) at `out`.
-    Everything is validated before anything is written; `out` appears only
-    complete (written to a temporary directory beside it, then renamed)."""
+def embed_scale(target) -> float:
+    """The target embedding module's output scale (Gemma4: sqrt(d); else 1)."""
+    s = getattr(target.embed_tokens, "embed_scale", 1.0)
+    return float(s.item() if torch.is_tensor(s) else s)
+
+
+def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | None):
+    """The drafter's tensors of a reference checkpoint, checked against `want`
+    (name -> shape); the target copies are checked, not kept, except the mask row
+    of an overwritten embed_tokens (returned second, or None)."""
     from safetensors import safe_open
-
-    from ..drafters import CLASSES, draft_config
-
-    src, out = Path(src), Path(out)
-    if out.exists() and not overwrite:
-        raise DeepSpecError(f"output {out} exists (use --overwrite)")
-    ref = read_reference_config(src)
-    where = str(src / "config.json")
-    method, drafter_cfg = _method(ref)
-    config = draft_config(method, target, {"drafter": drafter_cfg,
-                                           "target": {"feature_layers": list(ref["target_layer_ids"])}})
-    check_reference_target(ref, target, where, config)
-    config.deepspec_source = {"checkpoint": str(src.resolve()), "architecture": ref["architectures"][0],
-                              "mask_token_id": int(ref["mask_token_id"])}
-    model = CLASSES[method](config).float()
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in NOT_IN_CHECKPOINT}
 
     files = tensor_files(src)
     state: dict[str, torch.Tensor] = {}
+    row = None
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as f:
             present = set(f.keys())
@@ -263,7 +266,10 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
                     w = getattr(target, TARGET_COPIES[name]).weight
                     if shape != tuple(w.shape):
                         raise DeepSpecError(f"{path}: {name} has shape {list(shape)}, the target's {list(w.shape)}")
-                    _check_same(name, w, f.get_tensor(name), str(path))
+                    skip = mask_row if name == "embed_tokens.weight" else None
+                    t = f.get_tensor(name)
+                    _check_same(name, w, t, str(path), skip_row=skip)
+                    row = t[skip].float() if skip is not None else row
                     continue
                 ours = to_ours(name)
                 if ours not in want:
@@ -276,19 +282,11 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
                 if not t.is_floating_point():
                     raise DeepSpecError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a floating type")
                 state[ours] = t.float()
-    for name in want:  # Gemma4 layers without a stored output scale: the reference's init, ones
-        if name.endswith(".layer_scalar") and name not in state:
-            state[name] = torch.ones(want[name])
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise DeepSpecError(f"{src}: tensor {to_reference(missing[0])!r} missing"
-                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    with torch.no_grad():
-        mid = torch.tensor([int(ref["mask_token_id"])], device=target.embed_tokens.weight.device)
-        state["mask_embedding"] = target.embed_tokens(mid)[0].float().cpu()
-    state["d2t"] = torch.arange(model.d2t.numel())
-    model.load_state_dict(state, strict=True)
+    return state, row
 
+
+def save_model_atomic(model, out: Path, overwrite: bool) -> None:
+    """save_pretrained into a temporary directory beside `out`, then rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
@@ -301,6 +299,53 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+# ----------------------------------------------------------------------------------------------
+# conversion
+
+
+def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -> Path:
+    """Convert the reference Eagle3/DFlash/DSpark checkpoint in directory `src` into
+    a deepspec drafter for `target`, saved (float32, like trained drafters) at `out`.
+    Everything is validated before anything is written; `out` appears only
+    complete (written to a temporary directory beside it, then renamed)."""
+    from ..drafters import CLASSES, draft_config
+
+    src, out = Path(src), Path(out)
+    if out.exists() and not overwrite:
+        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    ref = read_reference_config(src)
+    where = str(src / "config.json")
+    method, drafter_cfg = _method(ref)
+    config = draft_config(method, target, {"drafter": drafter_cfg,
+                                           "target": {"feature_layers": list(ref["target_layer_ids"])}})
+    check_reference_target(ref, target, where, config)
+    config.deepspec_source = {"checkpoint": str(src.resolve()), "architecture": ref["architectures"][0],
+                              "mask_token_id": ref.get("mask_token_id")}
+    model = CLASSES[method](config).float()
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in NOT_IN_CHECKPOINT}
+    overwritten = method != "eagle3" and bool(ref.get(MASK_ROW_FIELD))
+    state, row = _read_tensors(src, want, target, method, int(ref["mask_token_id"]) if overwritten else None)
+    for name in want:  # Gemma4 layers without a stored output scale: the reference's init, ones
+        if name.endswith(".layer_scalar") and name not in state:
+            state[name] = torch.ones(want[name])
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise DeepSpecError(f"{src}: tensor {to_reference(missing[0])!r} missing"
+                            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if "mask_embedding" in model.state_dict():
+        if overwritten and row is None:
+            raise DeepSpecError(f"{where}: {MASK_ROW_FIELD} is set but the checkpoint has no embed_tokens.weight")
+        with torch.no_grad():
+            mid = torch.tensor([int(ref["mask_token_id"])], device=target.embed_tokens.weight.device)
+            emb = row * embed_scale(target) if overwritten else target.embed_tokens(mid)[0].float().cpu()
+        state["mask_embedding"] = emb
+        if overwritten:  # a learned mask embedding, not the target's row
+            model.config.deepspec_mask_token_id = None
+    state["d2t"] = torch.arange(model.d2t.numel())
+    model.load_state_dict(state, strict=True)
+    save_model_atomic(model, out, overwrite)
     log.info("converted %s (%s, %d tensors) -> %s", src, method, len(state), out)
     return out
 

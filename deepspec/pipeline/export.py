@@ -1,0 +1,239 @@
+"""The export-checkpoint command: write a deepspec drafter in a layout that other
+tools load (docs/FORMATS.md gives each layout with its sources).
+
+* ``deepspec``: DeepSeek's DeepSpec layout (`<X>DSparkModel` for DFlash, with
+  markov_rank 0, and DSpark; `<X>Eagle3Model`; X = Qwen3 or Gemma4), the exact
+  inverse of `convert-checkpoint`: the drafter's tensors under the reference's
+  names, frozen copies of the target's `embed_tokens` / `lm_head`, the
+  reference's config fields. vLLM's `method: "dspark"` reads it for Qwen3
+  DFlash/DSpark drafters.
+* ``eagle3``: the EAGLE-3 / SpecForge layout that vLLM and SGLang serve: one
+  decoder layer under `midlayer.*`, `fc`, `norm`, `lm_head` = the target head's
+  rows of the draft vocabulary, `d2t` (target id - draft id) and `t2d` (bool),
+  no `embed_tokens`; `architectures` Eagle3Qwen3ForCausalLM (Qwen3 layer) or
+  LlamaForCausalLMEagle3 (Llama layer), and the feature layers in vLLM's
+  convention (input of layer j: ours + 1).
+
+A drafter that a layout cannot represent is refused with one line before
+anything is written (wrong layer family, depth, number of feature layers,
+reduced vocabulary where the layout has none); `out` appears only complete.
+Block drafters without a reserved mask token (a learned mask embedding) are
+exported with `embed_tokens` row `mask_token_id` overwritten by that embedding,
+and the config says so (`convert.MASK_ROW_FIELD`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from ..errors import DeepSpecError
+from .convert import MASK_ROW_FIELD, NOT_IN_CHECKPOINT, embed_scale, to_reference
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("deepspec", "eagle3")
+PREFIX = {"qwen3": "Qwen3", "gemma4_text": "Gemma4"}  # DeepSpec's model classes exist for these
+EAGLE3_ARCH = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "LlamaForCausalLMEagle3"}
+LLAMA_EAGLE3_FEATURES = 3  # LlamaForCausalLMEagle3 loaders build fc over 3 layers (docs/FORMATS.md)
+
+
+def _base_config(d) -> dict:
+    """The draft layers' config without deepspec's own fields."""
+    c = {k: v for k, v in d.config.to_dict().items() if not k.startswith("deepspec_")}
+    for k in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+        c.pop(k, None)
+    return dict(c, tie_word_embeddings=False)
+
+
+def _refuse(what: str, why: str):
+    raise DeepSpecError(f"cannot export {what}: {why}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the deepspec (reference) layout
+
+
+def _mask_token(d, target, mask_token_id):
+    """(mask id, row overwritten?) of a block drafter."""
+    mid = d.config.deepspec_mask_token_id
+    if mid is not None:
+        with torch.no_grad():
+            ref = target.embed_tokens(torch.tensor([mid], device=target.embed_tokens.weight.device))[0]
+        if not torch.equal(ref.float().cpu(), d.mask_embedding.detach().float().cpu()):
+            _refuse("the mask embedding", f"it is not the target's embedding of mask_token_id {mid}")
+        return mid, False
+    mid = int(target.vocab_size) - 1 if mask_token_id is None else int(mask_token_id)
+    if not 0 <= mid < target.vocab_size:
+        _refuse("the mask embedding", f"mask token {mid} is outside the target vocabulary")
+    return mid, True
+
+
+def deepspec_layout(d, target, mask_token_id=None):
+    """(config dict, tensors) of drafter d in DeepSeek's layout."""
+    c = d.config
+    family = c.model_type
+    if family not in PREFIX:
+        _refuse(f"a {family} drafter as deepspec", f"DeepSpec has Qwen3 and Gemma4 drafter classes only")
+    if d.reduced_vocab:
+        _refuse("as deepspec", "the layout has a full-vocabulary head; this drafter has a reduced draft vocabulary")
+    cfg = dict(_base_config(d), num_target_layers=int(c.deepspec_target_num_layers),
+               target_layer_ids=list(c.deepspec_feature_layers))
+    sd = {to_reference(k): v.detach().clone().contiguous() for k, v in d.state_dict().items()
+          if k not in NOT_IN_CHECKPOINT}
+    emb = target.embed_tokens.weight.detach().clone().cpu()
+    if d.method == "eagle3":
+        cfg.update(architectures=[f"{PREFIX[family]}Eagle3Model"], ttt_length=int(c.deepspec_ttt_length),
+                   step_loss_decay=0.8, draft_num_hidden_layers=int(c.num_hidden_layers))
+    else:
+        mid, overwritten = _mask_token(d, target, mask_token_id)
+        cfg.update(architectures=[f"{PREFIX[family]}DSparkModel"], block_size=int(c.deepspec_block_size),
+                   mask_token_id=mid, num_anchors=512, markov_rank=int(c.deepspec_markov_rank),
+                   enable_confidence_head=bool(c.deepspec_confidence_head))
+        if c.deepspec_markov_rank > 0:
+            cfg["markov_head_type"] = c.deepspec_markov_head_type
+        if c.deepspec_confidence_head:
+            cfg["confidence_head_with_markov"] = bool(c.deepspec_confidence_with_markov)
+        if overwritten:
+            emb[mid] = (d.mask_embedding.detach().float().cpu() / embed_scale(target)).to(emb.dtype)
+            cfg[MASK_ROW_FIELD] = True
+            cfg["deepspec_note"] = (f"embed_tokens row {mid} holds the drafter's learned mask embedding, "
+                                    "not the target's embedding of that token")
+    sd["embed_tokens.weight"] = emb
+    sd["lm_head.weight"] = target.lm_head.weight.detach().clone().cpu()
+    return cfg, sd
+
+
+# ----------------------------------------------------------------------------------------------
+# the EAGLE-3 (SpecForge / vLLM / SGLang) layout
+
+
+def eagle3_layout(d, target):
+    """(config dict, tensors) of an Eagle3 drafter in the EAGLE-3 layout."""
+    c = d.config
+    if d.method != "eagle3":
+        _refuse(f"a {d.method} drafter as eagle3", "only Eagle3 drafters have that layout")
+    if c.model_type not in EAGLE3_ARCH:
+        _refuse(f"a {c.model_type} Eagle3 layer as eagle3", f"the engines' EAGLE-3 classes have the "
+                f"{' and '.join(sorted(EAGLE3_ARCH))} layers only")
+    if c.num_hidden_layers != 1:
+        _refuse("as eagle3", f"the layout has one decoder layer (midlayer), this drafter has {c.num_hidden_layers}")
+    layers = list(c.deepspec_feature_layers)
+    if c.model_type == "llama" and len(layers) != LLAMA_EAGLE3_FEATURES:
+        _refuse("as eagle3", f"LlamaForCausalLMEagle3 fuses {LLAMA_EAGLE3_FEATURES} feature layers, "
+                f"this drafter {len(layers)}")
+    K, V = d.draft_vocab_size, d.vocab_size
+    d2t = d.d2t.detach().cpu() if d.reduced_vocab else torch.arange(V)
+    cfg = dict(_base_config(d), architectures=[EAGLE3_ARCH[c.model_type]], vocab_size=V, draft_vocab_size=K,
+               target_hidden_size=int(c.deepspec_target_hidden_size), num_hidden_layers=1,
+               eagle_aux_hidden_state_layer_ids=[x + 1 for x in layers],
+               eagle_config={"eagle_aux_hidden_state_layer_ids": [x + 1 for x in layers],
+                             "use_aux_hidden_state": True},
+               deepspec_feature_layers=layers)
+    sd = {}
+    for k, v in d.state_dict().items():
+        if k in NOT_IN_CHECKPOINT:
+            continue
+        sd[k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k] = v.detach().clone()
+    sd["lm_head.weight"] = target.lm_head.weight.detach()[d2t.to(target.lm_head.weight.device)].float().cpu()
+    sd["d2t"] = d2t - torch.arange(K)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[d2t] = True
+    sd["t2d"] = t2d
+    return cfg, sd
+
+
+def expected_tensors(fmt: str, cfg: dict) -> dict[str, tuple]:
+    """The names and shapes an `eagle3` export must hold (docs/FORMATS.md),
+    from its config: what SpecForge's exporter checks before writing."""
+    if fmt != "eagle3":
+        raise ValueError(fmt)
+    d, H, Hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or d // H
+    m = len(cfg["eagle_aux_hidden_state_layer_ids"])
+    out = {"fc.weight": (d, m * cfg["target_hidden_size"]), "norm.weight": (d,),
+           "lm_head.weight": (cfg["draft_vocab_size"], d), "d2t": (cfg["draft_vocab_size"],),
+           "t2d": (cfg["vocab_size"],), "midlayer.hidden_norm.weight": (d,),
+           "midlayer.input_layernorm.weight": (d,), "midlayer.post_attention_layernorm.weight": (d,),
+           "midlayer.self_attn.q_proj.weight": (H * hd, 2 * d), "midlayer.self_attn.k_proj.weight": (Hkv * hd, 2 * d),
+           "midlayer.self_attn.v_proj.weight": (Hkv * hd, 2 * d), "midlayer.self_attn.o_proj.weight": (d, H * hd),
+           "midlayer.mlp.gate_proj.weight": (cfg["intermediate_size"], d),
+           "midlayer.mlp.up_proj.weight": (cfg["intermediate_size"], d),
+           "midlayer.mlp.down_proj.weight": (d, cfg["intermediate_size"])}
+    if cfg["architectures"][0] == "Eagle3Qwen3ForCausalLM":
+        out.update({"midlayer.self_attn.q_norm.weight": (hd,), "midlayer.self_attn.k_norm.weight": (hd,)})
+    return out
+
+
+def _check_eagle3(cfg: dict, sd: dict) -> None:
+    want = expected_tensors("eagle3", cfg)
+    have = {k: tuple(v.shape) for k, v in sd.items()}
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            _refuse("as eagle3", f"tensor {name}: expected {want.get(name)}, have {have.get(name)} "
+                    "(the engines drop or miss such names silently)")
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+
+
+def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_token_id=None) -> Path:
+    """Write drafter d (attached to target) in layout `fmt` at `out`, atomically."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if fmt not in FORMATS:
+        raise DeepSpecError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if out.exists() and not overwrite:
+        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    if fmt == "deepspec":
+        cfg, sd = deepspec_layout(d, target, mask_token_id)
+    else:
+        cfg, sd = eagle3_layout(d, target)
+        _check_eagle3(cfg, sd)
+    cfg["deepspec_exported_from"] = {"target": d.config.deepspec_target_id, "method": d.method, "format": fmt}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    log.info("exported %s drafter as %s (%d tensors) -> %s", d.method, fmt, len(sd), out)
+    return out
+
+
+def cli_export_checkpoint(argv) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec export-checkpoint",
+                                description="write a deepspec drafter in DeepSeek's (deepspec) or the EAGLE-3 layout")
+    add_config_args(p)
+    p.add_argument("--src", required=True, help="deepspec drafter directory (train or convert-checkpoint output)")
+    p.add_argument("--format", required=True, choices=FORMATS, help="deepspec (DeepSpec, vLLM dspark) or eagle3 "
+                   "(SpecForge, vLLM and SGLang eagle3)")
+    p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="block drafters with a learned mask embedding: the embed_tokens row to overwrite (default V-1)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    from ..drafters import load_drafter
+    from .target import target_from_config
+
+    target = target_from_config(cfg)
+    d = load_drafter(args.src, target)
+    export_drafter(d, target, args.format, args.out, overwrite=args.overwrite, mask_token_id=args.mask_token_id)
+    return 0

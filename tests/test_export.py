@@ -1,0 +1,229 @@
+"""export-checkpoint (deepspec/pipeline/export.py) and converting DeepSeek's
+released Eagle3 layout (deepspec/pipeline/convert.py), on the tiny Qwen3 and
+Gemma4 targets; the engines themselves are not run (docs/FORMATS.md).
+
+* deepspec layout: export, then convert back, gives a drafter with bit-identical
+  outputs, for every drafter family (Eagle3, DFlash, DSpark; reserved mask token
+  and learned mask embedding).
+* eagle3 layout: config fields and tensor names/shapes against the schema of
+  docs/FORMATS.md (`export.expected_tensors`), d2t/t2d conventions, and the
+  exported tensors compute the drafter's function (plain-torch equations).
+* A synthetic checkpoint in DeepSeek's released Eagle3 layout, built from the
+  documented names and shapes, converts and computes the plain-torch equations.
+* Refusals: one line, nothing written.
+"""
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepspec.drafters import build_drafter, freeze_mask_embedding, load_drafter
+from deepspec.errors import DeepSpecError
+from deepspec.pipeline import convert, export
+from test_eagle3 import _randomize, plain_ttt
+
+SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]
+
+
+def _drafter(method, target, cfg, **drafter):
+    c = copy.deepcopy(cfg)
+    c["drafter"].update(drafter)
+    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
+    torch.manual_seed(0)
+    d = _randomize(build_drafter(method, target, c).eval())
+    freeze_mask_embedding(d, target, init=True)  # the reserved token's row again, after _randomize
+    return d, c
+
+
+def _outputs(d, ids, f):
+    """Everything a drafter computes on a fixed input: training forward and proposals."""
+    for t in list(d.parameters()) + list(d.buffers()):
+        t.data = t.data.clone()  # aligned copies (see test_convert._compare)
+    with torch.no_grad():
+        fwd = d(ids, f, steps=3) if d.method == "eagle3" else [d(ids, f, torch.tensor([[4, 9]]))]
+    props = []
+    for temperature in (0.0, 1.0):
+        st = d.init_state()
+        d.propose(st, f[:, :5], ids[:, :6], temperature=temperature, generator=torch.Generator().manual_seed(3))
+        p = d.propose(st, f[:, 5:9], ids[:, 5:10], temperature=temperature, generator=torch.Generator().manual_seed(4))
+        props += [p.tokens, p.probs] + ([p.conf_logits] if p.conf_logits is not None else [])
+    return fwd + props
+
+
+def _batch(target, cfg):
+    ids = torch.tensor([SEQ]) % target.vocab_size
+    return ids, target.features(ids, cfg["target"]["feature_layers"])[0]
+
+
+ROUND_TRIPS = {  # name: (target fixture, cfg fixture, method, drafter settings)
+    "qwen3-eagle3": ("qwen3_target", "qwen3_cfg", "eagle3", {}),
+    "qwen3-dflash-reserved-mask": ("qwen3_target", "qwen3_cfg", "dflash", {"mask_token_id": 11}),
+    "qwen3-dspark-learned-mask": ("qwen3_target", "qwen3_cfg", "dspark", {}),
+    "qwen3-dspark-rnn-reserved-mask": ("qwen3_target", "qwen3_cfg", "dspark", {"mask_token_id": 3,
+                                                                               "markov_head_type": "rnn"}),
+    "gemma4-eagle3": ("gemma4_target", "gemma4_cfg", "eagle3", {}),
+    "gemma4-dspark-reserved-mask": ("gemma4_target", "gemma4_cfg", "dspark", {"mask_token_id": 4}),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUND_TRIPS))
+def test_deepspec_export_then_convert_is_identical(case, request, tmp_path):
+    tname, cname, method, kw = ROUND_TRIPS[case]
+    target, cfg = request.getfixturevalue(tname), request.getfixturevalue(cname)
+    d, _ = _drafter(method, target, cfg, **kw)
+    if "mask_token_id" in kw:  # build_drafter froze the target's embedding of the reserved token
+        assert not d.mask_embedding.requires_grad
+    d.save_pretrained(tmp_path / "ours")
+    d = load_drafter(tmp_path / "ours", target)
+    out = export.export_drafter(d, target, "deepspec", tmp_path / "ref")
+    cfg_json = json.loads((out / "config.json").read_text())
+    prefix = "Gemma4" if tname.startswith("gemma4") else "Qwen3"
+    assert cfg_json["architectures"] == [prefix + ("Eagle3Model" if method == "eagle3" else "DSparkModel")]
+    assert cfg_json["target_layer_ids"] == cfg["target"]["feature_layers"]
+    assert not any(k.startswith("deepspec_") and k not in ("deepspec_exported_from", "deepspec_note",
+                                                           convert.MASK_ROW_FIELD) for k in cfg_json)
+    if method != "eagle3":
+        assert cfg_json["markov_rank"] == (0 if method == "dflash" else cfg["drafter"]["markov_rank"])
+        assert cfg_json["mask_token_id"] == kw.get("mask_token_id", target.vocab_size - 1)
+        assert bool(cfg_json.get(convert.MASK_ROW_FIELD)) == ("mask_token_id" not in kw)
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight", "norm.weight"} <= names
+    e = load_drafter(convert.convert_reference_checkpoint(out, target, tmp_path / "back"), target)
+    assert type(e) is type(d)
+    sd0, sd1 = d.state_dict(), e.state_dict()
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    ids, f = _batch(target, cfg)
+    for a, b in zip(_outputs(d, ids, f), _outputs(e, ids, f)):
+        assert torch.equal(a, b)
+
+
+def test_eagle3_export_schema_and_function(qwen3_target, qwen3_cfg, tmp_path):
+    c = copy.deepcopy(qwen3_cfg)
+    c["target"]["feature_layers"] = [-1, 0, 1]
+    d, c = _drafter("eagle3", qwen3_target, c, draft_vocab_size=300)
+    d.set_draft_vocab(torch.arange(qwen3_target.vocab_size).flip(0).float())
+    out = export.export_drafter(d, qwen3_target, "eagle3", tmp_path / "e3")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3Qwen3ForCausalLM"] and cfg["num_hidden_layers"] == 1
+    assert cfg["vocab_size"] == 512 and cfg["draft_vocab_size"] == 300 and cfg["target_hidden_size"] == 64
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # vLLM: input of layer j = our output of j-1
+    assert cfg["tie_word_embeddings"] is False
+    sd = load_file(str(out / "model.safetensors"))
+    want = export.expected_tensors("eagle3", cfg)
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want
+    assert "embed_tokens.weight" not in sd
+    draft = torch.arange(300)
+    assert sd["d2t"].dtype == torch.int64 and torch.equal(draft + sd["d2t"], d.d2t)  # target id = draft id + d2t
+    assert sd["t2d"].dtype == torch.bool and int(sd["t2d"].sum()) == 300 and bool(sd["t2d"][d.d2t].all())
+    assert torch.equal(sd["lm_head.weight"], qwen3_target.lm_head.weight[d.d2t])
+    # the exported tensors compute the drafter's function (plain-torch equations)
+    W = {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+    ids, f = _batch(qwen3_target, c)
+    with torch.no_grad():
+        ours = d(ids, f, steps=2)
+        ref = plain_ttt(d, W, ids, f, 2, "qwen3", qwen3_target.embed_tokens)
+    for a, b in zip(ours, ref):
+        assert (a - b).abs().max() < 2e-4 * max(1.0, b.abs().max())
+        assert torch.equal(d.draft_logits(a).argmax(-1), (b @ W["lm_head.weight"].T).argmax(-1))
+
+
+def _fails(d, target, fmt, out, match):
+    with pytest.raises(DeepSpecError, match=match) as ei:
+        export.export_drafter(d, target, fmt, out)
+    assert "\n" not in str(ei.value) and not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def test_refusals(tiny_target, tiny_cfg, qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
+    llama, _ = _drafter("eagle3", tiny_target, tiny_cfg)
+    _fails(llama, tiny_target, "deepspec", tmp_path / "a", "Qwen3 and Gemma4")
+    _fails(llama, tiny_target, "eagle3", tmp_path / "b", "fuses 3 feature layers, this drafter 2")
+    dspark, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    _fails(dspark, qwen3_target, "eagle3", tmp_path / "c", "only Eagle3 drafters")
+    g4, _ = _drafter("eagle3", gemma4_target, gemma4_cfg)
+    _fails(g4, gemma4_target, "eagle3", tmp_path / "d", "gemma4_text Eagle3 layer")
+    reduced, _ = _drafter("eagle3", qwen3_target, qwen3_cfg, draft_vocab_size=100)
+    _fails(reduced, qwen3_target, "deepspec", tmp_path / "e", "reduced draft vocabulary")
+    c = copy.deepcopy(qwen3_cfg)
+    c["drafter"]["num_layers"] = {"eagle3": 2}
+    torch.manual_seed(0)
+    deep = build_drafter("eagle3", qwen3_target, c)
+    _fails(deep, qwen3_target, "eagle3", tmp_path / "f", "one decoder layer")
+    with pytest.raises(DeepSpecError, match="unknown format"):
+        export.export_drafter(deep, qwen3_target, "medusa", tmp_path / "g")
+
+
+# --------------------------------------------------------------------------- DeepSeek's released Eagle3 layout
+
+
+def released_eagle3(target, layer_ids, path, *, n_layers=1, seed=0, dtype=torch.bfloat16):
+    """A synthetic checkpoint in DeepSeek's Qwen3Eagle3Model / Gemma4Eagle3Model layout,
+    from the documented names and shapes (docs/FORMATS.md), random weights."""
+    tc = target.config.get_text_config()
+    gemma4 = tc.model_type == "gemma4_text"
+    d, H = tc.hidden_size, tc.num_attention_heads
+    if gemma4:
+        full = tc.per_layer_config["full_attention"]
+        hd, Hkv = full.head_dim, full.num_key_value_heads
+    else:
+        hd, Hkv = tc.head_dim, tc.num_key_value_heads
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, one=False):
+        x = torch.randn(*shape, generator=g) * (0.3 if one else shape[-1] ** -0.5)
+        return (x + 1.0 if one else x).to(dtype)
+
+    sd = {"fc.weight": w(d, len(layer_ids) * d), "norm.weight": w(d, one=True),
+          "embed_tokens.weight": target.embed_tokens.weight.detach().to(dtype),
+          "lm_head.weight": target.lm_head.weight.detach().to(dtype)}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        sd.update({p + "self_attn.q_proj.weight": w(H * hd, 2 * d), p + "self_attn.k_proj.weight": w(Hkv * hd, 2 * d),
+                   p + "self_attn.o_proj.weight": w(d, H * hd), p + "self_attn.q_norm.weight": w(hd, one=True),
+                   p + "self_attn.k_norm.weight": w(hd, one=True), p + "hidden_norm.weight": w(d, one=True),
+                   p + "input_layernorm.weight": w(d, one=True), p + "post_attention_layernorm.weight": w(d, one=True),
+                   p + "mlp.gate_proj.weight": w(tc.intermediate_size, d), p + "mlp.up_proj.weight": w(tc.intermediate_size, d),
+                   p + "mlp.down_proj.weight": w(d, tc.intermediate_size)})
+        if not (gemma4 and tc.attention_k_eq_v):
+            sd[p + "self_attn.v_proj.weight"] = w(Hkv * hd, 2 * d)
+        if gemma4:
+            sd.update({p + "pre_feedforward_layernorm.weight": w(d, one=True),
+                       p + "post_feedforward_layernorm.weight": w(d, one=True), p + "layer_scalar": w(1, one=True)})
+    cfg = dict(tc.to_dict(), architectures=["Gemma4Eagle3Model" if gemma4 else "Qwen3Eagle3Model"],
+               num_target_layers=target.num_layers, num_hidden_layers=n_layers, target_layer_ids=list(layer_ids),
+               ttt_length=7, step_loss_decay=0.8, draft_num_hidden_layers=n_layers, tie_word_embeddings=False)
+    if gemma4:
+        cfg.pop("per_layer_config", None)
+        cfg.update(global_head_dim=hd, num_global_key_value_heads=Hkv)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(path / "model.safetensors"))
+    return path, {k: v.float() for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("kind,n_layers", [("qwen3", 1), ("qwen3", 2), ("gemma4", 1)])
+def test_released_eagle3_layout_converts_to_the_equations(kind, n_layers, request, tmp_path):
+    target = request.getfixturevalue(f"{kind}_target")
+    cfg = request.getfixturevalue(f"{kind}_cfg")
+    layers = cfg["target"]["feature_layers"]
+    src, W = released_eagle3(target, layers, tmp_path / "ref", n_layers=n_layers)
+    e = load_drafter(convert.convert_reference_checkpoint(src, target, tmp_path / "out"), target)
+    assert e.method == "eagle3" and e.config.num_hidden_layers == n_layers and e.gamma == 7
+    ids, f = _batch(target, cfg)
+    with torch.no_grad():
+        ours = e(ids, f, steps=3)
+        ref = plain_ttt(e, W, ids, f, 3, kind, target.embed_tokens)
+    for a, b in zip(ours, ref):
+        assert (a - b).abs().max() < 2e-4 * max(1.0, b.abs().max())
+
+
+def test_released_eagle3_for_another_target_is_refused(qwen3_target, qwen3_cfg, tmp_path):
+    src, _ = released_eagle3(qwen3_target, qwen3_cfg["target"]["feature_layers"], tmp_path / "ref")
+    sd = load_file(str(src / "model.safetensors"))
+    sd["lm_head.weight"] = sd["lm_head.weight"] + 1.0
+    save_file(sd, str(src / "model.safetensors"))
+    with pytest.raises(DeepSpecError, match="lm_head.weight differs"):
+        convert.convert_reference_checkpoint(src, qwen3_target, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
