@@ -185,7 +185,7 @@ RULE_SETTINGS = {
     "ablation": ["data.benchmarks", "drafter", "train.max_steps", "eval", "ablations"],
 }
 EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.request_timeout_s",
-                  "regenerate.max_retries", "regenerate.retry_backoff_s", "cache.mode", "train.checkpoint_every",
+                  "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
                   "train.keep_checkpoints", "train.gpus", "eval.gpus"}
 
 

@@ -8,7 +8,7 @@ import torch
 
 from deepspec.pipeline.prompts import Prompt
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.regenerate import errors_path, filter_logits, regenerate, sample_next
+from deepspec.pipeline.regenerate import errors_path, filter_logits, regenerate, sample_next, settings_path
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),
@@ -76,14 +76,25 @@ def test_local_regeneration_multi_turn_resume_and_errors(tiny_cfg, tiny_target, 
     # first, drops the torn tail and does the rest
     partial = tmp_path / "resume.jsonl.partial"
     partial.write_text(json.dumps(recs["t:1"]) + "\n" + json.dumps(recs["t:2"])[:30])
+    settings_path(tmp_path / "resume.jsonl").write_text(settings_path(out).read_text())  # the killed run's settings
     stats = regenerate(cfg, tmp_path / "resume.jsonl", prompts=PROMPTS, target=tiny_target)
     assert stats["skipped"] == 1 and stats["done"] == 2
     assert {r["id"]: r for r in _lines(tmp_path / "resume.jsonl")} == recs
     assert regenerate(cfg, tmp_path / "resume.jsonl", prompts=PROMPTS, target=tiny_target)["skipped"] == 3
 
-    # an over-long prompt is an error record, not a crash; a rerun retries it
+    # other settings never reuse those records: the rerun starts over
+    other = _cfg(tiny_cfg, tmp_path, max_new_tokens=3)
+    assert regenerate(other, tmp_path / "resume.jsonl", prompts=PROMPTS, target=tiny_target)["done"] == 3
+    assert all(len(m["content"]) < 40 for r in _lines(tmp_path / "resume.jsonl") for m in r["messages"][1::2])
+
+    # an over-long prompt is an error record, not a crash; beyond the failure
+    # budget the job fails with one line and keeps what was done
     cfg["data"]["max_prompt_tokens"] = 45
     bad = tmp_path / "bad.jsonl"
+    with pytest.raises(DeepSpecError, match=r"2 of 3 records failed .*max_failed_fraction"):
+        regenerate(cfg, bad, prompts=PROMPTS, target=tiny_target)
+    assert not bad.exists() and len(_lines(bad.with_name(bad.name + ".partial"))) == 1
+    cfg["regenerate"]["max_failed_fraction"] = 0.7
     stats = regenerate(cfg, bad, prompts=PROMPTS, target=tiny_target)
     errs = _lines(errors_path(bad))
     assert stats["failed"] == len(errs) >= 1 and "data.max_prompt_tokens" in errs[0]["error"]
@@ -92,14 +103,22 @@ def test_local_regeneration_multi_turn_resume_and_errors(tiny_cfg, tiny_target, 
 
 class _FakeServer(BaseHTTPRequestHandler):
     bodies: list = []
+    failures: list = []  # what the next requests get instead of an answer: 500, "short", "malformed", "close"
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
         last = body["messages"][-1]["content"]
-        if "FAIL" in last:
+        kind = type(self).failures.pop(0) if type(self).failures else None
+        if "FAIL" in last or kind == 500:
             self.send_response(500)
             self.end_headers()
+            return
+        if kind in ("short", "malformed", "close"):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write({"short": b'{"choices": [', "malformed": b"<html>" + b" " * 994, "close": b""}[kind])
             return
         answer = f"answer {(len(body['messages']) + 1) // 2} to {last}"
         data = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}],
@@ -116,7 +135,7 @@ class _FakeServer(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_server():
-    _FakeServer.bodies = []
+    _FakeServer.bodies, _FakeServer.failures = [], []
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
@@ -125,11 +144,13 @@ def fake_server():
 
 
 def test_server_backend(tiny_cfg, tmp_path, fake_server):
-    cfg = _cfg(tiny_cfg, tmp_path, backend="server", urls=[fake_server, fake_server + "/v1"], concurrency=2)
+    cfg = _cfg(tiny_cfg, tmp_path, backend="server", urls=[fake_server, fake_server + "/v1"], concurrency=2,
+               max_retries=2, retry_backoff_s=0.0, max_failed_fraction=0.25)
     prompts = PROMPTS + [Prompt(id="t:4", turns=["please FAIL"], source="t")]
     out = tmp_path / "conv.jsonl"
     stats = regenerate(cfg, out, prompts=prompts)
     assert stats["done"] == 3 and stats["failed"] == 1 and stats["new_tokens"] == 3 * 4
+    assert sum("FAIL" in b["messages"][-1]["content"] for b in _FakeServer.bodies) == 3  # 1 + 2 retries
     recs = {r["id"]: r for r in _lines(out)}
     assert recs["t:2"]["messages"][3]["content"] == "answer 2 to And another one?"
     assert "HTTP 500" in _lines(errors_path(out))[0]["error"]
@@ -144,3 +165,27 @@ def test_server_backend(tiny_cfg, tmp_path, fake_server):
 def test_server_backend_needs_urls(tiny_cfg, tmp_path):
     with pytest.raises(DeepSpecError, match="regenerate.urls"):
         regenerate(_cfg(tiny_cfg, tmp_path, backend="server"), tmp_path / "c.jsonl", prompts=PROMPTS)
+
+
+def test_server_errors_are_retried_then_counted(tiny_cfg, tmp_path, fake_server):
+    """500s, short, malformed and empty bodies are retried with backoff; what
+    still fails is recorded, and past the failure budget (default 0) the job
+    fails with one line while a rerun retries only the failed records."""
+    prompts = [Prompt(id=f"s:{i}", turns=[f"Question {i}?"], source="s") for i in range(12)]
+    cfg = _cfg(tiny_cfg, tmp_path, backend="server", urls=[fake_server], concurrency=1, max_retries=5,
+               retry_backoff_s=0.0)
+    _FakeServer.failures = [500, 500, "short", "malformed", "close"]  # the first five requests
+    out = tmp_path / "conv.jsonl"
+    assert regenerate(cfg, out, prompts=prompts)["done"] == 12 and not errors_path(out).read_text()
+
+    out2 = tmp_path / "conv2.jsonl"
+    cfg["regenerate"]["max_retries"] = 1
+    _FakeServer.failures = [500] * 4  # two records fail twice each
+    with pytest.raises(DeepSpecError, match=r"2 of 12 records failed"):
+        regenerate(cfg, out2, prompts=prompts)
+    assert len(_lines(errors_path(out2))) == 2 and not out2.exists()
+    n = len(_FakeServer.bodies)
+    stats = regenerate(cfg, out2, prompts=prompts)
+    assert stats["done"] == 2 and stats["skipped"] == 10
+    assert len(_FakeServer.bodies) == n + 2  # only the two failed records were asked again
+    assert len(_lines(out2)) == 12

@@ -1,5 +1,6 @@
 """The DAG itself: the tiny preset end to end, and dry runs of every preset."""
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -85,3 +86,28 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     # A rerun has nothing to do.
     r2 = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
     assert "Nothing to be done" in r2.stdout + r2.stderr
+    # A changed setting reruns exactly the rules that depend on it, and their descendants.
+    for override, want in CHANGES.items():
+        assert _planned(tmp_path, env, override) == want, override
+
+
+EVAL = {"evaluate": 9, "report": 1}
+CHANGES = {  # tiny preset: 3 drafters x 3 benchmarks
+    "eval={max_new_tokens: 12}": {"baseline": 3, **EVAL},
+    "regenerate={temperature: 0.5}": {"regenerate": 1, "build_cache": 1, "train": 3, **EVAL},
+    "cache={shard_tokens: 1000}": {"build_cache": 1, "train": 3, **EVAL},
+    "train={lr: 0.001}": {"train": 3, **EVAL},
+    "description=another": {"report": 1},
+    "regenerate={concurrency: 3}": {},  # execution only
+}
+
+
+def _planned(cwd, env, override) -> dict:
+    """{rule: jobs} that `snakemake -n` plans with one extra --config entry."""
+    r = _snakemake(cwd, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", override, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    if "Nothing to be done" in out:
+        return {}
+    stats = out.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", stats, re.M) if m.group(1) != "all"}

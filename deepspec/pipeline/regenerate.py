@@ -22,13 +22,24 @@ Back ends
 Resumable and never half-written: records are appended (one write + fsync per
 batch) to ``<out>.partial``; on start a truncated last line is dropped and the
 ids already there are skipped; when the run ends the file is renamed onto
-``<out>``. Failures (over-long prompts, server errors) go to
-``<out stem>.errors.jsonl`` with the reason and are retried by the next run.
+``<out>``. Records are only ever reused under the same settings: the
+fingerprint of the regeneration settings (`config.settings_fingerprint`) is
+kept in ``<out stem>.settings.json``, and a change starts over.
+
+Failures: server requests are retried with exponential backoff
+(regenerate.max_retries, retry_backoff_s) on transient errors (connection
+refused or reset, timeouts, HTTP 5xx / 408 / 429, malformed or short bodies),
+each request bounded by regenerate.request_timeout_s. A record that still fails
+(or an over-long prompt) goes to ``<out stem>.errors.jsonl`` with its reason.
+More failed records than regenerate.max_failed_fraction of the total (default
+0: any) fail the job with a one-line summary; the records done are kept in
+``<out>.partial`` and the next run retries only the failed ones.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -41,8 +52,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..config import rule_settings, settings_fingerprint
 from ..core.target import cache_kwarg
 from ..errors import DeepSpecError
+from ..files import read_json, write_json_atomic
 from ..paths import RunPaths
 from .conversations import with_system_prompt
 from .prompts import Prompt, load_train_prompts
@@ -52,6 +65,21 @@ log = logging.getLogger(__name__)
 
 def errors_path(out: Path) -> Path:
     return out.with_name(out.stem + ".errors.jsonl")
+
+
+def settings_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".settings.json")
+
+
+# Errors worth another attempt: the server may come back, and a short or
+# malformed body is not an answer. Other HTTP errors (4xx) are final.
+RECORD_ERRORS = (urllib.error.URLError, OSError, ValueError, http.client.HTTPException)
+
+
+def _transient(e: Exception) -> bool:
+    if isinstance(e, urllib.error.HTTPError):
+        return e.code >= 500 or e.code in (408, 429)
+    return isinstance(e, RECORD_ERRORS)
 
 
 def record_seed(seed: int, record_id: str, turn: int) -> int:
@@ -277,6 +305,34 @@ def _post_json(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read())
 
 
+def _chat(url: str, body: dict, rc: dict) -> tuple[str, bool, int]:
+    """One chat completion: (text, cut at max_tokens, completion tokens), with
+    retries and exponential backoff on transient errors."""
+    for attempt in range(rc["max_retries"] + 1):
+        try:
+            resp = _post_json(url, body, rc["request_timeout_s"])
+            try:
+                choice = resp["choices"][0]
+                content = choice["message"]["content"]
+            except (KeyError, IndexError, TypeError):
+                raise ValueError(f"unexpected response: {json.dumps(resp)[:200]}") from None
+            if not isinstance(content, str):
+                raise ValueError("response without text content")
+            tokens = int((resp.get("usage") or {}).get("completion_tokens", 0))
+            return content, choice.get("finish_reason") == "length", tokens
+        except RECORD_ERRORS as e:
+            if attempt == rc["max_retries"] or not _transient(e):
+                raise
+            wait = rc["retry_backoff_s"] * 2**attempt
+            log.info("%s: %s; retrying in %.1f s (%d/%d)", url, _reason(e), wait, attempt + 1, rc["max_retries"])
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _reason(e: Exception) -> str:
+    return f"HTTP {e.code}: {e.reason}" if isinstance(e, urllib.error.HTTPError) else f"{type(e).__name__}: {e}"
+
+
 def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict], int]:
     rc, system = cfg["regenerate"], cfg["data"].get("system_prompt")
     model = rc.get("model_name") or cfg["target"]["spec"]
@@ -296,16 +352,10 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict]
             "n": 1,
             "chat_template_kwargs": {"enable_thinking": False},
         }
-        resp = _post_json(url, body, rc["request_timeout_s"])
-        try:
-            content = resp["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError):
-            raise ValueError(f"unexpected response: {json.dumps(resp)[:200]}") from None
-        if not isinstance(content, str):
-            raise ValueError("response without text content")
-        n += int((resp.get("usage") or {}).get("completion_tokens", 0))
+        content, truncated, tokens = _chat(url, body, rc)
+        n += tokens
         msg = {"role": "assistant", "content": content}
-        msgs.append({**msg, "truncated": True} if resp["choices"][0].get("finish_reason") == "length" else msg)
+        msgs.append({**msg, "truncated": True} if truncated else msg)
     return msgs, n
 
 
@@ -321,9 +371,8 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
             p = futs[fut]
             try:
                 msgs, n = fut.result()
-            except (urllib.error.URLError, OSError, ValueError) as e:
-                reason = f"HTTP {e.code}: {e.reason}" if isinstance(e, urllib.error.HTTPError) else f"{type(e).__name__}: {e}"
-                fail(p, reason)
+            except RECORD_ERRORS as e:
+                fail(p, _reason(e))
             else:
                 write([{"id": p.id, "source": p.source, "messages": msgs}])
                 n_tokens += n
@@ -338,7 +387,6 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
 def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: Optional[list[Prompt]] = None, target=None) -> dict:
     """Regenerate the answers of `prompts` (default: the preset's training prompts)
     into `out`; returns stats {done, skipped, failed, new_tokens, seconds, tokens_per_s}."""
-    from tqdm.auto import tqdm
 
     out = Path(out) if out else RunPaths.of(cfg).conversations()
     partial = out.with_name(out.name + ".partial")
@@ -346,6 +394,7 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):
         raise DeepSpecError("duplicate prompt ids in the training prompts")
+    _forget_other_settings(cfg, out, partial)
     if out.exists():  # reopen a finished file to add what is missing (e.g. a larger cap)
         done = _recover_partial(out)
         if done.issuperset(ids):
@@ -357,45 +406,73 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
     done = _recover_partial(partial)
     todo = [p for p in prompts if p.id not in done]
     log.info("regenerating %d of %d records (%d already done) with backend %s", len(todo), len(ids), len(ids) - len(todo), cfg["regenerate"]["backend"])
-
-    appender, errors = _Appender(partial), _Appender(errors_path(out), mode="w")
-    n_failed = 0
-
-    def fail(p: Prompt, reason: str) -> None:
-        nonlocal n_failed
-        n_failed += 1
-        log.warning("record %s failed: %s", p.id, reason)
-        errors.write([{"id": p.id, "source": p.source, "error": reason}])
-
     t0 = time.perf_counter()
-    try:
-        with tqdm(total=len(todo), desc="regenerate", unit="rec", dynamic_ncols=True) as bar:
-            if not todo:
-                n_tokens = 0
-            elif cfg["regenerate"]["backend"] == "server":
-                n_tokens = _regenerate_server(cfg, todo, appender.write, fail, bar)
-            else:
-                n_tokens = _regenerate_local(cfg, todo, appender.write, fail, bar, target=target)
-    finally:
-        appender.close()
-        errors.close()
+    n_tokens, failed = _run_backend(cfg, todo, partial, errors_path(out), target)
     secs = time.perf_counter() - t0
-    if n_failed == len(ids) and ids:
-        raise DeepSpecError(f"all {len(ids)} records failed; reasons in {errors_path(out)}")
+    budget = cfg["regenerate"]["max_failed_fraction"]
+    if failed > budget * len(ids):
+        raise DeepSpecError(f"{failed} of {len(ids)} records failed (regenerate.max_failed_fraction = {budget}); reasons in "
+                            f"{errors_path(out)}; the {len(ids) - failed} done are kept in {partial} and a rerun retries the rest")
     os.replace(partial, out)
     stats = {
-        "done": len(todo) - n_failed,
+        "done": len(todo) - failed,
         "skipped": len(ids) - len(todo),
-        "failed": n_failed,
+        "failed": failed,
         "new_tokens": n_tokens,
         "seconds": round(secs, 3),
         "tokens_per_s": round(n_tokens / secs, 2) if secs > 0 else 0.0,
     }
     log.info("regenerated %(done)d records (%(skipped)d skipped, %(failed)d failed): %(new_tokens)d tokens in "
              "%(seconds).1f s = %(tokens_per_s).1f tok/s", stats)
-    if n_failed:
-        log.warning("%d failures listed in %s (a rerun retries them)", n_failed, errors_path(out))
+    if failed:
+        log.warning("%d failures (within regenerate.max_failed_fraction) listed in %s", failed, errors_path(out))
     return stats
+
+
+def _forget_other_settings(cfg: dict, out: Path, partial: Path) -> None:
+    """Records made under other regeneration settings are never reused: when
+    the settings fingerprint differs from the one recorded beside `out` (or
+    none is recorded), earlier output and progress are removed. Records the
+    fingerprint for this run."""
+    fp = settings_fingerprint(cfg, "regenerate")
+    try:
+        old = read_json(settings_path(out), default={}).get("fingerprint")
+    except (DeepSpecError, AttributeError):
+        old = None
+    if old != fp:
+        stale = [p for p in (out, partial) if p.exists()]
+        if stale:
+            log.warning("regeneration settings changed (fingerprint %s, now %s): discarding %s", old, fp,
+                        ", ".join(map(str, stale)))
+        for p in stale:
+            p.unlink()
+        write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate")})
+
+
+def _run_backend(cfg: dict, todo: list[Prompt], partial: Path, errors_file: Path, target) -> tuple[int, int]:
+    """Regenerate `todo`, appending records to `partial` and failures to
+    `errors_file`; returns (new tokens, failed records)."""
+    from tqdm.auto import tqdm
+
+    appender, errors = _Appender(partial), _Appender(errors_file, mode="w")
+    failed = 0
+
+    def fail(p: Prompt, reason: str) -> None:
+        nonlocal failed
+        failed += 1
+        log.warning("record %s failed: %s", p.id, reason)
+        errors.write([{"id": p.id, "source": p.source, "error": reason}])
+
+    try:
+        with tqdm(total=len(todo), desc="regenerate", unit="rec", dynamic_ncols=True) as bar:
+            if not todo:
+                return 0, 0
+            if cfg["regenerate"]["backend"] == "server":
+                return _regenerate_server(cfg, todo, appender.write, fail, bar), failed
+            return _regenerate_local(cfg, todo, appender.write, fail, bar, target=target), failed
+    finally:
+        appender.close()
+        errors.close()
 
 
 def cli_regenerate(argv) -> int:

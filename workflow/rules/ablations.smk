@@ -28,6 +28,6 @@ rule ablation:
     log:
         str(PATHS.log("{fig}")),
     params:
-        config=CONFIG_ARGS,
+        settings=settings("ablation"),
     shell:
-        "python -m deepspec plot {wildcards.fig} {params.config} --csv {output.csv:q} --pdf {output.pdf:q} > {log:q} 2>&1"
+        "python -m deepspec plot {wildcards.fig} {CONFIG_ARGS} --csv {output.csv:q} --pdf {output.pdf:q} > {log:q} 2>&1"

@@ -13,7 +13,7 @@ rule build_cache:
     benchmark:
         str(P.log("build_cache").with_suffix(".benchmark.tsv"))
     params:
-        config=CONFIG_ARGS,
+        settings=settings("build_cache"),
         out=lambda wc, output: str(Path(output[0]).parent),
     threads: res("build_cache", "threads", 2)
     resources:
@@ -21,4 +21,4 @@ rule build_cache:
         runtime=res("build_cache", "runtime", 60),
         gpu=res("build_cache", "gpu", 0),
     shell:
-        "python -m deepspec build-cache {params.config} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m deepspec build-cache {CONFIG_ARGS} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"

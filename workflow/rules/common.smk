@@ -1,6 +1,9 @@
 # Shared setup: load and validate the preset, the path layout (deepspec/paths.py,
-# the same one the commands use), wildcard constraints, input functions and
-# the config arguments every rule passes to `python -m deepspec`.
+# the same one the commands use), wildcard constraints, input functions, the
+# config arguments every rule passes to `python -m deepspec` ({CONFIG_ARGS} in
+# its shell command) and, as params.settings, the fingerprint of exactly the
+# settings the rule depends on (deepspec.config.RULE_SETTINGS): Snakemake's
+# params trigger then reruns the rules whose settings changed, and only those.
 import json
 import re
 import shlex
@@ -8,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir)))
-from deepspec.config import load_config
+from deepspec.config import coerce_overrides, load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
 from deepspec.pipeline.methods import fig3_methods, fig4_methods
@@ -16,7 +19,8 @@ from deepspec.pipeline.prepare_data import check_sources, needed_files
 from deepspec.pipeline.prompts import data_root
 
 PRESET = str(config.get("preset", "smollm2-135m"))
-_OVERRIDES = {k: v for k, v in config.items() if k != "preset"}
+# --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2
+_OVERRIDES = coerce_overrides({k: v for k, v in config.items() if k != "preset"})
 try:
     CFG = load_config(PRESET, _OVERRIDES)
 except DeepSpecError as e:
@@ -32,7 +36,8 @@ def _flatten(d, prefix=""):
             yield key, v
 
 
-# Passed to every deepspec command (as params.config) so it sees the same config.
+# Passed to every deepspec command so it sees the same config. A global, not a
+# param: a change reruns a rule only through its params.settings.
 CONFIG_ARGS = " ".join(
     [f"--preset {shlex.quote(PRESET)}"]
     + [f"--set {shlex.quote(k + '=' + json.dumps(v))}" for k, v in _flatten(_OVERRIDES)]
@@ -65,6 +70,11 @@ wildcard_constraints:
     target=_one_of([TARGET]),
     method=_one_of(ALL_METHODS),
     benchmark=_one_of(BENCHMARKS),
+
+
+def settings(rule):
+    """params.settings of a rule: the fingerprint of the settings it depends on."""
+    return settings_fingerprint(CFG, rule)
 
 
 def res(rule, key, default):

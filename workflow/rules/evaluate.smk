@@ -23,13 +23,13 @@ rule evaluate:
     benchmark:
         str(P.log("evaluate_{method}_{benchmark}").with_suffix(".benchmark.tsv"))
     params:
-        config=CONFIG_ARGS,
+        settings=settings("evaluate"),
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
     resources:
         **EVAL_RESOURCES,
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec evaluate {params.config} "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec evaluate {CONFIG_ARGS} "
         "--method {wildcards.method} --benchmark {wildcards.benchmark} --out {output.csv:q} > {log:q} 2>&1"
 
 
@@ -45,13 +45,13 @@ rule baseline:
     benchmark:
         str(P.log("baseline_{benchmark}").with_suffix(".benchmark.tsv"))
     params:
-        config=CONFIG_ARGS,
+        settings=settings("baseline"),
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
     resources:
         **EVAL_RESOURCES,
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec baseline {params.config} "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec baseline {CONFIG_ARGS} "
         "--benchmark {wildcards.benchmark} --out {output.json:q} > {log:q} 2>&1"
 
 
@@ -69,11 +69,11 @@ rule schedule:
     benchmark:
         str(P.log("schedule_{benchmark}").with_suffix(".benchmark.tsv"))
     params:
-        config=CONFIG_ARGS,
+        settings=settings("schedule"),
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
     resources:
         **dict(EVAL_RESOURCES, runtime=res("evaluate", "runtime", 30)),
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec schedule {params.config} --method dspark "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec schedule {CONFIG_ARGS} --method dspark "
         "--benchmark {wildcards.benchmark} --records {input.records:q} > {log:q} 2>&1"

@@ -13,11 +13,11 @@ rule regenerate:
     benchmark:
         str(P.log("regenerate").with_suffix(".benchmark.tsv"))
     params:
-        config=CONFIG_ARGS,
+        settings=settings("regenerate"),
     threads: res("regenerate", "threads", 2)
     resources:
         mem_mb=res("regenerate", "mem_mb", 4000),
         runtime=res("regenerate", "runtime", 60),
         gpu=res("regenerate", "gpu", 0),
     shell:
-        "python -m deepspec regenerate {params.config} --out {output:q} > {log:q} 2>&1"
+        "python -m deepspec regenerate {CONFIG_ARGS} --out {output:q} > {log:q} 2>&1"

@@ -15,8 +15,8 @@ rule report:
     log:
         str(PATHS.log("report")),
     params:
-        config=CONFIG_ARGS,
+        settings=settings("report"),
     shell:
-        "python -m deepspec report {params.config} --table1 {output.table1:q} --table1-md {output.table1_md:q} "
+        "python -m deepspec report {CONFIG_ARGS} --table1 {output.table1:q} --table1-md {output.table1_md:q} "
         "--fig2-csv {output.fig2_csv:q} --fig2-pdf {output.fig2:q} --fig2-png {output.fig2_png:q} "
         "--report {output.report:q} > {log:q} 2>&1"

@@ -6,6 +6,7 @@ rule prepare_target:
     log:
         str(P.log("prepare_target")),
     params:
+        settings=settings("prepare_target"),
         spec=CFG["target"]["spec"],
         out=lambda wc, output: str(Path(output[0]).parent),
     resources:

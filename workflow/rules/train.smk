@@ -22,7 +22,7 @@ rule train:
     benchmark:
         str(P.log("train_{method}").with_suffix(".benchmark.tsv"))
     params:
-        config=CONFIG_ARGS,
+        settings=settings("train"),
         out=lambda wc, output: str(Path(output.drafter).parent),
         launcher=TRAIN_LAUNCHER,
     threads: res("train", "threads", 2)
@@ -31,5 +31,5 @@ rule train:
         runtime=res("train", "runtime", 600),
         gpu=res("train", "gpu", TRAIN_GPUS),
     shell:
-        "OMP_NUM_THREADS={threads} {params.launcher} -m deepspec train {params.config} "
+        "OMP_NUM_THREADS={threads} {params.launcher} -m deepspec train {CONFIG_ARGS} "
         "--method {wildcards.method} --out {params.out:q} > {log:q} 2>&1"
