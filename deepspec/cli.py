@@ -9,6 +9,7 @@ a function ``cli_<command>(argv)``.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
@@ -71,6 +72,12 @@ def main(argv=None) -> int:
         rc = fn(rest)
     except DeepSpecError as e:
         print(f"deepspec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"deepspec {args.command}: error: disk full writing {e.filename or 'output'} ({e.strerror}); "
+              "nothing half-written was kept: free space and rerun", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         if e.name == module_name:

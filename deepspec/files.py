@@ -106,11 +106,15 @@ def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
     path = Path(path)
     if not path.exists():
         raise DeepSpecError(f"{what} not found: {path}{hint}")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise DeepSpecError(f"{where}: not UTF-8 text") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:

@@ -49,3 +49,56 @@ def test_cli_error_is_one_line():
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "unknown key 'eval.temprature'" in r.stderr
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def test_yaml_12_numbers_and_booleans():
+    from deepspec.config import coerce_overrides, parse_set
+
+    assert parse_set(["train.lr=3e-4", "eval.n_boot=5", "drafter.init_from_target=true", "target.revision=yes"]) == {
+        "train": {"lr": 3e-4}, "eval": {"n_boot": 5}, "drafter": {"init_from_target": True}, "target": {"revision": "yes"}}
+    # Snakemake's --config hands `{epochs: 2}` and `true` over as text
+    assert coerce_overrides({"train": "{epochs: 2, lr: 3e-4}", "x": {"y": "false", "z": "tiny"}}) == {
+        "train": {"epochs": 2, "lr": 3e-4}, "x": {"y": False, "z": "tiny"}}
+    with pytest.raises(DeepSpecError, match="malformed YAML value"):
+        parse_set(["train={lr: [1, 2}"])
+
+
+def _readme_overrides():
+    """Every `--config k=v ...` and `--set k=v` example of the README and of `--help`."""
+    import re
+    from pathlib import Path
+
+    from deepspec.cli import add_config_args
+    import argparse
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    p = argparse.ArgumentParser()
+    add_config_args(p)
+    text += p.format_help()
+    out = []
+    for m in re.finditer(r"--config ([^`\n#]+)", text):
+        out += [("config", kv) for kv in shlex.split(m.group(1)) if "=" in kv]
+    out += [("set", m.group(1)) for m in re.finditer(r"--set ([\w.]+=[^\s`\]]+)", text)]
+    return [(k, kv) for k, kv in out if not kv.split("=")[0].isupper() and kv.split("=")[1] != "NAME"]  # placeholders
+
+
+@pytest.mark.parametrize("kind,item", _readme_overrides(), ids=lambda x: str(x))
+def test_every_documented_override_works(kind, item):
+    from deepspec.config import coerce_overrides, parse_set
+
+    if kind == "set":
+        over = parse_set([item])
+    else:  # as Snakemake parses --config: a string value after key=
+        key, value = item.split("=", 1)
+        over = coerce_overrides({key: value})
+    preset = over.pop("preset", "tiny") if isinstance(over.get("preset"), str) else "tiny"
+    load_config(preset, over)
+
+
+def test_readme_has_override_examples():
+    kinds = {k for k, _ in _readme_overrides()}
+    assert kinds == {"config", "set"} and len(_readme_overrides()) >= 4

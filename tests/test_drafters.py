@@ -280,3 +280,18 @@ def test_each_drafter_overfits(tiny_target, sharp_target, tiny_cfg, method):
     batch = dict(input_ids=ids, loss_mask=lm, attention_mask=torch.ones_like(lm), features=feats, last_hidden=last)
     step, m = _overfit(method, tg, tiny_cfg, batch, steps=150, lr=2e-2 if method == "dspark" else 1e-2)
     assert m["tau_expected"] > 1.9
+
+
+def test_damaged_drafter_files_are_one_line_errors(tiny_target, tiny_cfg, tmp_path):
+    d = build_drafter("dflash", tiny_target, tiny_cfg)
+    d.save_pretrained(tmp_path / "d")
+    weights = tmp_path / "d" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    with pytest.raises(DeepSpecError, match="cannot load the drafter at"):
+        load_drafter(tmp_path / "d", tiny_target)
+    weights.unlink()
+    with pytest.raises(DeepSpecError, match="cannot load the drafter at"):
+        load_drafter(tmp_path / "d", tiny_target)
+    (tmp_path / "d" / "config.json").write_text("{deepspec_method: dflash")
+    with pytest.raises(DeepSpecError, match=r"config\.json: malformed drafter config"):
+        load_drafter(tmp_path / "d", tiny_target)

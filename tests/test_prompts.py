@@ -61,3 +61,10 @@ def test_prompt_length_checks():
         check_prompt_length(0, 10, "f:1")
     with pytest.raises(DeepSpecError, match="over the limit"):
         check_prompt_length(11, 10, "f:1")
+
+
+def test_non_utf8_prompt_file_is_one_line(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_bytes(b'{"turns": ["fine"]}\n{"turns": ["caf\xe9"]}\n')
+    with pytest.raises(DeepSpecError, match=r"p\.jsonl:2: not UTF-8 text"):
+        read_turns_jsonl(p)

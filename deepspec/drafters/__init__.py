@@ -40,12 +40,17 @@ def build_drafter(method: str, target, cfg: dict, token_counts=None):
 
 
 def load_drafter(path, target):
+    from safetensors import SafetensorError
     from transformers import AutoConfig
 
     method = read_method(path)
-    config = AutoConfig.from_pretrained(str(path))
-    check_target_match(config, target, where=f"drafter at {path}")
-    model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        check_target_match(config, target, where=f"drafter at {path}")
+        model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # missing / truncated weights, bad config
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DeepSpecError(f"cannot load the drafter at {path}: {first}") from None
     model.attach_target(target)
     freeze_mask_embedding(model, target, init=False)
     return model.eval()

@@ -106,7 +106,10 @@ def read_method(path) -> str:
     p = Path(path) / "config.json"
     if not p.exists():
         raise DeepSpecError(f"no drafter checkpoint at {path} (config.json missing)")
-    m = json.loads(p.read_text()).get("deepspec_method")
+    try:
+        m = json.loads(p.read_text()).get("deepspec_method")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise DeepSpecError(f"{p}: malformed drafter config (not a JSON object)") from None
     if m not in METHODS:
         raise DeepSpecError(f"{p}: not a deepspec drafter (deepspec_method={m!r})")
     return m

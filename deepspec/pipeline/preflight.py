@@ -1,0 +1,57 @@
+"""Checks that need only the config and the file system, run when the DAG is
+planned (workflow/rules/common.smk), so that a preset that cannot work stops
+with one line before any job runs, not after regeneration, caching or
+training. (Missing prompt files are `prepare_data.check_sources`'s: it knows
+which ones the prepare_data rule can build.)
+"""
+from __future__ import annotations
+
+import json
+
+from ..errors import DeepSpecError
+from ..paths import RunPaths
+from .methods import fig3_methods, fig4_methods, resolve_method
+
+# Decoder depth of the builtin targets (pipeline/target.py), known before they are prepared.
+BUILTIN_LAYERS = {"smollm2-135m": 30}
+
+
+def target_num_layers(cfg: dict):
+    """The target's decoder depth when it can be known offline: the prepared
+    checkpoint's config, the builtin specs, or a local hub cache; else None."""
+    spec = cfg["target"]["spec"]
+    prepared = RunPaths.of(cfg).target_checkpoint() / "config.json"
+    if prepared.exists():
+        c = json.loads(prepared.read_text())
+        return (c.get("text_config") or c).get("num_hidden_layers")
+    if spec == "tiny":
+        from .target import TINY_CONFIG
+
+        return TINY_CONFIG["num_hidden_layers"]
+    if spec in BUILTIN_LAYERS:
+        return BUILTIN_LAYERS[spec]
+    try:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(spec, revision=cfg["target"].get("revision"), local_files_only=True)
+        return c.get_text_config().num_hidden_layers
+    except Exception:  # not cached here: checked when the target is loaded
+        return None
+
+
+def preflight(cfg: dict) -> None:
+    """Raise a one-line DeepSpecError for the first problem found."""
+    methods = list(cfg["train"]["methods"]) + fig3_methods(cfg) + fig4_methods(cfg)
+    for name in methods:
+        resolve_method(cfg, name)  # an unknown method is a one-line error
+    t = cfg["train"]
+    world = max(1, int(t["gpus"]))
+    if int(t["global_batch"]) % (world * int(t["micro_batch"])):
+        raise DeepSpecError(f"train.global_batch ({t['global_batch']}) must be a multiple of train.micro_batch "
+                            f"({t['micro_batch']}) x processes ({world})")
+    n = target_num_layers(cfg)
+    for layer in cfg["target"]["feature_layers"]:
+        if n is not None and not -1 <= int(layer) <= n - 2:
+            raise DeepSpecError(f"target.feature_layers: layer {layer} is out of range for the {n}-layer target "
+                                f"{cfg['target']['spec']!r}: use -1 (embeddings) .. {n - 2}; the final layer {n - 1} "
+                                "is not allowed (HF stores its post-norm value)")

@@ -1,0 +1,28 @@
+"""Plan-time checks (deepspec/pipeline/preflight.py): a preset that cannot work
+stops with one line before any job runs."""
+import pytest
+
+from deepspec.config import load_config
+from deepspec.errors import DeepSpecError
+from deepspec.pipeline.preflight import preflight
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"train": {"methods": ["eagle3", "medusa"]}}, "unknown method 'medusa'"),
+    ({"train": {"micro_batch": 3}}, r"global_batch \(4\) must be a multiple of train.micro_batch \(3\)"),
+    ({"target": {"feature_layers": [0, 1]}}, "layer 1 is out of range for the 2-layer target"),
+    ({"target": {"feature_layers": [-2]}}, "minimum of -1"),
+])
+def test_preflight_stops_at_plan_time(over, msg):
+    with pytest.raises(DeepSpecError, match=msg):
+        preflight(load_config("tiny", over))
+
+
+def test_eval_needs_two_new_tokens():
+    with pytest.raises(DeepSpecError, match="eval.max_new_tokens"):
+        load_config("tiny", {"eval": {"max_new_tokens": 1}})
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "smollm2-135m-full", "qwen3-4b", "gemma4-12b"])
+def test_presets_pass_preflight(preset):
+    preflight(load_config(preset))
