@@ -53,6 +53,7 @@ def test_online_and_cached_samples_are_identical(setup, tiny_target):
     cached = make_train_dataset(cfg, cache_dir=setup["ref"])
     online = make_train_dataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, conversations=setup["convs"])
     assert len(cached) == len(online) and cached.ids == online.ids
+    assert cached.fingerprint == online.fingerprint  # switching modes keeps the training fingerprint
     # read online in random order to exercise recomputation
     for i in torch.randperm(len(online), generator=torch.Generator().manual_seed(0)).tolist():
         a, b = cached[i], online[i]
@@ -152,3 +153,20 @@ def test_collate_pads_and_masks():
 def test_shard_plan_is_deterministic():
     assert plan_shards([5, 5, 5, 5, 5], 10) == [(0, 2), (2, 4), (4, 5)]
     assert plan_shards([30, 1, 1], 10) == [(0, 1), (1, 3)]
+
+
+def test_training_reads_only_intact_shards(setup, tmp_path):
+    """Each process checks a shard's sha256 the first time it opens it: flipped
+    bytes stop training with one line naming the shard."""
+    import shutil
+
+    d = tmp_path / "cache"
+    shutil.copytree(setup["ref"], d)
+    shard = d / "shard-00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0xFF  # inside a tensor: the file still parses
+    shard.write_bytes(bytes(raw))
+    data = make_train_dataset(setup["cfg"], cache_dir=d)
+    with pytest.raises(DeepSpecError, match=r"shard-00000\.safetensors is corrupt: sha256 mismatch"):
+        data[0]
+    assert make_train_dataset(setup["cfg"], cache_dir=setup["ref"]).fingerprint == data.fingerprint
