@@ -1,7 +1,12 @@
-"""The convert-checkpoint command: load DeepSeek's released DFlash / DSpark drafters (the reference DeepSpec
-layout, notes §0.7 and §4) into deepspec drafters.
+"""The convert-checkpoint command: load DeepSeek's released Eagle3 / DFlash / DSpark drafters (the
+reference DeepSpec layout, notes §0.7 and §4; docs/FORMATS.md) into deepspec drafters.
 
-A reference checkpoint is a HF directory: `config.json` (the target's config plus
+An Eagle3 checkpoint (`architectures: [Qwen3Eagle3Model | Gemma4Eagle3Model]`,
+`target_layer_ids`, `ttt_length`, `num_hidden_layers`) has exactly our Eagle3's names
+(`fc`, `layers.{i}.*` of the standard EAGLE-3 layer, `norm`; Gemma4 `layer_scalar`)
+plus frozen copies of the target's `embed_tokens` / `lm_head`, checked and dropped.
+
+A DFlash/DSpark reference checkpoint is a HF directory: `config.json` (the target's config plus
 `architectures: [<X>DSparkModel]`, `num_hidden_layers` = draft layers,
 `num_target_layers`, `block_size`, `target_layer_ids`, `mask_token_id`,
 `markov_rank` (0 for DFlash), `markov_head_type`, `enable_confidence_head`,
@@ -24,9 +29,9 @@ listed in `model.safetensors.index.json`) with top-level names. The mapping:
 
 The reference block input is the frozen embedding of a reserved token
 (`mask_token_id`, 151669 on Qwen3, 4 on Gemma4); writing that embedding into our
-learned `mask_embedding` gives the same function at inference. Eagle3 reference
-checkpoints fuse [embedding; hidden] inside 2d-wide q/k/v projections, which
-deepspec's Eagle3 cannot represent: they are refused.
+learned `mask_embedding` gives the same function at inference (and the converted
+drafter records the token, `deepspec_mask_token_id`). An export of a drafter with a
+learned mask embedding (`MASK_ROW_FIELD`) carries it in that `embed_tokens` row.
 
 The architecture fields of the checkpoint are checked against the draft config
 deepspec builds for the target (`drafters.base.draft_config`), which the
