@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 import torch
 
-from deepspec.core.acceptance import confidence_selfcheck, position_table, summarize_rounds
+from deepspec.core.acceptance import confidence_selfcheck, domain_position_table, position_table, summarize_rounds
 from deepspec.core.verify import expected_tau
 
 
@@ -192,3 +192,13 @@ def test_rao_blackwell_skips_unverified_positions():
     assert part.expected_attempts[3] < 0.6 * full.expected_attempts[3]
     no_rb = position_table(df.drop(columns=[c for c in df if c.startswith(("alpha_", "accept_prob_"))]), gamma=4, n_boot=50)
     assert no_rb.acceptance_rb.isna().all() and np.allclose(no_rb.acceptance, full.acceptance)
+
+
+def test_domain_table_survival_is_the_unconditional_rate():
+    """fig2.csv's survival: P(accepted >= k | proposed >= k) per benchmark, averaged over the domain."""
+    a = pd.DataFrame({"sample_id": ["x", "x", "y"], "proposal_len": [3, 3, 2], "accepted": [3, 1, 0], "emitted": [4, 2, 1]})
+    b = pd.DataFrame({"sample_id": ["z", "z"], "proposal_len": [3, 3], "accepted": [2, 2], "emitted": [3, 3]})
+    t = domain_position_table([a, b], 3, n_boot=10)
+    want_a = np.array([2 / 3, 1 / 3, 1 / 2])  # accepted >= k / proposed >= k
+    want_b = np.array([1.0, 1.0, 0.0])
+    np.testing.assert_allclose(t["survival"], (want_a + want_b) / 2)

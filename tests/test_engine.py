@@ -218,10 +218,9 @@ def test_live_algorithm1_matches_offline_scheduler(tiny_target, drafters):
     x = np.array([rec[f"conf_logit_{k}"] for k in range(1, d.gamma + 1)])
     live = LiveAlgorithm1(SPS, temperatures=temps).confidences([(torch.zeros(1, d.gamma), None, torch.from_numpy(x[None]))])
     np.testing.assert_allclose(live[0], 1 / (1 + np.exp(-x / temps)), rtol=1e-6)
-    # what the engine verified: each round's proposal_len is its l_r (shorter only after an accepted EOS)
+    # what the engine verified: every request's record carries its l_r (verify_tokens = 1 + l_r)
     chosen = Counter(x for _, ell in spy.calls for x in ell)
-    recorded = Counter(r["proposal_len"] for f in done for r in f.rounds)
-    assert sum(chosen.values()) == sum(recorded.values()) and max(recorded) <= max(chosen)
+    assert Counter(r["verify_tokens"] - 1 for f in done for r in f.rounds) == chosen
 
 
 def test_static_threshold_policy_truncates(tiny_target):

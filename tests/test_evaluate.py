@@ -13,6 +13,7 @@ from deepspec.cli import main
 from deepspec.pipeline.evaluate import cli_baseline, cli_evaluate, cli_schedule
 
 N_PROMPTS = 4
+SPEED = 2  # eval.speed_prompts (schema default)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,16 +43,20 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     ev, args = setup
     assert cli_baseline(args + ["--benchmark", "gsm8k"]) == 0
     base = json.loads((ev / "baseline/gsm8k.json").read_text())
-    assert base["n_samples"] == N_PROMPTS
+    assert base["n_samples"] == SPEED == len(base["sample_ids"])  # the timed sample: the first eval.speed_prompts
     for kind in ("plain", "prompt_lookup"):
-        assert base[kind]["tokens_per_s"] > 0 and len(base[kind]["new_tokens"]) == N_PROMPTS
+        assert base[kind]["tokens_per_s"] > 0 and len(base[kind]["new_tokens"]) == SPEED
         assert all(1 <= n <= 12 for n in base[kind]["new_tokens"])
 
     assert cli_evaluate(args + ["--method", "dspark", "--benchmark", "gsm8k"]) == 0
     df = pd.read_csv(ev / "dspark/gsm8k.csv")
     head = ["sample_id", "round", "proposal_len", "accepted", "emitted", "draft_time_s", "verify_time_s"]
     per_pos = [f"{c}_{k}" for c in ("conf_logit", "accept_prob", "alpha") for k in range(1, 8)]
-    assert list(df.columns) == head + per_pos + ["method", "benchmark", "domain"]
+    assert list(df.columns) == head + per_pos + ["batch_size", "verify_tokens", "method", "benchmark", "domain"]
+    # the timed sample alone, the rest through the batched engine, in sample order
+    assert list(df["sample_id"].unique()) == [smp["sample_id"] for smp in json.loads(
+        (ev / "dspark/gsm8k.json").read_text())["samples"]]
+    assert df["batch_size"].max() == N_PROMPTS - SPEED and (df["verify_tokens"] == df["proposal_len"] + 1).any()
     a = df[[f"accept_prob_{k}" for k in range(1, 8)]].to_numpy()
     assert ((a[~np.isnan(a)] >= 0) & (a[~np.isnan(a)] <= 1)).all() and df["alpha_1"].notna().all()
     assert (df["method"] == "dspark").all() and (df["domain"] == "Math").all()
@@ -64,6 +69,7 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     for smp in s["samples"]:
         assert smp["new_tokens"] == 1 + per.get(smp["sample_id"], 0) <= 12
     assert s["tokens_per_s"] > 0 and s["speedup_vs_plain"] > 0
+    assert s["engine"]["requests"] == N_PROMPTS - SPEED and s["engine"]["batch_size"] == 32
     assert len(s["positions"]) == 7 and s["confidence_selfcheck"]["n_rounds"] == len(df)
 
     assert cli_schedule(args + ["--benchmark", "gsm8k", "--max-batch-tokens", "16"]) == 0
@@ -103,3 +109,15 @@ def test_user_errors_are_one_line(setup, shared_data, capsys, tmp_path):
     df.to_csv(tmp_path / "e.csv", index=False)
     assert main(["schedule", *args, "--benchmark", "gsm8k", "--records", str(tmp_path / "e.csv")]) == 2
     assert "no confidence logits" in capsys.readouterr().err
+
+
+def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
+    """The DAG's evaluate job: every benchmark of the method, records per benchmark."""
+    ev, args = setup
+    assert cli_evaluate(args + ["--method", "dspark", "--out-dir", str(tmp_path), "--set", "eval.batch_size=3"]) == 0
+    for bench in ("gsm8k", "humaneval", "mt-bench"):
+        df = pd.read_csv(tmp_path / f"{bench}.csv")
+        s = json.loads((tmp_path / f"{bench}.json").read_text())
+        assert (df["benchmark"] == bench).all() and s["rounds"] == len(df) and s["engine"]["batch_size"] == 3
+        # the whole run's engine: gsm8k's prompts past the timed sample (the others have only 2 prompts)
+        assert s["engine"]["requests"] == N_PROMPTS - SPEED and df["batch_size"].max() <= 3

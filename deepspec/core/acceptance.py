@@ -288,7 +288,9 @@ def domain_position_table(records: Sequence[pd.DataFrame], gamma: int, *, n_boot
     resamples; the Rao-Blackwellised columns need every benchmark's
     per-position probabilities and are NaN otherwise. Columns: position,
     attempts, accepted (pooled counts), acceptance, ci_low, ci_high,
-    expected_attempts, acceptance_rb, rb_ci_low, rb_ci_high."""
+    expected_attempts, acceptance_rb, rb_ci_low, rb_ci_high, and survival: the
+    unconditional P(accepted >= k | proposed >= k) (the reference's, vLLM's and
+    speculators' accept_rate@k-1), averaged over the benchmarks like the rest."""
     count, rb = [], []
     for i, df in enumerate(records):
         att, acc = per_sample_position_counts(df, gamma)
@@ -300,6 +302,10 @@ def domain_position_table(records: Sequence[pd.DataFrame], gamma: int, *, n_boot
     rate, lo, hi = pooled_ratio(count)
     nan = np.full(gamma, np.nan)
     every = len(rb) == len(records)
+    surv = np.vstack([per_position_acceptance(df["proposal_len"], df["accepted"], gamma).survival for df in records])
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN positions stay NaN
+        survival = np.nanmean(surv, 0)
     rb_rate, rb_lo, rb_hi = pooled_ratio(rb) if every else (nan, nan, nan)
     return pd.DataFrame({
         "position": np.arange(1, gamma + 1),
@@ -308,6 +314,7 @@ def domain_position_table(records: Sequence[pd.DataFrame], gamma: int, *, n_boot
         "acceptance": rate, "ci_low": lo, "ci_high": hi,
         "expected_attempts": sum(ew.sum(0) for _, ew, _ in rb) if every else nan,
         "acceptance_rb": rb_rate, "rb_ci_low": rb_lo, "rb_ci_high": rb_hi,
+        "survival": survival,
     })
 
 

@@ -85,6 +85,7 @@ class Round:
     verify_time_s: float
     ctx: torch.Tensor  # [1, 1 + accepted]: anchor + accepted drafts, verified but unseen by the drafter
     feats: torch.Tensor  # [1, 1 + accepted, m*d]: their target features
+    width: int = 0  # tokens this request put through the target forward: anchor + verified drafts
 
 
 def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor, *, feature_layers, temperature,
@@ -113,7 +114,8 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     _sync(device)
     conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
     return Round(emitted, accepted, proposal_len, a_k, alpha_k, conf, prop.tokens.shape[1], t_verify - t_draft,
-                 time.perf_counter() - t_verify, torch.cat([anchor, draft[:, :accepted]], 1), feats[:, : accepted + 1])
+                 time.perf_counter() - t_verify, torch.cat([anchor, draft[:, :accepted]], 1), feats[:, : accepted + 1],
+                 1 + n)
 
 
 def verify_row(logits, probs, draft, *, temperature, eos_token_ids, generator):
@@ -180,7 +182,7 @@ def speculative_generate(
                               temperature=temperature, generator=generator, confidence_threshold=confidence_threshold)
         ctx, feats = r.ctx, r.feats
         out.extend(r.tokens[: max_new_tokens - len(out)])
-        rounds.append(round_record(len(rounds), r))
+        rounds.append({**round_record(len(rounds), r), "batch_size": 1, "verify_tokens": r.width})
     _sync(device)
     return Generation(tokens=out, time_s=time.perf_counter() - t_start, rounds=rounds)
 

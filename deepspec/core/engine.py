@@ -55,7 +55,7 @@ class Request:
 class Finished:
     request: Request
     tokens: list[int]  # new tokens (a final EOS included)
-    rounds: list[dict]  # per-round records, + batch_size and verify_tokens
+    rounds: list[dict]  # per-round records + batch_size (R) and verify_tokens (this request's 1 + l_r)
     time_s: float  # from joining (prefill) to leaving
 
 
@@ -267,8 +267,8 @@ class BatchedEngine:
             acc, emitted, plen, a_k, alpha_k = res
             conf = None if p[2] is None else p[2][0].float().tolist()
             rnd = Round(emitted, acc, plen, a_k, alpha_k, conf, p[0].shape[1], t1 - t0, t2 - t1,
-                        ids[i : i + 1, : 1 + acc], None if feats is None else feats[i : i + 1, : 1 + acc])
-            row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": B})
+                        ids[i : i + 1, : 1 + acc], None if feats is None else feats[i : i + 1, : 1 + acc], 1 + ells[i])
+            row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": rnd.width})
             row.ctx, row.feats = rnd.ctx, rnd.feats
             row.out.extend(emitted[: row.request.max_new_tokens - len(row.out)])
 

@@ -28,10 +28,16 @@ from .scheduler import SPSLike, schedule_prefix
 
 
 class FixedGamma:
+    """Every drafted token, or the first `length` of them."""
+
     name = "fixed"
 
+    def __init__(self, length: Optional[int] = None):
+        self.length = length
+
     def lengths(self, props) -> list[int]:
-        return [int(p[0].shape[1]) for p in props]
+        return [int(p[0].shape[1]) if self.length is None else min(int(self.length), int(p[0].shape[1]))
+                for p in props]
 
 
 class StaticThreshold:

@@ -2,6 +2,15 @@
 (plain and prompt-lookup decoding) and `schedule` (threshold sweep, STS
 calibration and Algorithm 1 on DSpark records). Paper Sec. 4; notes §1.5, §1.6, §3.
 
+`evaluate` runs all of a method's benchmarks in one process: the first
+eval.speed_prompts prompts of each benchmark are decoded alone by the batch-1
+loop (timed: tokens/s and the speedup over plain decoding, which `baseline`
+measures on the same prompts), the others by the batched engine
+(core/engine.py) at eval.batch_size with continuous batching across
+benchmarks. Every sample keeps its batch-1 seed (eval.seed + index), and the
+records are the same per-round rows (plus batch_size and verify_tokens), so tau
+and Figure 2 read them unchanged.
+
 Outputs under R/T/eval/ (R = results_dir, T = target name), all written atomically:
   <method>/<benchmark>.csv   one row per round (docs/INTERFACES.md) + method, benchmark, domain
   <method>/<benchmark>.json  summary: tau with CI, per-position table, tokens/s, speedup vs plain
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -42,8 +52,15 @@ def drafter_path(cfg: dict, method: str, override: str | None = None) -> str:
 
 
 def _tokens_per_s(samples: list[dict]) -> float:
+    """Tokens/s of the batch-1 (timed) samples: batched samples overlap in time."""
+    samples = [s for s in samples if s.get("batch1", True)]
     t = sum(s["time_s"] for s in samples)
     return sum(s["new_tokens"] for s in samples) / t if t > 0 else float("nan")
+
+
+def speed_sample(cfg: dict, prompts: list) -> list:
+    """The small fixed sample timed at batch size 1 (speedup vs plain): the first eval.speed_prompts."""
+    return prompts[: cfg["eval"]["speed_prompts"]]
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -95,6 +112,11 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, b
     if baseline_json.exists():
         base = read_json(baseline_json)
         same = all(base.get(k) == cfg["eval"][k] for k in ("temperature", "max_new_tokens"))
+        timed = [s["sample_id"] for s in samples if s.get("batch1", True)]
+        if base.get("sample_ids") is not None and base["sample_ids"] != timed:
+            log.warning("%s timed other prompts (%s) than this run (%s): no speedup_vs_plain", baseline_json,
+                        base["sample_ids"], timed)
+            same = False
         if not same:
             log.warning("%s was made with other eval settings: no speedup_vs_plain", baseline_json)
         elif (base.get("plain") or {}).get("tokens_per_s"):
@@ -106,13 +128,93 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, b
     return out
 
 
+def _layers(cfg: dict, drafter) -> list:
+    return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
+
+
+def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: int):
+    """Every prompt of every benchmark but the first `skip` of each through one
+    BatchedEngine at eval.batch_size (fixed gamma, or the static threshold when
+    eval.confidence_threshold > 0). Returns ({benchmark: (records, samples)}, engine info)."""
+    from ..core.engine import BatchedEngine, Request, padding_share
+    from ..core.policies import FixedGamma, StaticThreshold
+
+    ev = cfg["eval"]
+    thr = ev["confidence_threshold"]
+    engine = BatchedEngine(target, drafter, feature_layers=_layers(cfg, drafter), temperature=ev["temperature"],
+                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"])
+    reqs = [Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i)
+            for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip]
+    out = {b: ([], []) for b in bench_prompts}
+    t0 = time.perf_counter()
+    for f in engine.generate(reqs):
+        b, i, pid = f.request.request_id
+        domain = cfg["data"]["benchmarks"][b]["domain"]
+        rows, samples = out[b]
+        rows += [{"sample_id": pid, **r, "method": method, "benchmark": b, "domain": domain, "_i": i} for r in f.rounds]
+        samples.append({"sample_id": pid, "prompt_tokens": len(f.request.prompt_ids), "new_tokens": len(f.tokens),
+                        "rounds": len(f.rounds), "time_s": f.time_s, "batch1": False, "_i": i})
+    wall = time.perf_counter() - t0
+    info = {"batch_size": ev["batch_size"], "requests": len(reqs), "wall_s": wall, **engine.stats,
+            "padding_share": padding_share(engine.stats)}
+    info["tokens_per_s"] = sum(s["new_tokens"] for _, ss in out.values() for s in ss) / wall if reqs else None
+    log.info("engine: %d requests at batch %d in %.1f s, %d rounds", len(reqs), ev["batch_size"], wall, engine.stats["rounds"])
+    res = {}
+    for b, (rows, samples) in out.items():  # batch-1 order: by sample index, then round
+        rows.sort(key=lambda r: (r["_i"], r["round"]))
+        samples.sort(key=lambda s: s["_i"])
+        res[b] = (pd.DataFrame(rows).drop(columns="_i", errors="ignore"), [{k: v for k, v in s.items() if k != "_i"}
+                                                                            for s in samples])
+    return res, info
+
+
+def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
+    """All benchmarks of a method: the speed sample of each at batch size 1
+    (`run_evaluation`, timed), the rest batched (`run_batched`). Returns
+    ({benchmark: (records DataFrame, samples)}, engine info)."""
+    out = {}
+    for b, prompts in bench_prompts.items():
+        domain = cfg["data"]["benchmarks"][b]["domain"]
+        speed = speed_sample(cfg, prompts)
+        out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain) if speed \
+            else (pd.DataFrame(), [])
+    batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method, skip=cfg["eval"]["speed_prompts"])
+    for b, (df, samples) in batched.items():
+        df0, s0 = out[b]
+        df = pd.concat([d for d in (df0, df) if len(d)], ignore_index=True) if len(df0) or len(df) else df0
+        if not len(df):
+            raise DeepSpecError(f"{method}/{b}: no speculative rounds (every sample ended on its first token)")
+        out[b] = (df, s0 + samples)
+    return out, info
+
+
+def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict):
+    """Summary JSON (tau with CI, positions, tokens/s of the batch-1 sample, speedup) beside the records."""
+    paths = RunPaths.of(cfg)
+    domain = cfg["data"]["benchmarks"][bench]["domain"]
+    gamma = int(df.filter(like="conf_logit_").shape[1]) or int(df["proposal_len"].max())
+    summary = summarize(cfg, df, samples, gamma=gamma, baseline_json=paths.baseline(bench))
+    summary = {"target": cfg["target"]["name"], "method": method, "benchmark": bench, "domain": domain,
+               "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
+               "max_new_tokens": cfg["eval"]["max_new_tokens"],
+               "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine, **summary}
+    write_csv_atomic(df, out_csv)
+    write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
+    speedup = summary["speedup_vs_plain"]
+    log.info("%s/%s: tau %.3f [%.3f, %.3f], %.2f tokens/s (batch 1), speedup vs plain %s -> %s", method, bench,
+             summary["tau"], summary["tau_ci_low"], summary["tau_ci_high"], summary["tokens_per_s"],
+             "n/a" if speedup is None else f"{speedup:.3f}x", out_csv)
+
+
 def cli_evaluate(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec evaluate", description="speculative decoding of a benchmark with a drafter")
     add_config_args(p)
     p.add_argument("--method", required=True, help="eagle3 | dflash | dspark (or an ablation variant name)")
-    p.add_argument("--benchmark", required=True)
+    p.add_argument("--benchmark", action="append", help="repeatable (default: every benchmark of the preset)")
     p.add_argument("--drafter", help="drafter directory or hub id (default: released checkpoint, else R/T/drafters/<method>)")
-    p.add_argument("--out", help="records CSV (default R/T/eval/<method>/<benchmark>.csv); the JSON goes beside it")
+    p.add_argument("--out", help="records CSV of a single --benchmark (default R/T/eval/<method>/<benchmark>.csv); "
+                                 "the JSON goes beside it")
+    p.add_argument("--out-dir", help="directory for <benchmark>.csv and .json (default R/T/eval/<method>/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from ..drafters import load_drafter
@@ -120,26 +222,21 @@ def cli_evaluate(argv) -> int:
     from .target import target_from_config
 
     paths = RunPaths.of(cfg)
-    out_csv = Path(args.out) if args.out else paths.records(args.method, args.benchmark)
+    benches = args.benchmark or list(cfg["data"]["benchmarks"])
+    if args.out and len(benches) != 1:
+        raise DeepSpecError("--out names one records file: give one --benchmark, or use --out-dir")
+    outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
+                                                 else paths.records(args.method, b)) for b in benches}
     target = target_from_config(cfg)
-    prompts = benchmark_prompt_ids(cfg, target, args.benchmark)
+    bench_prompts = {b: benchmark_prompt_ids(cfg, target, b) for b in benches}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
     path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
-    log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path, len(prompts), args.benchmark)
+    log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
+             sum(map(len, bench_prompts.values())), ", ".join(benches))
     drafter = load_drafter(path, target).eval()
-    domain = cfg["data"]["benchmarks"][args.benchmark]["domain"]
-    df, samples = run_evaluation(cfg, target, drafter, prompts, method=args.method, benchmark=args.benchmark, domain=domain)
-    gamma = int(df.filter(like="conf_logit_").shape[1]) or int(df["proposal_len"].max())
-    summary = summarize(cfg, df, samples, gamma=gamma, baseline_json=paths.baseline(args.benchmark))
-    summary = {"target": cfg["target"]["name"], "method": args.method, "benchmark": args.benchmark, "domain": domain,
-               "drafter": path, "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
-               "confidence_threshold": cfg["eval"]["confidence_threshold"], **summary}
-    write_csv_atomic(df, out_csv)
-    write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
-    speedup = summary["speedup_vs_plain"]
-    log.info("%s/%s: tau %.3f [%.3f, %.3f], %.2f tokens/s, speedup vs plain %s -> %s", args.method, args.benchmark,
-             summary["tau"], summary["tau_ci_low"], summary["tau_ci_high"], summary["tokens_per_s"],
-             "n/a" if speedup is None else f"{speedup:.3f}x", out_csv)
+    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method)
+    for b, (df, samples) in results.items():
+        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine)
     return 0
 
 
@@ -179,9 +276,10 @@ def cli_baseline(argv) -> int:
 
     out_json = Path(args.out) if args.out else RunPaths.of(cfg).baseline(args.benchmark)
     target = target_from_config(cfg)
-    prompts = benchmark_prompt_ids(cfg, target, args.benchmark)
+    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, args.benchmark))
     runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"])
     summary = {"target": cfg["target"]["name"], "benchmark": args.benchmark, "n_samples": len(prompts),
+               "sample_ids": [p.id for p, _ in prompts],
                "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"]}
     for kind, samples in runs.items():

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 
 TABLE1_COLUMNS = ["target", "method", "benchmark", "domain", "n_samples", "rounds", "tau", "tau_ci_low",
                   "tau_ci_high", "verify_rate", "tokens_per_s", "speedup"]
-FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted", "acceptance", "ci_low", "ci_high"]
+# survival: the unconditional P(accepted >= k | proposed >= k), what vLLM and speculators report
+FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted", "acceptance", "ci_low", "ci_high",
+                "survival"]
 # The Rao-Blackwellised estimate of the same rate (core.acceptance.per_sample_rb_sums):
 # every round that verified position k contributes, weighted by the probability
 # that it reached k; NaN when the records lack the per-position probabilities.

@@ -116,11 +116,14 @@ def benchmark_file(wc):
 
 
 def eval_inputs(wc):
-    """A method with a released checkpoint (eval.released_checkpoints) is
-    evaluated from the hub and needs no trained drafter; evaluate waits for its
-    benchmark's baseline so that its summary carries speedup_vs_plain."""
+    """evaluate (one job per method, every benchmark) waits for every benchmark's
+    baseline so that its summaries carry speedup_vs_plain. A method with a
+    released checkpoint (eval.released_checkpoints) is evaluated from the hub
+    and needs no trained drafter."""
     paths = RunPaths.of(CFG, target=wc.target)
-    inputs = {"target": target_checkpoint(wc), "baseline": str(paths.baseline(wc.benchmark)), "prompts": benchmark_file(wc)}
+    files = [CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS]
+    inputs = {"target": target_checkpoint(wc), "baselines": [str(paths.baseline(b)) for b in BENCHMARKS],
+              "prompts": [str(DATA_ROOT / f) for f in files if not f.startswith("hub:")]}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = str(paths.drafter_dir(wc.method) / "config.json")
     return inputs

@@ -1,6 +1,7 @@
 # Speculative-decoding evaluation (paper Sec. 4, Table 1;
-# deepspec/pipeline/evaluate.py): one job per (target, method, benchmark), the
-# drafter-free baselines per benchmark, and DSpark's verify-smarter analysis
+# deepspec/pipeline/evaluate.py): one job per (target, method) decoding every
+# benchmark with the batched engine (its first eval.speed_prompts prompts per
+# benchmark alone and timed), the drafter-free baselines per benchmark, and DSpark's verify-smarter analysis
 # (threshold sweep, STS calibration, Algorithm 1). GPU presets expose GPU 0
 # unless CUDA_VISIBLE_DEVICES is already set (e.g. by SLURM).
 EVAL_GPUS = int(CFG["eval"]["gpus"])
@@ -16,13 +17,14 @@ rule evaluate:
     input:
         unpack(eval_inputs),
     output:
-        csv=str(P.records("{method}", "{benchmark}")),
-        json=str(P.summary("{method}", "{benchmark}")),
+        csv=[str(P.records("{method}", b)) for b in BENCHMARKS],
+        json=[str(P.summary("{method}", b)) for b in BENCHMARKS],
     log:
-        str(P.log("evaluate_{method}_{benchmark}")),
+        str(P.log("evaluate_{method}")),
     benchmark:
-        str(P.log("evaluate_{method}_{benchmark}").with_suffix(".benchmark.tsv"))
+        str(P.log("evaluate_{method}").with_suffix(".benchmark.tsv"))
     params:
+        out_dir=lambda wc, output: str(Path(output.csv[0]).parent),
         settings=settings("evaluate"),
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
@@ -30,7 +32,7 @@ rule evaluate:
         **EVAL_RESOURCES,
     shell:
         "OMP_NUM_THREADS={threads} {params.env}python -m deepspec evaluate {CONFIG_ARGS} "
-        "--method {wildcards.method} --benchmark {wildcards.benchmark} --out {output.csv:q} > {log:q} 2>&1"
+        "--method {wildcards.method} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 rule baseline:
