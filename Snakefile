@@ -4,6 +4,7 @@
 #   snakemake --cores all figures/fig2.pdf                      # CPU default
 #   snakemake --cores all figures/fig2.pdf --config preset=tiny  # test preset
 #   snakemake --profile workflow/profiles/slurm figures/fig2.pdf --config preset=qwen3-4b
+#   snakemake --cores all figures/fig7.pdf                      # throughput under load (on demand)
 #
 # Rules are thin: each calls `python -m deepspec <command>`; all logic lives
 # in the deepspec package, one pipeline module per rule file
@@ -36,3 +37,4 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/ablations.smk"
+include: "workflow/rules/throughput.smk"

@@ -13,7 +13,7 @@ from deepspec.cli import main
 from deepspec.pipeline.evaluate import cli_baseline, cli_evaluate, cli_schedule
 
 N_PROMPTS = 4
-SPEED = 2  # eval.speed_prompts (schema default)
+SPEED = 1  # eval.speed_prompts of the tiny preset
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -119,5 +119,5 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         df = pd.read_csv(tmp_path / f"{bench}.csv")
         s = json.loads((tmp_path / f"{bench}.json").read_text())
         assert (df["benchmark"] == bench).all() and s["rounds"] == len(df) and s["engine"]["batch_size"] == 3
-        # the whole run's engine: gsm8k's prompts past the timed sample (the others have only 2 prompts)
-        assert s["engine"]["requests"] == N_PROMPTS - SPEED and df["batch_size"].max() <= 3
+        # one engine for the whole run: every prompt past each benchmark's timed sample (gsm8k 4, the others 2)
+        assert s["engine"]["requests"] == (N_PROMPTS - SPEED) + 2 * (2 - SPEED) and df["batch_size"].max() <= 3

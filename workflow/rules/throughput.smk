@@ -1,0 +1,50 @@
+# Throughput under load (paper Sec. 3.2.2, Figures 7-8; deepspec/pipeline/throughput.py):
+# the batched engine (deepspec/core/engine.py) with each verification policy
+# (plain batched decoding, fixed gamma, static thresholds, live Algorithm 1) at
+# each throughput.concurrency level. On demand:
+#   snakemake --cores all figures/fig7.pdf
+THROUGHPUT_METHOD = CFG["throughput"]["method"]
+
+
+def throughput_inputs(wc):
+    """The target, the benchmarks' prompts and the drafter (trained, unless it is a released checkpoint)."""
+    files = [CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS]
+    inputs = {"target": str(PATHS.target_checkpoint() / "config.json"),
+              "prompts": [str(DATA_ROOT / f) for f in files if not f.startswith("hub:")]}
+    if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
+        inputs["drafter"] = str(PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json")
+    return inputs
+
+
+rule throughput:
+    input:
+        unpack(throughput_inputs),
+    output:
+        csv=str(PATHS.table("throughput.csv")),
+    log:
+        str(PATHS.log("throughput")),
+    benchmark:
+        str(PATHS.log("throughput").with_suffix(".benchmark.tsv"))
+    params:
+        settings=settings("throughput"),
+        env=EVAL_ENV,
+    threads: res("throughput", "threads", 2)
+    resources:
+        **EVAL_RESOURCES,
+    shell:
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec throughput {CONFIG_ARGS} "
+        "--method {THROUGHPUT_METHOD} --out {output.csv:q} > {log:q} 2>&1"
+
+
+rule fig7:
+    input:
+        csv=str(PATHS.table("throughput.csv")),
+    output:
+        pdf=report(str(PATHS.figure("fig7.pdf")), category="Figure 7"),
+        png=str(PATHS.figure("fig7.png")),
+    log:
+        str(PATHS.log("fig7")),
+    params:
+        settings=settings("fig7"),
+    shell:
+        "python -m deepspec fig7 {CONFIG_ARGS} --csv {input.csv:q} --pdf {output.pdf:q} --png {output.png:q} > {log:q} 2>&1"
