@@ -24,6 +24,7 @@ COMMANDS = {
     "build-cache": ("deepspec.pipeline.cache", "cache the target's feature-layer and final hidden states"),
     "validate-cache": ("deepspec.pipeline.cache", "check a target cache's manifest and shard checksums"),
     "train": ("deepspec.pipeline.train", "train a drafter (eagle3, dflash, dspark)"),
+    "launch-node": ("deepspec.pipeline.launch", "start accelerate on one node of a SLURM allocation (multi-node training)"),
     "evaluate": ("deepspec.pipeline.evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
     "baseline": ("deepspec.pipeline.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
     "schedule": ("deepspec.pipeline.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
@@ -33,6 +34,7 @@ COMMANDS = {
     "plot": ("deepspec.pipeline.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
     "convert-checkpoint": ("deepspec.pipeline.convert", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
     "export-checkpoint": ("deepspec.pipeline.export", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
+    "plan": ("deepspec.pipeline.plan", "what a preset will cost (data, cache, parameters, measured training FLOPs, GPU-hours, evaluation) before anything runs"),
 }
 
 

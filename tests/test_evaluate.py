@@ -111,6 +111,29 @@ def test_user_errors_are_one_line(setup, shared_data, capsys, tmp_path):
     assert "no confidence logits" in capsys.readouterr().err
 
 
+def test_evaluate_refuses_a_drafter_of_another_method(setup, shared_data):
+    from deepspec.errors import DeepSpecError
+
+    ev, args = setup
+    dspark = ev.parent / "drafters" / "dspark"
+    with pytest.raises(DeepSpecError, match="is a dspark drafter, not dflash"):
+        cli_evaluate(args + ["--method", "dflash", "--benchmark", "gsm8k", "--drafter", str(dspark)])
+
+
+def test_disk_full_is_one_line(monkeypatch, capsys):
+    import errno
+
+    import deepspec.config
+
+    def full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "results/x.csv")
+
+    monkeypatch.setattr(deepspec.config, "cli_show_config", full)
+    assert main(["show-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "disk full writing results/x.csv" in err
+
+
 def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
     """The DAG's evaluate job: every benchmark of the method, records per benchmark."""
     ev, args = setup

@@ -134,7 +134,8 @@ def test_plan_steps_and_sampler():
     assert T.StepSampler(10, 4, seed=42).indices(3) == s.indices(3)  # position = step: restartable
     assert T.StepSampler(10, 4, seed=43).indices(0) != s.indices(0)
     assert len(T.StepSampler(3, 8, seed=0).indices(0)) == 8  # N < global batch still fills a step
-    assert T.split_batch(list(range(8)), rank=1, world=2, micro=2) == [[4, 5], [6, 7]]
+    assert T.split_batch(list(range(8)), rank=1, world=2, micro=2) == [(2, [4, 5]), (3, [6, 7])]
+    assert T.split_batch(list(range(8)), rank=0, world=1, micro=2)[2:] == [(2, [4, 5]), (3, [6, 7])]  # same index
     with pytest.raises(T.DeepSpecError, match="global_batch"):
         T.accumulation_steps(train_cfg(global_batch=6, micro_batch=4), world=1)
 

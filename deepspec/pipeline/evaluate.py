@@ -32,6 +32,7 @@ from ..cli import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..files import json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
+from .methods import resolve_method
 from .prompts import benchmark_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmar
                         "rounds": len(gen.rounds), "time_s": gen.time_s})
         log.info("%s: %d tokens in %d rounds, %.2f s", p.id, len(gen.tokens), len(gen.rounds), gen.time_s)
     if not rows:
-        raise DeepSpecError(f"{method}/{benchmark}: no speculative rounds (every sample ended on its first token)")
+        raise DeepSpecError(f"{method}/{benchmark}: no speculative rounds: every sample ended on its first token "
+                            "(an EOS, or eval.max_new_tokens < 2)")
     return pd.DataFrame(rows), samples
 
 
@@ -234,6 +236,9 @@ def cli_evaluate(argv) -> int:
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
     drafter = load_drafter(path, target).eval()
+    base, _ = resolve_method(cfg, args.method)
+    if drafter.method != base:
+        raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
     results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method)
     for b, (df, samples) in results.items():
         _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine)

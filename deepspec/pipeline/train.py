@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import logging
 import math
 import os
@@ -53,7 +54,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..config import rule_settings
+from ..config import EXECUTION_KEYS, rule_settings
 from ..core.losses import LossWeights
 from ..core.train_step import StepSpec
 from ..errors import DeepSpecError
@@ -149,11 +150,23 @@ class StepSampler:
         return self._epoch_order(epoch)[k * self.g:(k + 1) * self.g].tolist()
 
 
-def split_batch(indices: Sequence[int], rank: int, world: int, micro: int) -> list[list[int]]:
-    """This process's micro batches of a global batch (contiguous rank slices)."""
+def split_batch(indices: Sequence[int], rank: int, world: int, micro: int) -> list[tuple[int, list[int]]]:
+    """This process's micro batches of a global batch (contiguous rank slices),
+    each with its index among all the global batch's micro batches: the same
+    micro batch has the same index whatever the number of processes."""
     per_rank = len(indices) // world
     mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
-    return [mine[i:i + micro] for i in range(0, len(mine), micro)]
+    first = rank * per_rank // micro
+    return [(first + k, mine[i:i + micro]) for k, i in enumerate(range(0, len(mine), micro))]
+
+
+def micro_seed(seed: int, step: int, micro_index: int) -> int:
+    """The seed of the generator handed to step_fn for one micro batch (the
+    block drafters' anchors): a function of the update and the micro batch's
+    place in the global batch only, so 1 or N processes draw the same anchors
+    and a run resumed under another world size continues the same trajectory."""
+    h = hashlib.sha256(f"{seed}:{step}:{micro_index}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
 def accumulation_steps(train_cfg: dict, world: int) -> int:
@@ -311,7 +324,7 @@ def train(
 
 def _result_settings(train_cfg: dict) -> dict:
     """The train settings that change the result (not checkpoint cadence, GPU count)."""
-    return {k: v for k, v in train_cfg.items() if k not in ("checkpoint_every", "keep_checkpoints", "gpus")}
+    return {k: v for k, v in train_cfg.items() if f"train.{k}" not in EXECUTION_KEYS}
 
 
 def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device, fingerprint) -> TrainResult:
@@ -326,7 +339,7 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
         log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
     params = _trainable_params(model, acc)
     opt, sched = make_optimizer(params, train_cfg, total)
-    gen = torch.Generator(device=acc.device).manual_seed(int(train_cfg["seed"]) + acc.process_index)
+    gen = torch.Generator(device=acc.device)  # reseeded for every micro batch (micro_seed)
     run = _Loop(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, train_cfg, out,
                 StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total, fingerprint)
     start, elapsed_before = _start_or_resume(run, resume)
@@ -441,8 +454,10 @@ def _accumulate(run: _Loop, step: int, log_step: bool) -> tuple[dict, float]:
     acc = run.acc
     sums: dict[str, list] = {}
     positions = 0.0
-    for idx in split_batch(run.sampler.indices(step), acc.process_index, run.world, int(run.train_cfg["micro_batch"])):
+    micro = int(run.train_cfg["micro_batch"])
+    for k, idx in split_batch(run.sampler.indices(step), acc.process_index, run.world, micro):
         batch = _to_device(run.collate_fn([run.dataset[i] for i in idx]), acc.device)
+        run.gen.manual_seed(micro_seed(int(run.train_cfg["seed"]), step, k))
         with acc.autocast():
             loss, metrics = run.step_fn(run.model, batch, run.gen, log_step=log_step)
         if not torch.isfinite(loss):

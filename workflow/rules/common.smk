@@ -14,7 +14,9 @@ sys.path.insert(0, str(Path(workflow.basedir)))
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
+from deepspec.pipeline.launch import launcher as train_launcher
 from deepspec.pipeline.methods import fig3_methods, fig4_methods
+from deepspec.pipeline.preflight import preflight
 from deepspec.pipeline.prepare_data import check_sources, needed_files
 from deepspec.pipeline.prompts import data_root
 
@@ -58,6 +60,7 @@ DATA_ROOT = data_root(CFG)
 DATA_FILES = needed_files(CFG)
 try:
     check_sources(CFG)
+    preflight(CFG)  # every check that needs only the config and the file system
 except DeepSpecError as e:
     raise WorkflowError(f"config error: {e}")
 

@@ -2,12 +2,17 @@
 # deepspec/pipeline/train.py) on the target cache, or, with cache.mode: online,
 # directly on the regenerated conversations (target features computed on the fly).
 #
-# With train.gpus > 1 the job runs under `accelerate launch`, one process per
-# GPU. An interrupted job resumes from <out>/checkpoints/latest when rerun.
+# The job runs under `accelerate launch` with train.gpus > 1 (one process per
+# GPU), or train.processes > 1 on CPU, and with train.nodes > 1 one accelerate
+# per node of the SLURM allocation (deepspec/pipeline/launch.py). An
+# interrupted job resumes from its newest intact checkpoint when rerun.
 TRAIN_GPUS = int(CFG["train"]["gpus"])
-TRAIN_LAUNCHER = gpu_env(TRAIN_GPUS) + (
-    f"accelerate launch --num_processes {TRAIN_GPUS} --num_machines 1" if TRAIN_GPUS > 1 else "python"
-)
+TRAIN_NODES = int(CFG["train"]["nodes"])
+TRAIN_PROCS = TRAIN_GPUS or int(CFG["train"]["processes"])  # per node
+# each method its own rendezvous port: train.main_process_port + cksum(method) % 1000
+TRAIN_PORT = '$(({} + $(printf %s "$DS_METHOD" | cksum | cut -d" " -f1) % 1000))'.format(CFG["train"]["main_process_port"])
+TRAIN_LAUNCHER = gpu_env(TRAIN_GPUS) + train_launcher(CFG["train"], TRAIN_PORT)
+TRAIN_OMP = max(1, res("train", "threads", 2) // TRAIN_PROCS)  # threads per process
 
 
 rule train:
@@ -24,12 +29,12 @@ rule train:
     params:
         settings=settings("train"),
         out=lambda wc, output: str(Path(output.drafter).parent),
-        launcher=TRAIN_LAUNCHER,
     threads: res("train", "threads", 2)
     resources:
         mem_mb=res("train", "mem_mb", 16000),
         runtime=res("train", "runtime", 600),
         gpu=res("train", "gpu", TRAIN_GPUS),
+        nodes=res("train", "nodes", TRAIN_NODES),
     shell:
-        "OMP_NUM_THREADS={threads} {params.launcher} -m deepspec train {CONFIG_ARGS} "
+        "DS_METHOD={wildcards.method}; OMP_NUM_THREADS={TRAIN_OMP} {TRAIN_LAUNCHER} -m deepspec train {CONFIG_ARGS} "
         "--method {wildcards.method} --out {params.out:q} > {log:q} 2>&1"

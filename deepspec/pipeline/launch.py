@@ -1,0 +1,79 @@
+"""How the train rule starts `deepspec train`: one process; `accelerate launch`
+on one machine with more than one GPU; torch's launcher (torchrun) for more
+than one CPU process (accelerate's own CPU launcher needs mpirun; under
+torchrun's environment accelerate's PartialState joins a gloo process group);
+or one `accelerate launch` per node of a SLURM allocation.
+
+Multi-node: the rule runs `srun --nodes N --ntasks-per-node 1 python -m
+deepspec launch-node ...` inside the job's allocation; on every node
+`launch-node` reads its rank and the main node's address from SLURM's
+environment (SLURM_NNODES, SLURM_NODEID, SLURM_LAUNCH_NODE_IPADDR, else the
+first host of SLURM_JOB_NODELIST) and replaces itself with
+`accelerate launch --multi_gpu --num_machines N --machine_rank R
+--num_processes N*G --main_process_ip ADDR --main_process_port PORT -m deepspec
+train ...`. Training then sees N*G processes; the trainer's data order and
+anchor seeds do not depend on how many there are.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+from typing import Mapping, Sequence
+
+from ..errors import DeepSpecError
+
+
+def launcher(train_cfg: dict, port: str | int | None = None) -> str:
+    """The command prefix the train rule puts before `-m deepspec train ...`
+    (without the CUDA_VISIBLE_DEVICES prefix, which the rule adds). `port` is
+    the rendezvous port (default train.main_process_port; the rule passes a
+    shell expression that gives each method its own, so that parallel
+    trainers on one machine do not collide)."""
+    gpus, procs, nodes = int(train_cfg["gpus"]), int(train_cfg["processes"]), int(train_cfg["nodes"])
+    port = train_cfg["main_process_port"] if port is None else port
+    if nodes > 1:
+        if gpus < 1:
+            raise DeepSpecError("train.nodes > 1 needs train.gpus (GPUs per node) >= 1")
+        return (f"srun --nodes {nodes} --ntasks-per-node 1 python -m deepspec launch-node "
+                f"--gpus-per-node {gpus} --port {port} --")
+    if gpus > 1:
+        return f"accelerate launch --multi_gpu --num_processes {gpus} --num_machines 1 --main_process_port {port}"
+    if gpus == 0 and procs > 1:
+        return f"python -m torch.distributed.run --nproc_per_node {procs} --master_port {port}"
+    return "python"
+
+
+def _main_address(env: Mapping[str, str]) -> str:
+    if env.get("SLURM_LAUNCH_NODE_IPADDR"):
+        return env["SLURM_LAUNCH_NODE_IPADDR"]
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise DeepSpecError("launch-node: not inside a SLURM allocation (no SLURM_JOB_NODELIST)")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return hosts.stdout.split()[0]
+
+
+def node_command(env: Mapping[str, str], gpus_per_node: int, port: int, args: Sequence[str]) -> list[str]:
+    """The accelerate command of this node; `args` are what follows it (-m deepspec train ...)."""
+    try:
+        nodes, rank = int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"])
+    except (KeyError, ValueError):
+        raise DeepSpecError("launch-node: SLURM_NNODES / SLURM_NODEID not set (run it through srun)") from None
+    return ["accelerate", "launch", "--multi_gpu", "--num_machines", str(nodes), "--machine_rank", str(rank),
+            "--num_processes", str(nodes * gpus_per_node), "--main_process_ip", _main_address(env),
+            "--main_process_port", str(port), *args]
+
+
+def cli_launch_node(argv) -> int:
+    p = argparse.ArgumentParser(prog="deepspec launch-node", description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--port", type=int, default=29500)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the module to run, e.g. -- -m deepspec train --preset ...")
+    a = p.parse_args(argv)
+    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    cmd = node_command(os.environ, a.gpus_per_node, a.port, args)
+    print("launch-node:", shlex.join(cmd), flush=True)
+    os.execvp(cmd[0], cmd)
+    return 0  # pragma: no cover - execvp does not return
