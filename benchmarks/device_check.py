@@ -1,0 +1,281 @@
+"""The prepared GPU check (issue #13 §4): correctness on the accelerator, then
+costs at the paper's dimensions without weights, compared with `plan`.
+
+    bash benchmarks/device_check.sh OUTDIR               # one CUDA GPU, <= 8 minutes
+    bash benchmarks/device_check.sh OUTDIR --cpu --small  # CI: the same code at tiny sizes
+
+Checks, each timed and recorded (a failing check is recorded, the others run):
+  bf16_training   every drafter's training step, forward + backward, under bf16
+                  autocast: finite loss and gradients, loss within 5 % of fp32
+  flex_attention  flex (BlockMask) vs SDPA (dense mask) training attention, where
+                  the drafters offer a flex path
+  verify_chi2     chi-square of verify_chain's first emitted token against p_t
+  greedy_equal    greedy speculative decoding == plain decoding, every drafter
+  paper_dims      a random-weight target of the preset's architecture
+                  (config/targets/, pipeline/plan.py): DSpark training step
+                  (5 layers, 512 anchors, length 4096, micro batch 1, online
+                  features) time and peak memory, Eagle3 step time (TTT 7), the
+                  target's SPS(B), plain decode tokens/s at batch 1; with --small
+                  the tiny Llama target at small sizes instead
+  plan            measured step time against plan's FLOPs at the measured rate,
+                  and the projected wall time of the preset on 8 such GPUs
+Writes OUTDIR/device_check.json and OUTDIR/device_check.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepspec.config import load_config  # noqa: E402
+from deepspec.core.decode import plain_generate, profile_target_sps, speculative_generate  # noqa: E402
+from deepspec.core.target import Target, eos_ids_of  # noqa: E402
+from deepspec.core.verify import sample, verify_chain  # noqa: E402
+from deepspec.drafters import build_drafter  # noqa: E402
+from deepspec.pipeline.train import step_spec  # noqa: E402
+
+METHODS = ("eagle3", "dflash", "dspark")
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn, dev, repeats=3):
+    fn()  # warm-up
+    _sync(dev)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def tiny_target(dev, arch="qwen3"):
+    from deepspec.pipeline.target import build_tiny
+
+    model = build_tiny(arch).to(dev).eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, target_id=f"tiny-{arch}", eos_token_ids=eos_ids_of(model, None))
+
+
+def tiny_cfg(layers=(0, 1)):
+    return load_config("tiny", {"target": {"feature_layers": list(layers)}, "train": {"num_anchors": 8}})
+
+
+def random_batch(target, layers, batch, length, prompt, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (batch, length), generator=g)
+    lm = torch.zeros(batch, length, dtype=torch.bool)
+    lm[:, prompt:] = True
+    am = torch.ones(batch, length, dtype=torch.bool)
+    feats, last = target.features(ids, layers, attention_mask=am)
+    dev = target.device
+    return dict(input_ids=ids.to(dev), loss_mask=lm.to(dev), attention_mask=am.to(dev), features=feats, last_hidden=last)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_bf16_training(dev, small):
+    target, cfg = tiny_target(dev), tiny_cfg()
+    batch = random_batch(target, cfg["target"]["feature_layers"], 2, 48, 8)
+    out = {}
+    for method in METHODS:
+        losses = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            d = build_drafter(method, target, cfg).to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                loss, _ = d.training_step(batch, step_spec(cfg), torch.Generator(device=dev).manual_seed(0))
+            loss.backward()
+            grads = [p.grad for p in d.parameters() if p.grad is not None]
+            assert torch.isfinite(loss) and grads and all(torch.isfinite(g).all() for g in grads), method
+            losses[str(dtype)] = float(loss.detach())
+        rel = abs(losses["torch.bfloat16"] - losses["torch.float32"]) / abs(losses["torch.float32"])
+        assert rel < 0.05, f"{method}: bf16 loss {rel:.3%} from fp32"
+        out[method] = {"loss_fp32": losses["torch.float32"], "loss_bf16": losses["torch.bfloat16"], "rel_diff": rel}
+    return out
+
+
+def check_flex_attention(dev, small):
+    from deepspec.drafters import dflash
+
+    compare = getattr(dflash, "compare_flex_and_dense", None)
+    if compare is None:
+        return {"skipped": "the drafters have no flex_attention path"}
+    return compare(dev)
+
+
+def check_verify_chi2(dev, small):
+    from scipy import stats
+
+    n, V, g = (20_000 if small else 200_000), 6, 3
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pt = torch.softmax(torch.randn(g + 1, V, generator=torch.Generator().manual_seed(1)), -1).to(dev)
+    pd = torch.softmax(torch.randn(g, V, generator=torch.Generator().manual_seed(2)), -1).to(dev)
+    draft = sample(pd.expand(n, g, V), gen)
+    res = verify_chain(pt.log().expand(n, g + 1, V), pd.expand(n, g, V), draft, generator=gen)
+    first = res.tokens[:, 0]
+    counts = torch.bincount(first, minlength=V).cpu().double()
+    p = stats.chisquare(counts.numpy(), (pt[0].cpu().double() * n).numpy()).pvalue
+    assert p > 1e-4, f"first emitted token does not follow p_t (p = {p:.2g})"
+    return {"n": n, "p_value": float(p)}
+
+
+def check_greedy_equal(dev, small):
+    target, cfg = tiny_target(dev), tiny_cfg()
+    prompt = list(range(5, 25))
+    plain = plain_generate(target, prompt, max_new_tokens=24, temperature=0.0).tokens
+    out = {}
+    for method in METHODS:
+        torch.manual_seed(0)
+        d = build_drafter(method, target, cfg).to(dev).eval()
+        spec = speculative_generate(target, d, prompt, feature_layers=cfg["target"]["feature_layers"],
+                                    max_new_tokens=24, temperature=0.0)
+        assert spec.tokens == plain, f"{method}: greedy speculative output differs from plain decoding"
+        out[method] = {"tokens": len(plain), "rounds": len(spec.rounds)}
+    return out
+
+
+def _paper_target(cfg, dev, small):
+    if small:
+        return tiny_target(dev, "qwen3"), tiny_cfg()
+    from transformers import AutoModelForCausalLM
+
+    from deepspec.pipeline.plan import load_facts, target_config
+
+    facts, _ = load_facts(cfg)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(target_config(facts), dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"],
+                  eos_token_ids=eos_ids_of(model, None)), cfg
+
+
+def check_paper_dims(dev, small, preset):
+    cfg = load_config(preset)
+    target, cfg = _paper_target(cfg, dev, small)
+    length, prompt = (96, 16) if small else (cfg["data"]["max_length"], 512)
+    layers = cfg["target"]["feature_layers"]
+    spec = step_spec(cfg)
+    out = {"target_params": sum(p.numel() for p in target.model.parameters()), "length": length}
+    ids = torch.randint(0, target.vocab_size, (1, length))
+    for method in ("dspark", "eagle3"):
+        torch.manual_seed(0)
+        d = build_drafter(method, target, cfg).to(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+
+        def step():  # online mode: the target forward, then the drafter's step and backward
+            am = torch.ones_like(ids, dtype=torch.bool)
+            feats, last = target.features(ids, layers, attention_mask=am)
+            batch = dict(input_ids=ids.to(dev), loss_mask=torch.ones_like(ids, dtype=torch.bool).to(dev),
+                         attention_mask=am.to(dev), features=feats, last_hidden=last)
+            batch["loss_mask"][:, :prompt] = False
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                loss, _ = d.training_step(batch, spec, torch.Generator(device=dev).manual_seed(0), log_step=False)
+            loss.backward()
+            d.zero_grad(set_to_none=True)
+
+        out[f"{method}_step_s"] = _timed(step, dev, repeats=1 if small else 3)
+        if dev.type == "cuda":
+            out[f"{method}_peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        del d
+    sizes = [1, 2, 4, 8] if small else [1, 2, 4, 8, 16, 32, 64, 128]
+    sps = profile_target_sps(target, sizes, context_len=min(256, length))
+    out["sps"] = dict(zip(map(int, sps.batch_tokens), map(float, sps.steps_per_s)))
+    n_new = 16 if small else 64
+    gen = plain_generate(target, ids[0, :64].tolist(), max_new_tokens=n_new, temperature=0.0)
+    out["decode_tokens_per_s"] = len(gen.tokens) / gen.time_s
+    return out
+
+
+def compare_with_plan(preset, measured, small):
+    """plan's FLOPs for the measured DSpark step (same shape, counted on the meta
+    device) give the achieved TFLOP/s; with it, the preset's training (plan's
+    FLOPs per step, online target forwards included) on 8 such GPUs."""
+    from deepspec.pipeline import plan as P
+
+    cfg = load_config(preset)
+    facts, _ = P.load_facts(cfg)
+    target = P.meta_target(cfg, facts)
+    layers = cfg["target"]["feature_layers"]
+    drafter, mcfg = P.build_meta_drafter("dspark", target, cfg)
+    length = cfg["data"]["max_length"]
+    batch = P.synthetic_batch(1, length, 512, target.vocab_size, len(layers), target.hidden_size)
+    flops = P.measure_step(drafter, target, batch, step_spec(mcfg))["flops"] + P.measure_target_forward(target, batch, layers)
+    plan = P.build_plan(cfg, P.hardware(cfg, gpus=8), offline=True, methods=["dspark"])
+    m, fwd = plan["training"]["methods"]["dspark"], plan["training"]["target_forward_flops_per_sequence"]
+    step_flops = m["flops_per_step"] + fwd * int(cfg["train"]["global_batch"]) // int(cfg["train"]["micro_batch"])
+    out = {"flops_at_measured_shape": flops, "plan_flops_per_step": step_flops, "plan_total_steps": m["total_steps"],
+           "plan_totals": plan["training"]["totals"]}
+    if small:  # the measured step was the tiny target's: no rate to project with
+        return {**out, "projection": "skipped with --small"}
+    rate = flops / measured["dspark_step_s"]
+    return {**out, "measured_tflops": rate / 1e12,
+            "projected_wall_hours_8_gpus": m["total_steps"] * step_flops / (8 * rate) / 3600}
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run(name, fn, results):
+    t0 = time.perf_counter()
+    try:
+        results[name] = {"ok": True, **fn()}
+    except Exception as e:  # noqa: BLE001 - a failed check is recorded, the others still run
+        results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+    results[name]["seconds"] = round(time.perf_counter() - t0, 2)
+    print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED ' + results[name]['error']} "
+          f"({results[name]['seconds']} s)", flush=True)
+
+
+def summary(results) -> str:
+    lines = ["# Device check", "", f"- device: {results['device']}", f"- torch {results['torch']}, "
+             f"transformers {results['transformers']}", ""]
+    for name, r in results["checks"].items():
+        lines.append(f"## {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s)")
+        lines += [f"- {k}: {v}" for k, v in r.items() if k not in ("ok", "seconds", "traceback")] + [""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (CI)")
+    p.add_argument("--small", action="store_true", help="tiny sizes instead of the paper's dimensions")
+    p.add_argument("--preset", default="qwen3-4b")
+    a = p.parse_args(argv)
+    dev = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
+    import transformers
+
+    results = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+               "torch": torch.__version__, "transformers": transformers.__version__, "small": a.small, "checks": {}}
+    checks = results["checks"]
+    run("bf16_training", lambda: check_bf16_training(dev, a.small), checks)
+    run("flex_attention", lambda: check_flex_attention(dev, a.small), checks)
+    run("verify_chi2", lambda: check_verify_chi2(dev, a.small), checks)
+    run("greedy_equal", lambda: check_greedy_equal(dev, a.small), checks)
+    run("paper_dims", lambda: check_paper_dims(dev, a.small, a.preset), checks)
+    run("plan", lambda: compare_with_plan(a.preset, checks["paper_dims"], a.small), checks)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clean = json.loads(json.dumps(results, default=str), parse_constant=lambda c: None)
+    (out / "device_check.json").write_text(json.dumps(clean, indent=2) + "\n")
+    (out / "device_check.md").write_text(summary(results) + "\n")
+    return 0 if all(r["ok"] for r in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
