@@ -8,6 +8,7 @@ commands. R = results_dir, T = target name:
 
   resources/targets/T/                 prepared target checkpoint   (prepare_target)
   resources/drafters/T/<name>/         converted released drafters  (convert)
+  R/T/plan.json                        the run's cost estimate      (python -m deepspec plan)
   R/T/regen/conversations.jsonl        regenerated answers          (regenerate)
   R/T/cache/manifest.json              target cache                 (build_cache)
   R/T/drafters/<method>/               trained drafter + train_log  (train)
@@ -53,6 +54,10 @@ class RunPaths:
 
     def converted_drafters(self) -> Path:
         return Path(self.resources) / "drafters" / self.target
+
+    def plan(self) -> Path:
+        """`python -m deepspec plan`'s estimate of the run (plan.json)."""
+        return self.run / "plan.json"
 
     # -- data, cache, drafters
     def conversations(self) -> Path:

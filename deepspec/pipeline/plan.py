@@ -1,0 +1,507 @@
+"""`python -m deepspec plan`: what a preset will cost, before anything runs.
+
+For a preset it prints a table and writes ``results/<target>/plan.json``
+(`RunPaths.plan`) with five sections:
+
+* **data** - training prompts (a prompt file's line count or cap, or the
+  preset's ``plan.train_prompts`` for hub sources), prompt and regenerated
+  answer tokens per sample (``plan.prompt_tokens`` / ``plan.answer_tokens``,
+  else a sample of the prompt files: characters / `CHARS_PER_TOKEN`, answers
+  from their ``reference`` field, capped at ``regenerate.max_new_tokens``);
+* **cache** - bytes per token of the offline cache (`cache._bytes_per_token`:
+  the feature layers + the final hidden state at ``cache.dtype``, plus the int32
+  id and uint8 loss mask), its total, and, for online mode, the target forward
+  each step adds (FLOPs measured as below);
+* **drafters** - trainable and frozen parameters per method (the target's
+  embedding / LM head, which the drafters share frozen, counted apart);
+* **training** - FLOPs per optimiser step *measured*: the drafter's real
+  ``training_step`` and ``backward`` run on the ``meta`` device at the preset's
+  dimensions (a random-weight target built from its architecture facts,
+  one micro-batch of a synthetic sequence of the expected length, all its
+  answer positions in the loss mask) under `torch.utils.flop_counter`;
+  data-dependent ops run on CPU shadows (`deepspec.pipeline.metarun`). The
+  count is what executes, activation-checkpoint recomputation included, and
+  SDPA is counted dense (the CPU path; flex attention would skip masked
+  blocks). Steps per epoch and in total (`train.plan_steps`); activation memory
+  per micro-batch at ``data.max_length``: the unique storages autograd saves
+  for backward (saved_tensors_hooks, parameters and batch inputs excluded,
+  bf16 weights and features standing in for bf16 autocast; attention through
+  the memory-efficient kernel's meta implementation, as on a GPU, not SDPA's
+  math path that meta would take), plus the largest single tensor of the step
+  as the transient term; GPU-hours =
+  FLOPs / (tflops x mfu);
+* **evaluation** - prompts per benchmark, rounds = prompts x expected new
+  tokens / tau (the paper's Table 1 tau for the preset's `paper_name`, else
+  `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``.
+
+Architecture facts: a prepared target checkpoint's config.json when there is
+one, else ``config/targets/<target.name>.json`` (the hub config.json's fields,
+with `deepspec_source` citing where they come from), else the tiny spec's
+config. When the hub is reachable the shipped facts are compared with the real
+config.json (`check_against_hub`); offline this is skipped with one log line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config import REPO_ROOT
+from ..core.target import Target
+from ..errors import DeepSpecError
+from ..files import write_json_atomic
+from ..paths import RunPaths
+from .cache import _bytes_per_token, _human
+from .train import plan_steps, step_spec
+
+log = logging.getLogger(__name__)
+
+FACTS_DIR = REPO_ROOT / "config" / "targets"
+SOURCE_KEY = "deepspec_source"
+CHARS_PER_TOKEN = 4.0  # English-ish text, BPE tokenizers (a heuristic, used only without hints)
+SAMPLE_PROMPTS = 200  # prompts read per file for the length estimate
+DEFAULT_TAU = 3.0  # expected tokens per round without a paper value
+# gemma4_unified's text decoder is planned as a Gemma4 text model (the drafters' Gemma4 blocks)
+TEXT_MODEL_TYPES = {"gemma4_unified_text": "gemma4_text", "gemma4_unified": "gemma4_text"}
+COMPARED_SKIP = {SOURCE_KEY, "torch_dtype", "dtype", "transformers_version", "use_cache"}
+
+
+# --------------------------------------------------------------------------- architecture facts
+
+
+def facts_path(name: str) -> Path:
+    return FACTS_DIR / f"{name}.json"
+
+
+def load_facts(cfg: dict) -> tuple[dict, str]:
+    """(config.json fields, where they come from) of the preset's target."""
+    t = cfg["target"]
+    prepared = RunPaths.of(cfg).target_checkpoint() / "config.json"
+    if prepared.exists():
+        return json.loads(prepared.read_text()), str(prepared)
+    shipped = facts_path(t["name"])
+    for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
+        if path.exists():
+            return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
+    if t["spec"] == "tiny":
+        from .target import tiny_config
+
+        base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny target uses SmolLM2's tokenizer
+        c = tiny_config("llama", vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
+                        eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
+        return c.to_dict(), "deepspec/pipeline/target.py:tiny_config (vocabulary of SmolLM2)"
+    raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add {shipped.relative_to(REPO_ROOT)} "
+                        f"(the fields of {t['spec']}'s config.json) or prepare the target first")
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def compare_facts(shipped: dict, real: dict, prefix: str = "") -> list[str]:
+    """Fields of `shipped` whose value differs in `real` (nested dicts compared field by field)."""
+    diffs = []
+    for key, want in shipped.items():
+        if key in COMPARED_SKIP:
+            continue
+        have = real.get(key)
+        if isinstance(want, dict) and isinstance(have, dict):
+            diffs += compare_facts(want, have, f"{prefix}{key}.")
+        elif have != want and not (isinstance(want, (int, float)) and isinstance(have, (int, float)) and math.isclose(want, have)):
+            diffs.append(f"{prefix}{key}: shipped {want!r}, hub {have!r}")
+    return diffs
+
+
+def check_against_hub(facts: dict, spec: str, offline: bool = False) -> dict:
+    """Compare the shipped facts with the hub's config.json of `spec` when the
+    hub is reachable; offline: skipped with one log line."""
+    if offline or not _hub_reachable():
+        log.info("hub not reachable (offline): architecture facts of %s not checked against its config.json", spec)
+        return {"checked": False, "reason": "offline"}
+    from huggingface_hub import hf_hub_download
+
+    try:
+        real = json.loads(Path(hf_hub_download(spec, "config.json")).read_text())
+    except Exception as e:  # noqa: BLE001 - any hub failure leaves the plan usable
+        log.warning("could not read %s's config.json from the hub (%s): facts not checked", spec, str(e).splitlines()[0])
+        return {"checked": False, "reason": str(e).splitlines()[0]}
+    diffs = compare_facts(facts, real)
+    for d in diffs:
+        log.warning("architecture facts of %s differ from the hub: %s", spec, d)
+    return {"checked": True, "differences": diffs}
+
+
+def target_config(facts: dict):
+    """A transformers config of the target's text decoder from its facts."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in facts.items() if k != SOURCE_KEY}
+    if isinstance(fields.get("text_config"), dict):  # multimodal wrapper: plan its decoder
+        fields = dict(fields["text_config"], tie_word_embeddings=fields.get("tie_word_embeddings", True))
+    model_type = TEXT_MODEL_TYPES.get(fields.get("model_type"), fields.get("model_type"))
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype",
+                                                             "transformers_version", "_name_or_path")}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def meta_target(cfg: dict, facts: dict, dtype: torch.dtype = torch.bfloat16) -> Target:
+    """A random-weight target of the preset's architecture on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    config = target_config(facts)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.requires_grad_(False)
+    eos = config.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _file_stats(path: Path, cap: Optional[int]) -> tuple[int, list[float], list[float]]:
+    """(prompts used, sampled prompt lengths, sampled reference lengths) in tokens (chars / CHARS_PER_TOKEN)."""
+    from .prompts import read_turns_jsonl, subsample
+
+    prompts = subsample(read_turns_jsonl(path), cap)
+    sample = prompts[:SAMPLE_PROMPTS]
+    plen = [len(p.turns[0]) / CHARS_PER_TOKEN for p in sample if p.turns]
+    rlen = [len(p.reference) / CHARS_PER_TOKEN for p in sample if p.reference]
+    return len(prompts), plen, rlen
+
+
+def _mean(xs: list[float]) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
+
+
+def data_section(cfg: dict) -> dict:
+    """Training prompts and tokens per sample (hints first, then a sample of the files)."""
+    from .prompts import data_root
+
+    hints, root = cfg["plan"], data_root(cfg)
+    n, plen, rlen, sources = 0, [], [], []
+    for entry in cfg["data"]["train"]:
+        path = entry["path"]
+        if path.startswith("hub:") or not (root / path).exists():
+            if hints["train_prompts"] is None:
+                raise DeepSpecError(f"plan: the number of prompts of {path} is unknown here (hub source or missing file): "
+                                    "set plan.train_prompts")
+            sources.append({"path": path, "prompts": None, "from": "plan.train_prompts"})
+            continue
+        k, pl, rl = _file_stats(root / path, entry.get("cap"))
+        n, plen, rlen = n + k, plen + pl, rlen + rl
+        sources.append({"path": path, "prompts": k, "from": "file"})
+    if hints["train_prompts"] is not None:
+        n = int(hints["train_prompts"])
+    max_new = int(cfg["regenerate"]["max_new_tokens"])
+    prompt_tokens, p_from = _hinted(hints["prompt_tokens"], _mean(plen), "sample of the prompt files")
+    answer_tokens, a_from = _hinted(hints["answer_tokens"], _mean(rlen), "sample of the reference answers")
+    if answer_tokens is None:
+        answer_tokens, a_from = max_new, "regenerate.max_new_tokens (upper bound)"
+    answer_tokens = min(answer_tokens, max_new)
+    if prompt_tokens is None:
+        raise DeepSpecError("plan: prompt lengths are unknown (no local prompt file): set plan.prompt_tokens")
+    per_sample = min(int(cfg["data"]["max_length"]), int(round(prompt_tokens + answer_tokens)))
+    return {
+        "train_prompts": n, "sources": sources,
+        "prompt_tokens_per_sample": round(prompt_tokens, 1), "prompt_tokens_from": p_from,
+        "answer_tokens_per_sample": round(answer_tokens, 1), "answer_tokens_from": a_from,
+        "tokens_per_sample": per_sample, "max_length": int(cfg["data"]["max_length"]),
+        "regenerated_tokens": int(round(n * answer_tokens)),
+        "regenerated_tokens_upper_bound": n * max_new,
+        "tokens": n * per_sample,
+    }
+
+
+def _hinted(hint, sampled, what: str):
+    if hint is not None:
+        return float(hint), "preset hint"
+    if sampled is not None:
+        return float(sampled), f"{what} (chars / {CHARS_PER_TOKEN:g})"
+    return None, None
+
+
+# --------------------------------------------------------------------------- measurement on meta
+
+
+def synthetic_batch(micro_batch: int, length: int, prompt: int, vocab: int, n_features: int, hidden: int,
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One micro-batch of `length` tokens, the last `length - prompt` of them
+    assistant tokens: ids, masks on CPU (their values steer anchor sampling),
+    cached features / final hidden states on meta (their values never matter)."""
+    ids = (torch.arange(micro_batch * length) % max(1, vocab - 1)).view(micro_batch, length)
+    loss_mask = torch.zeros(micro_batch, length, dtype=torch.bool)
+    loss_mask[:, min(prompt, length - 2):] = True
+    return {
+        "input_ids": ids, "loss_mask": loss_mask,
+        "attention_mask": torch.ones(micro_batch, length, dtype=torch.bool),
+        "features": torch.empty(micro_batch, length, n_features * hidden, device="meta", dtype=dtype),
+        "last_hidden": torch.empty(micro_batch, length, hidden, device="meta", dtype=dtype),
+    }
+
+
+def measure_step(drafter, target: Target, batch: dict, spec, seed: int = 0) -> dict:
+    """FLOPs (forward, forward+backward) and activation bytes of one real training
+    step (`drafter.training_step` + backward) on meta (see the module docstring)."""
+    from .metarun import measure
+
+    exclude = [*drafter.parameters(), *target.model.parameters(), batch["features"], batch["last_hidden"]]
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    r = measure(lambda: drafter.training_step(batch, spec, gen, log_step=False), exclude)
+    drafter.zero_grad(set_to_none=True)
+    metrics = r.pop("out")[1]
+    r["positions"] = float(metrics.get("n_positions", metrics.get("n_anchors", 0.0) * getattr(drafter, "gamma", 1)))
+    r["peak_activation_bytes"] = r["saved_bytes"] + r["largest_tensor_bytes"]
+    r["seconds"] = round(time.perf_counter() - t0, 2)
+    return r
+
+
+def measure_target_forward(target: Target, batch: dict, layers) -> int:
+    """FLOPs of the target forward that online mode runs per micro-batch (features + final hidden state)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .metarun import MetaShadow, fused_attention
+
+    ids = batch["input_ids"].to("meta")
+    with fused_attention(), MetaShadow() as shadow:
+        shadow.shadow[ids] = batch["input_ids"]
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            target.features(ids, layers, attention_mask=None)
+    return int(fc.get_total_flops())
+
+
+def build_meta_drafter(method: str, target: Target, cfg: dict):
+    """`build_drafter` on the meta device, in bf16 (as autocast computes)."""
+    from .. import drafters
+    from .methods import resolve_method
+
+    base, mcfg = resolve_method(cfg, method)
+    with torch.device("meta"):
+        return drafters.build_drafter(base, target, mcfg).to(torch.bfloat16), mcfg
+
+
+def param_counts(drafter, target: Target) -> dict:
+    own = {id(p): p for p in drafter.parameters()}
+    shared = {id(p): p for m in (target.embed_tokens, target.lm_head) for p in m.parameters()}
+    return {
+        "trainable": sum(p.numel() for p in own.values() if p.requires_grad),
+        "frozen_own": sum(p.numel() for p in own.values() if not p.requires_grad),
+        "frozen_shared_target": sum(p.numel() for k, p in shared.items() if k not in own),
+    }
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: int) -> dict:
+    c, layers = cfg["cache"], cfg["target"]["feature_layers"]
+    bpt = _bytes_per_token(len(layers), target.hidden_size, c["dtype"])
+    hidden_bytes = (len(layers) + 1) * target.hidden_size * torch.empty(0, dtype=getattr(torch, c["dtype"])).element_size()
+    return {
+        "mode": c["mode"], "dtype": c["dtype"], "feature_layers": len(layers), "hidden_size": target.hidden_size,
+        "hidden_bytes_per_token": hidden_bytes, "bytes_per_token": bpt,
+        "bytes_per_token_note": "(feature layers + final hidden state) x hidden x dtype bytes, + int32 id + uint8 loss mask",
+        "offline_total_bytes": bpt * data["tokens"],
+        "online_target_forward_flops_per_step": online_flops_per_step,
+    }
+
+
+def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
+    """Parameters, measured FLOPs per step and activation memory of one method."""
+    drafter, mcfg = build_meta_drafter(method, target, cfg)
+    spec = step_spec(mcfg)
+    t, mb = mcfg["train"], int(mcfg["train"]["micro_batch"])
+    n_feat, d, V = len(mcfg["target"]["feature_layers"]), target.hidden_size, target.vocab_size
+    prompt = int(round(data["prompt_tokens_per_sample"]))
+    typical = measure_step(drafter, target, synthetic_batch(mb, data["tokens_per_sample"], prompt, V, n_feat, d), spec)
+    L = data["max_length"]
+    worst = measure_step(drafter, target, synthetic_batch(mb, L, min(prompt, L // 2), V, n_feat, d), spec)
+    per_epoch, total = plan_steps(data["train_prompts"], t)
+    micro_batches = int(t["global_batch"]) // mb
+    return {
+        "params": param_counts(drafter, target),
+        "micro_batch": mb, "micro_batches_per_step": micro_batches,
+        "flops_per_micro_batch": typical["flops"], "flops_forward_per_micro_batch": typical["flops_forward"],
+        "flops_per_step": typical["flops"] * micro_batches,
+        "positions_per_micro_batch": typical["positions"],
+        "steps_per_epoch": per_epoch, "total_steps": total,
+        "activation_memory_at_max_length": {k: worst[k] for k in ("saved_bytes", "largest_tensor_bytes",
+                                                                  "peak_activation_bytes")},
+        "measure_seconds": round(typical["seconds"] + worst["seconds"], 2),
+    }
+
+
+def gpu_hours(flops: float, tflops: float, mfu: float) -> float:
+    return flops / (tflops * 1e12 * mfu) / 3600.0
+
+
+def training_totals(methods: dict, online_flops_per_step: int, hw: dict) -> dict:
+    out = {}
+    for name, m in methods.items():
+        offline = m["flops_per_step"] * m["total_steps"]
+        online = offline + online_flops_per_step * m["total_steps"]
+        out[name] = {
+            "total_flops_offline": offline, "total_flops_online": online,
+            "gpu_hours_offline": gpu_hours(offline, hw["gpu_tflops"], hw["mfu"]),
+            "gpu_hours_online": gpu_hours(online, hw["gpu_tflops"], hw["mfu"]),
+            "wall_hours_offline": gpu_hours(offline, hw["gpu_tflops"], hw["mfu"]) / hw["gpus"],
+            "wall_hours_online": gpu_hours(online, hw["gpu_tflops"], hw["mfu"]) / hw["gpus"],
+        }
+    return out
+
+
+def eval_section(cfg: dict, data: dict, methods: list[str], rounds_per_s: float) -> dict:
+    """Prompts per benchmark and rounds / time per method at `rounds_per_s`."""
+    from .prompts import data_root, read_turns_jsonl
+    from .published import TABLE1
+
+    e, root = cfg["eval"], data_root(cfg)
+    tokens = min(int(e["max_new_tokens"]), int(round(data["answer_tokens_per_sample"])))
+    benches, per_method = {}, {m: {"rounds": 0.0} for m in methods}
+    for name, b in cfg["data"]["benchmarks"].items():
+        path = root / b["path"]
+        known = [x for x in (len(read_turns_jsonl(path)) if path.exists() else None, b.get("cap")) if x is not None]
+        n = min(known) if known else 0
+        benches[name] = {"prompts": n, "from": "file" if path.exists() else "cap"}
+        for m in methods:
+            tau = TABLE1.get((cfg["target"].get("paper_name"), m, name), DEFAULT_TAU)
+            per_method[m]["rounds"] += n * tokens / tau
+    for m, r in per_method.items():
+        r["rounds"] = int(round(r["rounds"]))
+        r["hours"] = r["rounds"] / rounds_per_s / 3600.0
+    plain = sum(b["prompts"] for b in benches.values()) * tokens
+    return {
+        "benchmarks": benches, "new_tokens_per_prompt": tokens, "rounds_per_s": rounds_per_s,
+        "tau_from": "paper Table 1" if cfg["target"].get("paper_name") else f"default tau {DEFAULT_TAU:g}",
+        "methods": per_method,
+        "plain_decoding": {"forwards": plain, "hours": plain / rounds_per_s / 3600.0},
+    }
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def hardware(cfg: dict, gpus=None, gpu_tflops=None, mfu=None, rounds_per_s=None) -> dict:
+    """Command-line values, else the preset's plan section (defaults in the schema)."""
+    p = cfg["plan"]
+    n = gpus if gpus is not None else (p["gpus"] or cfg["train"]["gpus"] or 1)
+    return {"gpus": int(n), "gpu_tflops": float(gpu_tflops if gpu_tflops is not None else p["gpu_tflops"]),
+            "mfu": float(mfu if mfu is not None else p["mfu"]),
+            "eval_rounds_per_s": float(rounds_per_s if rounds_per_s is not None else p["eval_rounds_per_s"])}
+
+
+def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[list[str]] = None) -> dict:
+    """The whole plan (see the module docstring); nothing is downloaded or run on a device."""
+    facts, facts_from = load_facts(cfg)
+    hub = check_against_hub(facts, cfg["target"]["spec"], offline) if facts_from.startswith("config/targets") else \
+        {"checked": False, "reason": f"facts from {facts_from}"}
+    target = meta_target(cfg, facts)
+    target.check_feature_layers(cfg["target"]["feature_layers"])
+    data = data_section(cfg)
+    layers = cfg["target"]["feature_layers"]
+    mb = int(cfg["train"]["micro_batch"])
+    fwd = measure_target_forward(target, synthetic_batch(mb, data["tokens_per_sample"], 0, target.vocab_size,
+                                                         len(layers), target.hidden_size), layers)
+    online_per_step = fwd * (int(cfg["train"]["global_batch"]) // mb)
+    names = methods or list(cfg["train"]["methods"])
+    per_method = {m: method_section(m, cfg, target, data) for m in names}
+    text = target.text_config
+    return {
+        "preset": cfg["preset"], "target": {
+            "name": cfg["target"]["name"], "spec": cfg["target"]["spec"], "facts_from": facts_from,
+            "facts_source": facts.get(SOURCE_KEY), "hub_check": hub, "model_type": text.model_type,
+            "num_layers": target.num_layers, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
+            "params": sum(p.numel() for p in target.model.parameters()),
+        },
+        "hardware": hw, "data": data,
+        "cache": cache_section(cfg, target, data, online_per_step),
+        "drafters": {m: r["params"] for m, r in per_method.items()},
+        "training": {"methods": per_method, "target_forward_flops_per_sequence": fwd,
+                     "totals": training_totals(per_method, online_per_step, hw)},
+        "evaluation": eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
+    }
+
+
+def _n(x: float) -> str:
+    """1234567 -> 1.23 M."""
+    for unit, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= f:
+            return f"{x / f:.3g} {unit}"
+    return f"{x:.3g}"
+
+
+def _h(hours: float) -> str:
+    return f"{hours:,.0f}" if hours >= 100 else f"{hours:.3g}"
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as a plain-text table (what `plan` prints)."""
+    t, d, c, tr, ev, hw = (plan[k] for k in ("target", "data", "cache", "training", "evaluation", "hardware"))
+    rows = [("target", f"{t['spec']} ({t['model_type']}, {t['num_layers']} layers, d {t['hidden_size']}, "
+                       f"V {t['vocab_size']}, {_n(t['params'])} params; facts: {t['facts_from']})"),
+            ("data: training prompts", f"{d['train_prompts']:,}"),
+            ("data: tokens per sample", f"{d['tokens_per_sample']:,} (prompt {d['prompt_tokens_per_sample']:g}: "
+                                        f"{d['prompt_tokens_from']}; answer {d['answer_tokens_per_sample']:g}: {d['answer_tokens_from']})"),
+            ("data: regenerated tokens", f"{_n(d['regenerated_tokens'])} (at most {_n(d['regenerated_tokens_upper_bound'])})"),
+            ("cache: bytes per token", f"{c['bytes_per_token']:,} ({c['feature_layers']} feature layers + final hidden) x "
+                                       f"{c['hidden_size']} x {c['dtype']} + id + mask)"),
+            ("cache: offline total", f"{_human(c['offline_total_bytes'])} ({_n(d['tokens'])} tokens); mode here: {c['mode']}"),
+            ("cache: online extra per step", f"target forward {_n(c['online_target_forward_flops_per_step'])}FLOP")]
+    for m, r in tr["methods"].items():
+        p, mem, tot = r["params"], r["activation_memory_at_max_length"], tr["totals"][m]
+        rows += [(f"{m}: parameters", f"trainable {_n(p['trainable'])}, frozen {_n(p['frozen_own'])} own + "
+                                      f"{_n(p['frozen_shared_target'])} target embedding/head"),
+                 (f"{m}: FLOPs per step", f"{_n(r['flops_per_step'])}FLOP measured (fwd+bwd, {r['micro_batches_per_step']} "
+                                          f"micro-batches of {_n(r['flops_per_micro_batch'])}FLOP)"),
+                 (f"{m}: steps", f"{r['steps_per_epoch']:,} per epoch, {r['total_steps']:,} in total"),
+                 (f"{m}: activations/micro-batch", f"{_human(mem['peak_activation_bytes'])} at length {d['max_length']} "
+                                                   f"(saved {_human(mem['saved_bytes'])} + largest tensor {_human(mem['largest_tensor_bytes'])})"),
+                 (f"{m}: GPU-hours", f"{_h(tot['gpu_hours_offline'])} offline / {_h(tot['gpu_hours_online'])} online "
+                                     f"({_h(tot['wall_hours_offline'])} / {_h(tot['wall_hours_online'])} h on {hw['gpus']} GPUs)")]
+    for m, r in ev["methods"].items():
+        rows.append((f"eval: {m}", f"{r['rounds']:,} rounds, {_h(r['hours'])} h at {ev['rounds_per_s']:g} rounds/s "
+                                   f"({ev['tau_from']})"))
+    rows.append(("eval: plain decoding", f"{ev['plain_decoding']['forwards']:,} forwards, {_h(ev['plain_decoding']['hours'])} h"))
+    width = max(len(k) for k, _ in rows)
+    head = (f"plan for preset {plan['preset']}: {hw['gpus']} GPUs x {hw['gpu_tflops']:g} TFLOP/s x MFU {hw['mfu']:g}")
+    return "\n".join([head, "-" * len(head)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
+
+
+def cli_plan(argv=None) -> int:
+    from ..cli import add_config_args, config_from_args
+
+    p = argparse.ArgumentParser(prog="deepspec plan", description="what a preset will cost (data, cache, drafters, "
+                                "training FLOPs measured on the meta device, GPU-hours, evaluation), before anything runs")
+    add_config_args(p)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (default: plan.gpus, else train.gpus, else 1)")
+    p.add_argument("--gpu-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s per GPU (default: plan.gpu_tflops)")
+    p.add_argument("--mfu", type=float, default=None, help="model FLOPs utilisation (default: plan.mfu)")
+    p.add_argument("--eval-rounds-per-s", type=float, default=None, help="speculative rounds per second (default: plan.eval_rounds_per_s)")
+    p.add_argument("--methods", nargs="+", default=None, help="methods to plan (default: train.methods)")
+    p.add_argument("--offline", action="store_true", help="never contact the hub (no check of the architecture facts)")
+    p.add_argument("--out", default=None, help="output JSON (default: results/<target>/plan.json)")
+    args = p.parse_args(argv)
+    cfg = config_from_args(args)
+    hw = hardware(cfg, args.gpus, args.gpu_tflops, args.mfu, args.eval_rounds_per_s)
+    plan = build_plan(cfg, hw, offline=args.offline, methods=args.methods)
+    out = Path(args.out) if args.out else RunPaths.of(cfg).plan()
+    write_json_atomic(out, plan)
+    print(format_plan(plan))
+    print(f"written: {out}")
+    return 0

@@ -1,0 +1,141 @@
+"""`python -m deepspec plan`: cache bytes, FLOPs measured on the meta device,
+the shadowed data-dependent ops, offline planning of every preset."""
+import json
+import logging
+import socket
+
+import pytest
+import torch
+
+from deepspec.config import PRESETS_DIR, load_config
+from deepspec.pipeline import plan as P
+from deepspec.pipeline.metarun import MetaShadow, measure
+from deepspec.pipeline.target import tiny_config
+
+PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+PAPER = ["qwen3-4b", "qwen3-8b", "qwen3-14b", "gemma4-12b"]
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any connection attempt fails; the hub counts as offline."""
+    def refuse(*a, **k):
+        raise OSError("network disabled in tests")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_cache_bytes_per_token_qwen3_4b_by_hand():
+    """Offline cache of Qwen3-4B in bf16: 5 feature layers + the final hidden
+    state = 6 x 2560 values x 2 bytes = 30,720 bytes of hidden states per token
+    (the hand computation); our cache also stores the token id (int32, 4 bytes)
+    and the loss mask (uint8, 1 byte), so a token takes 30,725 bytes in all."""
+    cfg = load_config("qwen3-4b", {})
+    facts, _ = P.load_facts(cfg)
+    target = P.meta_target(cfg, facts)
+    data = {"tokens": 1000}
+    c = P.cache_section(cfg, target, data, online_flops_per_step=0)
+    assert c["hidden_bytes_per_token"] == 6 * 2560 * 2 == 30720
+    assert c["bytes_per_token"] == 6 * 2560 * 2 + 4 + 1
+    assert c["offline_total_bytes"] == 1000 * (6 * 2560 * 2 + 4 + 1)
+
+
+def test_meta_flops_match_6NT_plus_attention_on_a_tiny_model():
+    """A training step (forward + backward) of a tiny Qwen3 LM measured on meta
+    agrees within 10 % with 6 N T (N: parameters of every matmul, i.e. all but the
+    embedding lookup and the norms; T = B x L tokens) plus attention: QK^T and AV,
+    4 B L^2 (H hd) per layer forward, twice that backward."""
+    from transformers import Qwen3ForCausalLM
+
+    c = tiny_config("qwen3")
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(c)
+    B, L = 2, 128
+    ids = torch.randint(0, c.vocab_size, (B, L)).to("meta")
+    r = measure(lambda: model(input_ids=ids, labels=ids).loss)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name and "norm" not in name)
+    attention = 3 * 4 * B * L * L * c.num_attention_heads * c.head_dim * c.num_hidden_layers
+    formula = 6 * n * B * L + attention
+    assert attention > 0.2 * formula  # the attention term matters at this size
+    assert abs(r["flops"] - formula) / formula < 0.10, (r["flops"], formula)
+    assert r["flops_forward"] < r["flops"]
+
+
+def test_shadows_answer_data_dependent_ops_on_meta():
+    """.item(), boolean indexing and unique on meta tensors derived from CPU data."""
+    with MetaShadow() as sh:
+        mask = torch.tensor([True, False, True, True]).to("meta")
+        x = torch.empty(4, 3, device="meta")
+        assert int(mask.sum()) == 3
+        assert x[mask].shape == (3, 3)
+        ids = torch.tensor([5, 1, 5, 2]).to("meta")
+        u, inv = torch.unique(ids, return_inverse=True)
+        assert u.shape == (3,) and u.is_meta and inv.shape == (4,)
+        assert bool((ids > 4).any())
+        assert float(x.sum()) == 0.0 and sh.unknown_scalars == 1  # a weight-like float: no value
+
+
+def test_compare_facts_names_the_differing_fields():
+    shipped = {"hidden_size": 2560, "text_config": {"num_hidden_layers": 48}, P.SOURCE_KEY: "x", "rms_norm_eps": 1e-6}
+    real = {"hidden_size": 4096, "text_config": {"num_hidden_layers": 48}, "rms_norm_eps": 1.0e-06}
+    assert P.compare_facts(shipped, real) == ["hidden_size: shipped 2560, hub 4096"]
+
+
+def test_hub_check_is_skipped_offline_with_one_line(no_network, caplog):
+    with caplog.at_level(logging.INFO, logger="deepspec.pipeline.plan"):
+        out = P.check_against_hub({"hidden_size": 1}, "Qwen/Qwen3-4B")
+    assert out == {"checked": False, "reason": "offline"}
+    assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_targets_have_architecture_facts_that_build(name):
+    cfg = load_config(name, {})
+    facts, where = P.load_facts(cfg)
+    assert where == f"config/targets/{name}.json" and facts[P.SOURCE_KEY]
+    target = P.meta_target(cfg, facts)
+    target.check_feature_layers(cfg["target"]["feature_layers"])
+    assert cfg["cache"]["mode"] == "online"
+    expected = {"qwen3-4b": (36, 2560, 151936), "qwen3-8b": (36, 4096, 151936),
+                "qwen3-14b": (40, 5120, 151936), "gemma4-12b": (48, 3840, 262144)}[name]
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == expected
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_plan_runs_offline_for_every_preset(name, no_network, tmp_path, capsys, shared_data, monkeypatch):
+    """Every preset is planned with no network; plan.json holds every section.
+    The larger paper targets plan DSpark only here (each method costs ~1 s of
+    meta execution at paper size); qwen3-4b plans all three."""
+    monkeypatch.setenv("DEEPSPEC_DATA", str(shared_data))
+    out = tmp_path / f"{name}.json"
+    few = ["--methods", "dspark"] if name in PAPER and name != "qwen3-4b" else []
+    assert P.cli_plan(["--preset", name, "--out", str(out), *few]) == 0
+    plan = json.loads(out.read_text())
+    assert set(plan) >= {"data", "cache", "drafters", "training", "evaluation"}
+    assert len(plan["training"]["methods"]) == (1 if few else len(load_config(name, {})["train"]["methods"]))
+    for method, r in plan["training"]["methods"].items():
+        assert r["flops_per_step"] > 0 and r["total_steps"] >= 1, method
+        assert r["activation_memory_at_max_length"]["peak_activation_bytes"] > 0
+        assert plan["drafters"][method]["trainable"] > 0
+        assert plan["evaluation"]["methods"][method]["rounds"] > 0
+    assert plan["target"]["hub_check"]["checked"] is False
+    assert plan["cache"]["offline_total_bytes"] == plan["cache"]["bytes_per_token"] * plan["data"]["tokens"]
+    printed = capsys.readouterr().out
+    assert "FLOPs per step" in printed and "offline total" in printed
+
+
+def test_plan_json_goes_to_runpaths(no_network, tmp_path, monkeypatch, shared_data):
+    from deepspec.paths import RunPaths
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEEPSPEC_DATA", str(shared_data))
+    cfg = load_config("tiny", {})
+    assert P.cli_plan(["--preset", "tiny", "--methods", "dflash", "--gpus", "2", "--mfu", "0.5"]) == 0
+    plan = json.loads(RunPaths.of(cfg).plan().read_text())
+    assert plan["hardware"]["gpus"] == 2 and plan["hardware"]["mfu"] == 0.5
+    assert list(plan["training"]["methods"]) == ["dflash"]
+    tot = plan["training"]["totals"]["dflash"]
+    want = plan["training"]["methods"]["dflash"]["flops_per_step"] * plan["training"]["methods"]["dflash"]["total_steps"]
+    assert tot["total_flops_offline"] == want
+    assert tot["gpu_hours_offline"] == pytest.approx(want / (plan["hardware"]["gpu_tflops"] * 1e12 * 0.5) / 3600)
