@@ -459,9 +459,11 @@ def format_plan(plan: dict) -> str:
             ("data: tokens per sample", f"{d['tokens_per_sample']:,} (prompt {d['prompt_tokens_per_sample']:g}: "
                                         f"{d['prompt_tokens_from']}; answer {d['answer_tokens_per_sample']:g}: {d['answer_tokens_from']})"),
             ("data: regenerated tokens", f"{_n(d['regenerated_tokens'])} (at most {_n(d['regenerated_tokens_upper_bound'])})"),
-            ("cache: bytes per token", f"{c['bytes_per_token']:,} ({c['feature_layers']} feature layers + final hidden) x "
-                                       f"{c['hidden_size']} x {c['dtype']} + id + mask)"),
-            ("cache: offline total", f"{_human(c['offline_total_bytes'])} ({_n(d['tokens'])} tokens); mode here: {c['mode']}"),
+            ("cache: bytes per token", f"{c['bytes_per_token']:,} = ({c['feature_layers']} feature layers + final hidden) x "
+                                       f"{c['hidden_size']} x {c['hidden_bytes_per_token'] // ((c['feature_layers'] + 1) * c['hidden_size'])} B "
+                                       f"({c['dtype']}) + 4 B id + 1 B loss mask"),
+            ("cache: offline total", f"{_human(c['offline_total_bytes'])} = {_n(c['offline_total_bytes'])}B ({_n(d['tokens'])} tokens); "
+                                     f"cache.mode here: {c['mode']}"),
             ("cache: online extra per step", f"target forward {_n(c['online_target_forward_flops_per_step'])}FLOP")]
     for m, r in tr["methods"].items():
         p, mem, tot = r["params"], r["activation_memory_at_max_length"], tr["totals"][m]
