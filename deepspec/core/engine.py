@@ -27,7 +27,9 @@ with RoPE positions = the request's verified length (explicit position_ids).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -73,6 +75,24 @@ class _Row:
     @property
     def done(self) -> bool:
         return len(self.out) >= self.request.max_new_tokens
+
+
+@contextlib.contextmanager
+def _grouped_query_sdpa(on: bool):
+    """transformers' sdpa attention copies K/V once per query head (repeat_kv)
+    whenever there is an attention mask, unless TRANSFORMERS_SDPA_FORCE_GQA=1
+    lets torch's sdpa group the heads itself. On CPU that is exact and 1.8-2.6x
+    faster for a masked batch forward (measured, SmolLM2-135M, 16 rows x 512
+    tokens); on CUDA a masked GQA call falls back to the math kernel, so only CPU
+    forwards set it, for the duration of the call."""
+    key, old = "TRANSFORMERS_SDPA_FORCE_GQA", os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    if on:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if on:
+            os.environ.pop(key) if old is None else os.environ.__setitem__(key, old)
 
 
 class BatchKV:
@@ -150,9 +170,10 @@ class BatchKV:
         R, W = ids.shape
         chunk = torch.arange(W, device=ids.device)[None] < widths[:, None]
         pos = self.valid.sum(1, keepdim=True) + torch.arange(W, device=ids.device)[None]
-        out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
-                           use_cache=True, output_hidden_states=layers is not None,
-                           **{cache_kwarg(target.model): self.cache})
+        with _grouped_query_sdpa(ids.device.type == "cpu"):
+            out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
+                               use_cache=True, output_hidden_states=layers is not None,
+                               **{cache_kwarg(target.model): self.cache})
         return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
 
 

@@ -147,6 +147,7 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
                            policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"])
     reqs = [Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i)
             for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip]
+    reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
     out = {b: ([], []) for b in bench_prompts}
     t0 = time.perf_counter()
     for f in engine.generate(reqs):
