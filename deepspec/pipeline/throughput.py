@@ -163,17 +163,23 @@ def plot_fig7(df: pd.DataFrame, pdf: Path, png: Path | None = None, title: str =
     import matplotlib.pyplot as plt
 
     d = best_threshold(df)
+    colors = {"plain": "C0", "fixed": "C1", "threshold (best)": "C3", "alg1": "C2"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for pol, g in d.groupby("policy", sort=False):
         g = g.sort_values("concurrency")
-        a.plot(g["per_request_tokens_per_s"], g["tokens_per_s"], marker="o", label=pol)
+        kw = dict(marker="o", label=pol, color=colors.get(pol))
+        a.plot(g["per_request_tokens_per_s"], g["tokens_per_s"], **kw)
         for _, r in g.iterrows():
             a.annotate(str(int(r["concurrency"])), (r["per_request_tokens_per_s"], r["tokens_per_s"]), fontsize=7)
         if pol != "plain":
-            b.plot(g["concurrency"], g["mean_verify_len"], marker="o", label=pol)
-    a.set(xlabel="per-request tokens/s", ylabel="total tokens/s", title="throughput vs per-request speed")
+            b.plot(g["concurrency"], g["mean_verify_len"], **kw)
+    a.set(xlabel="per-request tokens/s (labels: concurrency)", ylabel="total tokens/s",
+          title="throughput vs per-request speed")
+    levels = sorted(d["concurrency"].unique())
+    b.set_xscale("log", base=2)
+    b.set_xticks(levels, [str(int(c)) for c in levels])
     b.set(xlabel="concurrency (requests in the batch)", ylabel="mean verified draft tokens per request",
-          title="verification budget vs load", xscale="log")
+          title="verification budget vs load")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
     fig.suptitle(title)
