@@ -109,15 +109,15 @@ def padding_vs_rows(target, rows=8, ctx=128, seed=0):
           f"({int(widths.sum())} tokens): padding {tr / tp:.2f}x faster")
 
 
-def part2(cfg, target, drafter, prompts, max_new, levels, temps):
+def part2(cfg, target, drafter, prompts, max_new, levels, temps, fixed, thresholds):
     T, seed, layers, g = cfg["eval"]["temperature"], cfg["eval"]["seed"], drafter.config.deepspec_feature_layers, drafter.gamma
     print(f"\n2. throughput under load ({len(prompts)} requests x {max_new} new tokens): tokens/s; alg1 / policy")
     for c in levels:
         sps = profile_engine_sps(target, c, list(range(1, g + 2)), context_len=cfg["throughput"]["sps_context"])
         print(f"\n   concurrency {c}: SPS(B) of the engine: " + ", ".join(
             f"B={int(b)}: {s:.2f}" for b, s in zip(sps.batch_tokens, sps.steps_per_s)))
-        pols = {"plain": None, **{f"fixed l={k}": FixedGamma(k) for k in range(1, g + 1)},
-                **{f"threshold {t:.1f}": StaticThreshold(t) for t in np.round(np.arange(0.1, 1.0, 0.2), 1)},
+        pols = {"plain": None, **{f"fixed l={k}": FixedGamma(k) for k in fixed or range(1, g + 1)},
+                **{f"threshold {t:.1f}": StaticThreshold(t) for t in thresholds},
                 "alg1": LiveAlgorithm1(sps, temperatures=temps)}
         res = {name: run_load(target, None if pol is None else drafter, prompts, policy=pol or FixedGamma(),
                               concurrency=c, max_new_tokens=max_new, temperature=T, seed=seed, feature_layers=layers)
@@ -141,6 +141,8 @@ def main():
     p.add_argument("--batch", default="4,8,16")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--skip", default="", help="parts to skip: 1 and/or 2")
+    p.add_argument("--fixed", default="", help="fixed verify lengths l to compare (default 1..gamma)")
+    p.add_argument("--thresholds", default="0.1,0.3,0.5,0.7,0.9")
     args = p.parse_args()
     cfg = load_config(args.preset, parse_set(args.overrides))
     torch.set_num_threads(int(cfg["resources"].get("evaluate", {}).get("threads", torch.get_num_threads())))
@@ -154,7 +156,8 @@ def main():
         padding_vs_rows(target)
     if "2" not in args.skip:
         temps = read_json(args.sts)["sts_temperatures"] if args.sts else None
-        part2(cfg, target, drafter, prompts, args.max_new, [int(x) for x in args.concurrency.split(",")], temps)
+        part2(cfg, target, drafter, prompts, args.max_new, [int(x) for x in args.concurrency.split(",")], temps,
+              [int(x) for x in args.fixed.split(",") if x], [float(x) for x in args.thresholds.split(",")])
 
 
 if __name__ == "__main__":
