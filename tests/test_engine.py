@@ -250,3 +250,19 @@ def test_batch_kv_compacts_and_keeps_rows(tiny_target):
 def test_profile_engine_sps(tiny_target):
     sps = profile_engine_sps(tiny_target, rows=2, widths=[1, 4], context_len=16)
     assert list(sps.batch_tokens) == [2, 8] and np.all(sps.steps_per_s > 0)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "alg1"])
+def test_batched_greedy_equals_plain_on_gemma4(gemma4_target, policy):
+    """A sliding-window target: the engine keeps every row's verified tokens adjacent."""
+    from deepspec.core.engine import has_sliding_window
+
+    assert has_sliding_window(gemma4_target)
+    d = DistortedTargetDrafter(gemma4_target, [0, 1], gamma=3, conf=True)
+    d.SHARP = 1.0
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [3] * 7, [40, 41, 42]]
+    eng = BatchedEngine(gemma4_target, d, feature_layers=[0, 1], temperature=0.0, max_batch=3,
+                        policy=POLICIES[policy]())
+    got = _by_id(eng.generate([Request(i, p, 12) for i, p in enumerate(prompts)]))
+    for i, p in enumerate(prompts):
+        assert got[i].tokens == plain_generate(gemma4_target, p, max_new_tokens=12, temperature=0.0).tokens, i

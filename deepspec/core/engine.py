@@ -99,8 +99,10 @@ class BatchKV:
     """The target's KV cache for R rows: a DynamicCache [R, H, L, hd] per layer and
     a validity mask [R, L]; row r's verified tokens are its valid slots, in order."""
 
-    def __init__(self):
-        self.cache, self.valid = None, None
+    def __init__(self, contiguous: bool = False):
+        # contiguous: keep every row's verified tokens adjacent (compact after each round), for
+        # sliding-window attention, which measures its window in cache slots, not positions
+        self.cache, self.valid, self.contiguous = None, None, contiguous
 
     @property
     def length(self) -> int:
@@ -147,15 +149,15 @@ class BatchKV:
                 t[:, :, start:] *= keep[:, None, :, None].to(t.dtype)
                 setattr(layer, name, t)
         self.valid = torch.cat([self.valid[:, :start], keep], 1)
-        if 1.0 - self.valid.float().mean().item() > COMPACT_FRACTION:
-            self.compact()
+        if self.contiguous or 1.0 - self.valid.float().mean().item() > COMPACT_FRACTION:
+            self.compact(force=self.contiguous)
 
-    def compact(self) -> None:
+    def compact(self, force: bool = False) -> None:
         """Move each row's valid slots to the right end (order kept), dropping slots
-        no row needs."""
+        no row needs; without `force` only when some slot is needed by no row."""
         counts = self.valid.sum(1)
         T, L = int(counts.max()), self.length
-        if T == L:
+        if T == L and not force:
             return
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, L - T :]  # [R, T]: masked first
         self.valid = self.valid.gather(1, order)
@@ -196,7 +198,7 @@ class BatchedEngine:
     def generate(self, requests: Iterable[Request], on_finish: Optional[Callable[[Finished], None]] = None):
         """Decode every request; continuous batching over at most max_batch rows.
         Returns the Finished requests in the order they finished."""
-        queue, rows, kv, done = deque(requests), [], BatchKV(), []
+        queue, rows, kv, done = deque(requests), [], BatchKV(contiguous=has_sliding_window(self.target)), []
 
         def finish(row):
             f = Finished(row.request, row.out, row.rounds, time.perf_counter() - row.t_join)
@@ -294,6 +296,14 @@ class BatchedEngine:
             row.out.extend(emitted[: row.request.max_new_tokens - len(row.out)])
 
 
+def has_sliding_window(target: Target) -> bool:
+    """Whether some layer of the target attends through a sliding window (Gemma, Mistral, Qwen with it on)."""
+    c = target.text_config
+    if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
+        return True
+    return bool(getattr(c, "sliding_window", None)) and getattr(c, "use_sliding_window", True) is not False
+
+
 @torch.no_grad()
 def profile_engine_sps(target: Target, rows: int, widths: Sequence[int], context_len: int = 256,
                        seed: int = 0) -> SPSCurve:
@@ -302,7 +312,7 @@ def profile_engine_sps(target: Target, rows: int, widths: Sequence[int], context
     (B = rows * w, w in `widths`), through `BatchKV` exactly as a round runs it."""
     g = torch.Generator().manual_seed(seed)
     dev = target.device
-    kv = BatchKV()
+    kv = BatchKV(contiguous=has_sliding_window(target))
     for _ in range(rows):
         cache = new_cache()
         ids = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
