@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
@@ -66,11 +67,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply=modeling_l
     return apply(x, x, cos, sin)[0]
 
 
-def attention(attn: nn.Module, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def attention(attn: nn.Module, q, k, v, mask) -> torch.Tensor:
     """transformers' sdpa attention (GQA aware) with a boolean mask (True = attend)
-    or none (full attention); returns [B, Lq, H*hd] before o_proj."""
-    out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
+    or none (full attention), or torch's flex_attention when `mask` is a flex
+    `BlockMask` (the block drafters' training pass on CUDA, `flex_attention`);
+    returns [B, Lq, H*hd] before o_proj."""
+    if isinstance(mask, BlockMask):
+        out = flex_attend(q, k, v, mask, attn.scaling)
+    else:
+        out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
     return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+_COMPILED_FLEX: dict = {}
+
+
+def flex_attend(q, k, v, block_mask: BlockMask, scale: float) -> torch.Tensor:
+    """torch's flex_attention over q [B, H, Lq, hd], k/v [B, Hkv, Lk, hd] with a
+    BlockMask (GQA without repeating K/V), [B, Lq, H, hd] like sdpa_attention_forward.
+    Compiled on CUDA (flex's fused kernel skips the masked-out blocks; eager flex
+    materialises the scores); eager elsewhere, where it runs forward only (CPU,
+    torch 2.13). flex_attention is no autocast op: q/k/v are cast to the autocast
+    dtype (as sdpa is under autocast), else to q's dtype."""
+    dev = q.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+    fn = flex_attention
+    if dev == "cuda":
+        fn = _COMPILED_FLEX.setdefault("cuda", torch.compile(flex_attention))
+    out = fn(q.to(dt), k.to(dt), v.to(dt), block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
 
 
 class KVStore:

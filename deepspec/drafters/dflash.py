@@ -14,7 +14,9 @@ its own block; never later context. RoPE uses absolute positions: context i at
 i, block token j at p+j.
 
 Training (`forward`) processes many anchors per sequence at once: the block rows
-are extra query rows after the context, with one boolean mask (sdpa).
+are extra query rows after the context, with one mask: a dense boolean mask
+through sdpa on CPU (`block_attention_mask`), the same rule as a flex_attention
+BlockMask on CUDA (`block_flex_mask`), which skips the masked-out tiles.
 Inference (`propose`) caches per-layer context K/V in the state; the block's own
 K/V are never stored, so the cache holds only verified context.
 
@@ -145,6 +147,33 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, gamma: int) -> tor
     return torch.cat([ctx, own], dim=-1).unsqueeze(1)
 
 
+def block_mask_mod(anchors: torch.Tensor, ctx_len: int, gamma: int):
+    """`block_attention_mask`'s rule as a flex_attention mask_mod (b, h, q, kv) ->
+    bool: query row q belongs to block q // gamma, anchored at p = anchors[b, q // gamma];
+    key kv < ctx_len is context position kv (seen when kv < p), key kv >= ctx_len is
+    row kv - ctx_len of the blocks (seen when in the same block). Indices past the
+    query length (the kernel's padded tail) are clamped into range."""
+    last = anchors.shape[1] - 1
+
+    def mask_mod(b, h, q, kv):
+        blk = torch.clamp(q // gamma, max=last)
+        return torch.where(kv < ctx_len, kv < anchors[b, blk], (kv - ctx_len) // gamma == blk)
+
+    return mask_mod
+
+
+def block_flex_mask(anchors: torch.Tensor, ctx_len: int, gamma: int, block_size: int = 128):
+    """The training mask of `block_attention_mask` as a flex BlockMask (the CUDA
+    training path): tiles of block_size x block_size scores that the rule masks out
+    entirely are skipped, e.g. the context after a tile's last anchor and other
+    blocks' rows."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, N = anchors.shape
+    return create_block_mask(block_mask_mod(anchors, ctx_len, gamma), B, None, N * gamma, ctx_len + N * gamma,
+                             device=anchors.device, BLOCK_SIZE=block_size)
+
+
 @dataclass
 class BlockState:
     """Per-request inference state: per-layer context K/V and its length."""
@@ -156,6 +185,9 @@ class BlockState:
 
 class DFlashDrafter(DrafterBase):
     training_step = block_step
+    # The training pass's attention: "auto" = flex_attention with a BlockMask on
+    # CUDA, sdpa with the dense boolean mask elsewhere; "flex" / "sdpa" force one.
+    attention_backend = "auto"
 
     def __init__(self, config):
         super().__init__(config)
@@ -204,11 +236,17 @@ class DFlashDrafter(DrafterBase):
         blk_pos = (anchors.unsqueeze(-1) + torch.arange(g, device=ctx.device)).reshape(B, N * g)
         cos_c, sin_c = self.rotary(ctx, ctx_pos)
         cos_b, sin_b = self.rotary(x, blk_pos)
-        mask = block_attention_mask(anchors, L, g)
+        mask = self.training_mask(anchors, L)
         for layer in self.layers:
             ck, cv = layer.context_kv(ctx, cos_c, sin_c)
             x = layer(x, ck, cv, cos_b, sin_b, mask)
         return self.norm(x).view(B, N, g, -1)
+
+    def training_mask(self, anchors: torch.Tensor, ctx_len: int):
+        """The training pass's mask: a flex BlockMask on CUDA (`attention_backend`),
+        else the dense boolean mask; both express `block_attention_mask`'s rule."""
+        flex = self.attention_backend == "flex" or (self.attention_backend == "auto" and anchors.device.type == "cuda")
+        return (block_flex_mask if flex else block_attention_mask)(anchors, ctx_len, self.gamma)
 
     # -- heads (hooks; DSpark overrides) -------------------------------------------------
     def block_logits(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
