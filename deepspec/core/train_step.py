@@ -21,6 +21,7 @@ that table fits in `pt_table_bytes`; beyond, each chunk computes its own rows.
 The head terms run in chunks of `chunk_positions` positions under activation
 checkpointing, so no [positions, V] tensor outlives its chunk. DFlash's loss is
 CE only: there p_t serves only the logged c* and is skipped off log steps.
+`vocab_peak_bytes` bounds the vocabulary-sized memory of a step (table + one chunk).
 
 The drafter says what its loss needs: `drafter.distills` (L1 and confidence
 terms, DSpark) and `drafter.confidence_logits`; each drafter class binds its
@@ -38,6 +39,12 @@ from .losses import (LossWeights, block_loss, chain_loss, chain_normalizer, chai
 from .verify import expected_tau
 
 
+# fp32 [chunk_positions, V] tensors one head chunk holds at once in its forward
+# and backward (logits, log-probabilities, p_d, |p_d - p_t|, c*, the gradients;
+# measured 5-6 at V = 151,936 by tests/test_efficient_training.py).
+CHUNK_VOCAB_TENSORS = 8
+
+
 @dataclass(frozen=True)
 class StepSpec:
     """Everything a training step needs besides the batch."""
@@ -46,6 +53,21 @@ class StepSpec:
     coef: LossWeights = field(default_factory=LossWeights)
     chunk_positions: int = 512  # positions per checkpointed head chunk
     pt_table_bytes: int = 1 << 30  # the shared p_t table is built when it fits in this
+
+
+def vocab_peak_bytes(spec: "StepSpec", vocab_size: int, table_rows=None) -> int:
+    """Upper bound on the vocabulary-sized bytes a training step (forward and
+    backward, either family) holds at once, whatever the batch: the p_t table,
+    table_rows x V fp32 when that fits in spec.pt_table_bytes (None: the largest
+    table allowed; block steps: distinct positions read, chain steps: B x L), plus
+    one head chunk's working set, CHUNK_VOCAB_TENSORS x chunk_positions x V fp32.
+    Never a [anchors x gamma, V] or [B x L, V] tensor beyond that (`plan` reports
+    this bound). Gradients of vocabulary-sized parameters (DSpark's Markov W1 and
+    W2) are parameter memory and not included."""
+    table = spec.pt_table_bytes if table_rows is None else int(table_rows) * vocab_size * 4
+    if table > spec.pt_table_bytes:
+        table = 0  # over budget: each chunk computes its own p_t rows
+    return table + CHUNK_VOCAB_TENSORS * spec.chunk_positions * vocab_size * 4
 
 
 def sample_anchors(loss_mask, attention_mask, num_anchors: int, generator=None):
@@ -98,11 +120,13 @@ def block_targets(input_ids, loss_mask, attention_mask, anchors, anchor_valid, g
     return labels, ok, (tpos - 1).clamp(max=L - 1), prev
 
 
-def _chunked(fn, rows_per_chunk, *tensors):
-    """Apply fn over leading-dim chunks, checkpointed when gradients flow."""
+def _chunked(fn, rows_per_chunk, *tensors, alone: bool = True):
+    """Apply fn over leading-dim chunks, checkpointed when gradients flow. A single
+    chunk is kept as is (no recomputation) when it is `alone` in the step; the
+    chain step's TTT steps are not (each would keep its [rows, V] graph)."""
     n = tensors[0].shape[0]
     outs = []
-    several = n > rows_per_chunk  # a single chunk is kept as is (no recomputation)
+    several = n > rows_per_chunk or not alone
     for i in range(0, n, max(1, rows_per_chunk)):
         args = [t[i : i + rows_per_chunk] for t in tensors]
         if several and torch.is_grad_enabled() and any(a.requires_grad for a in args if a.is_floating_point()):
@@ -131,9 +155,18 @@ def _cstar_metrics(metrics, cs: list) -> None:
 
 
 def _restricted_pt(drafter, last_hidden, chunk: int):
-    """p_t on the draft vocabulary and the mass outside it, for rows [N, d], in chunks."""
-    parts = [drafter.restrict_to_draft_vocab(drafter.target_probs(x)) for x in last_hidden.split(chunk)]
-    return torch.cat([p for p, _ in parts]), None if parts[0][1] is None else torch.cat([m for _, m in parts])
+    """p_t on the draft vocabulary and the mass outside it, for rows [N, d], in
+    chunks written into one preallocated table (never the chunks and the table at once)."""
+    pt = out = None
+    for i, x in zip(range(0, last_hidden.shape[0], chunk), last_hidden.split(chunk)):
+        p, m = drafter.restrict_to_draft_vocab(drafter.target_probs(x))
+        if pt is None:
+            pt = p.new_empty(last_hidden.shape[0], p.shape[-1])
+            out = None if m is None else m.new_empty(last_hidden.shape[0])
+        pt[i : i + len(x)] = p
+        if out is not None:
+            out[i : i + len(x)] = m
+    return pt, out
 
 
 @torch.no_grad()
@@ -226,11 +259,16 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev))
     t = torch.arange(L, device=dev)
     pt_all = _chain_target_table(drafter, last, spec)
-    table = pt_all if pt_all is not None else last
+    # per row: its row of the p_t table (read inside the chunk: no [rows, K] copy
+    # per step outlives its chunk), or (too large a table) the final hidden state
+    table = (torch.arange(B, device=dev).view(B, 1, 1) * L + t.view(1, L, 1)) if pt_all is not None else last
 
     def terms(h_, x_):
         logp = torch.log_softmax(drafter.draft_logits(h_).float(), -1)
-        pt = x_ if pt_all is not None else drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
+        if pt_all is not None:
+            pt = pt_all.view(B * L, -1)[x_.squeeze(-1)]
+        else:
+            pt = drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
         return soft_ce_terms(logp, pt)
 
     metrics, cs, step_losses, n_pos = {}, [], [], 0
@@ -242,7 +280,7 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
             cs.append(0.0)
             step_losses.append(None)
             continue
-        sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(table, src)[valid])
+        sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(table, src)[valid], alone=len(outs) == 1)
         step_losses.append(sce.sum() / chain_normalizer(valid, spec.coef.eagle3_normalizer))
         metrics[f"loss_step_{s + 1}"] = float(step_losses[-1].detach())
         cs.append(float(cstar.mean()))
