@@ -266,3 +266,22 @@ def test_batched_greedy_equals_plain_on_gemma4(gemma4_target, policy):
     got = _by_id(eng.generate([Request(i, p, 12) for i, p in enumerate(prompts)]))
     for i, p in enumerate(prompts):
         assert got[i].tokens == plain_generate(gemma4_target, p, max_new_tokens=12, temperature=0.0).tokens, i
+
+
+def test_propose_batch_on_both_targets(target, target_cfg):
+    """Batched block drafting on the Llama-style and the Gemma4 tiny targets: each row equals its own call."""
+    layers = target_cfg["target"]["feature_layers"]
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(0)
+    d = build_drafter("dspark", target, target_cfg).eval()
+    states, feats, toks = [], [], []
+    for n in (6, 3):
+        ids = torch.randint(0, target.vocab_size, (1, n + 1), generator=g)
+        feats.append(target.features(ids[:, :-1], layers)[0])
+        states.append(d.init_state())
+        toks.append(ids)
+    alone = [d.propose(copy.deepcopy(s), f, t, temperature=0.0) for s, f, t in zip(states, feats, toks)]
+    both = d.propose_batch(states, feats, toks, temperature=0.0)
+    for r, p in enumerate(alone):
+        assert torch.equal(both.tokens[r : r + 1], p.tokens)
+        torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
