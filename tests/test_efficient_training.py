@@ -95,7 +95,7 @@ def test_flex_forward_equals_sdpa(target, target_cfg, method):
             h_flex16 = d(*args)
             d.attention_backend = "sdpa"
             h_sdpa16 = d(*args)
-    assert (h_flex - h_sdpa).abs().max().item() < 1e-5
+    assert (h_flex - h_sdpa).abs().max().item() < 5e-5  # measured <= 6e-6
     # under bf16 both paths are as far from fp32 as bf16 makes them
     err16 = (h_sdpa16.float() - h_sdpa).abs().max().item()
     assert (h_flex16.float() - h_sdpa).abs().max().item() <= 2 * err16, err16
