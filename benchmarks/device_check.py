@@ -109,12 +109,37 @@ def check_bf16_training(dev, small):
 
 
 def check_flex_attention(dev, small):
-    from deepspec.drafters import dflash
+    """The block drafters' training attention through flex_attention (BlockMask)
+    against SDPA with the dense mask: outputs, and on CUDA gradients too (flex
+    has no backward on CPU)."""
+    from deepspec.core.train_step import sample_anchors
 
-    compare = getattr(dflash, "compare_flex_and_dense", None)
-    if compare is None:
-        return {"skipped": "the drafters have no flex_attention path"}
-    return compare(dev)
+    target, cfg = tiny_target(dev), tiny_cfg()
+    batch = random_batch(target, cfg["target"]["feature_layers"], 2, 64, 8)
+    anchors, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], 8, torch.Generator(device=dev).manual_seed(0))
+    out = {}
+    for method in ("dflash", "dspark"):
+        torch.manual_seed(0)
+        d = build_drafter(method, target, cfg).to(dev)
+        res = {}
+        for backend in ("sdpa", "flex"):
+            d.attention_backend = backend
+            d.zero_grad(set_to_none=True)
+            with torch.set_grad_enabled(dev.type == "cuda"):  # flex has no backward on CPU
+                h = d(batch["input_ids"], batch["features"], anchors, batch["attention_mask"])
+            grads = None
+            if dev.type == "cuda":
+                h.float().square().mean().backward()
+                grads = torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
+            res[backend] = (h.detach().float(), grads)
+        diff = float((res["flex"][0] - res["sdpa"][0]).abs().max())
+        assert diff < 5e-4, f"{method}: flex vs sdpa outputs differ by {diff}"
+        out[f"{method}_max_abs_diff"] = diff
+        if dev.type == "cuda":
+            gdiff = float((res["flex"][1] - res["sdpa"][1]).abs().max() / res["sdpa"][1].abs().max())
+            assert gdiff < 1e-2, f"{method}: flex vs sdpa gradients differ by {gdiff} (relative)"
+            out[f"{method}_grad_rel_diff"] = gdiff
+    return out
 
 
 def check_verify_chi2(dev, small):

@@ -12,4 +12,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH="/tmp/deepspec-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python3 benchmarks/device_check.py "$@"
+rc=0
+python3 benchmarks/device_check.py "$@" || rc=$?
+case " $* " in
+  *" --cpu "*) ;;
+  *)  # the CUDA-only tests of compiled flex attention (forward and backward against SDPA)
+      python3 -m pytest -q -p no:cacheprovider tests/test_efficient_training.py -k cuda 2>&1 | tee "$1/pytest_cuda.txt" \
+        || rc=1 ;;
+esac
+exit $rc
