@@ -1,7 +1,8 @@
 # Throughput under load (paper Sec. 3.2.2, Figures 7-8; deepspec/pipeline/throughput.py):
 # the batched engine (deepspec/core/engine.py) with each verification policy
 # (plain batched decoding, fixed gamma, static thresholds, live Algorithm 1) at
-# each throughput.concurrency level. On demand:
+# each throughput.concurrency level; Algorithm 1 reads the STS temperatures the
+# schedule rule fitted on DSpark's records (Figure 6's benchmark). On demand:
 #   snakemake --cores all figures/fig7.pdf
 THROUGHPUT_METHOD = CFG["throughput"]["method"]
 
@@ -13,7 +14,13 @@ def throughput_inputs(wc):
               "prompts": [str(DATA_ROOT / f) for f in files if not f.startswith("hub:")]}
     if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = str(PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json")
+    if THROUGHPUT_METHOD == "dspark":  # Algorithm 1 on STS-calibrated confidences (the schedule rule's fit)
+        inputs["sts"] = str(PATHS.schedule(FIG6_BENCHMARK, "alg1.json"))
     return inputs
+
+
+def sts_arg(wc, input):
+    return f"--sts {shlex.quote(input.sts)}" if "sts" in input.keys() else ""
 
 
 rule throughput:
@@ -28,12 +35,13 @@ rule throughput:
     params:
         settings=settings("throughput"),
         env=EVAL_ENV,
+        sts=sts_arg,
     threads: res("throughput", "threads", 2)
     resources:
         **EVAL_RESOURCES,
     shell:
         "OMP_NUM_THREADS={threads} {params.env}python -m deepspec throughput {CONFIG_ARGS} "
-        "--method {THROUGHPUT_METHOD} --out {output.csv:q} > {log:q} 2>&1"
+        "--method {THROUGHPUT_METHOD} {params.sts} --out {output.csv:q} > {log:q} 2>&1"
 
 
 rule fig7:
