@@ -30,7 +30,7 @@ import torch
 from deepspec.config import load_config, parse_set
 from deepspec.core.decode import speculative_generate
 from deepspec.core.engine import BatchedEngine, BatchKV, Request, padding_share, profile_engine_sps
-from deepspec.core.policies import FixedGamma, LiveAlgorithm1, StaticThreshold
+from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.files import read_json
 from deepspec.pipeline.evaluate import drafter_path
 from deepspec.pipeline.target import target_from_config
@@ -118,7 +118,7 @@ def part2(cfg, target, drafter, prompts, max_new, levels, temps, fixed, threshol
             f"B={int(b)}: {s:.2f}" for b, s in zip(sps.batch_tokens, sps.steps_per_s)))
         pols = {"plain": None, **{f"fixed l={k}": FixedGamma(k) for k in fixed or range(1, g + 1)},
                 **{f"threshold {t:.1f}": StaticThreshold(t) for t in thresholds},
-                "alg1": LiveAlgorithm1(sps, temperatures=temps)}
+                "alg1-padded": PaddedAlgorithm1(sps, temperatures=temps), "alg1": LiveAlgorithm1(sps, temperatures=temps)}
         res = {name: run_load(target, None if pol is None else drafter, prompts, policy=pol or FixedGamma(),
                               concurrency=c, max_new_tokens=max_new, temperature=T, seed=seed, feature_layers=layers)
                for name, pol in pols.items()}

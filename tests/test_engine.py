@@ -30,7 +30,7 @@ import torch
 from deepspec.core import decode
 from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.engine import BatchedEngine, BatchKV, Request, profile_engine_sps
-from deepspec.core.policies import FixedGamma, LiveAlgorithm1, StaticThreshold
+from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
 from deepspec.drafters import build_drafter
 from test_decode import PROMPT, DistortedTargetDrafter, _broken_verify_chain, _chi2_pvalue
@@ -125,6 +125,7 @@ POLICIES = {
     "fixed": lambda: FixedGamma(),
     "threshold": lambda: StaticThreshold(0.5),
     "alg1": lambda: LiveAlgorithm1(SPS, default_confidence=0.6),
+    "alg1-padded": lambda: PaddedAlgorithm1(SPS, default_confidence=0.6),
 }
 
 
@@ -285,3 +286,23 @@ def test_propose_batch_on_both_targets(target, target_cfg):
     for r, p in enumerate(alone):
         assert torch.equal(both.tokens[r : r + 1], p.tokens)
         torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_padded_algorithm1_picks_the_best_common_width():
+    """Brute force over every l in {0..g}^R with the padded cost R(1 + max l): a common width is optimal."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    sps = SPSCurve(np.arange(1, 40), 1.0 / (1.0 + 0.1 * np.arange(1, 40)))
+    for _ in range(20):
+        logits = torch.from_numpy(rng.normal(1.0, 1.5, (3, 4)))
+        props = [(torch.zeros(1, 4), None, logits[r : r + 1]) for r in range(3)]
+        pol = PaddedAlgorithm1(sps)
+        a = np.cumprod(pol.confidences(props), 1)
+
+        def theta(ell):
+            return (3 + sum(a[r, :l].sum() for r, l in enumerate(ell))) * sps(3 * (1 + max(ell)))
+
+        best = max(theta(e) for e in itertools.product(range(5), repeat=3))
+        ell = pol.lengths(props)
+        assert len(set(ell)) == 1 and theta(ell) == pytest.approx(best)

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import DeepSpecError
 from .decode import proposal_length
-from .scheduler import SPSLike, schedule_prefix
+from .scheduler import SPSLike, _sps_fn, schedule_prefix
 
 
 class FixedGamma:
@@ -95,3 +95,23 @@ class LiveAlgorithm1:
     def lengths(self, props) -> list[int]:
         ell, _ = schedule_prefix(self.confidences(props), self.sps, early_stop=self.early_stop)
         return [int(x) for x in ell]
+
+
+class PaddedAlgorithm1(LiveAlgorithm1):
+    """Algorithm 1's objective for the padded engine (core/engine.py): a round costs
+    R(1 + max l_r) tokens whatever the other rows verify, so every row verifies the
+    same width w (up to its own proposal), and w maximises
+    Theta(w) = sum_r (1 + sum_{j<=w} a_{r,j}) * SPS(R(1 + w)), a_{r,j} = prod_{i<=j} c_{r,i},
+    the smallest w on ties. Same confidences and SPS curve as `LiveAlgorithm1` (the
+    curve `profile_engine_sps` measures is exactly SPS(R(1 + w))); non-anticipating
+    and lossless like it."""
+
+    name = "alg1-padded"
+
+    def lengths(self, props) -> list[int]:
+        c = self.confidences(props)
+        R, g = c.shape
+        a, f = np.cumprod(c, axis=1), _sps_fn(self.sps)
+        theta = [(R + a[:, :w].sum()) * f(R * (1 + w)) for w in range(g + 1)]
+        w = int(np.argmax(theta))
+        return [min(w, int(p[0].shape[1])) for p in props]

@@ -52,7 +52,7 @@ def load_prompts(cfg: dict, target, n: int) -> list:
 
 
 def make_policy(name: str, *, sps=None, temperatures=None):
-    from ..core.policies import FixedGamma, LiveAlgorithm1, StaticThreshold
+    from ..core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 
     if name in ("plain", "fixed"):
         return FixedGamma()
@@ -60,6 +60,8 @@ def make_policy(name: str, *, sps=None, temperatures=None):
         return StaticThreshold(float(name.split("=", 1)[1]))
     if name == "alg1":
         return LiveAlgorithm1(sps, temperatures=temperatures)
+    if name == "alg1-padded":
+        return PaddedAlgorithm1(sps, temperatures=temperatures)
     if name.startswith("fixed="):
         return FixedGamma(int(name.split("=", 1)[1]))
     raise DeepSpecError(f"unknown throughput policy {name!r}")
@@ -109,7 +111,7 @@ def measure(cfg: dict, target, drafter, method: str, names, temperatures=None) -
     rows = []
     for c in tp["concurrency"]:
         prompts = load_prompts(cfg, target, max(tp["requests"], c))
-        sps = engine_sps(cfg, target, c, drafter.gamma) if "alg1" in names else None
+        sps = engine_sps(cfg, target, c, drafter.gamma) if any(n.startswith("alg1") for n in names) else None
         for name in names:
             pol = make_policy(name, sps=sps, temperatures=temperatures)
             row = run_load(target, None if name == "plain" else drafter, prompts, policy=pol, concurrency=c,
