@@ -120,3 +120,14 @@ def target(target_kind, request):
 @pytest.fixture(scope="module")
 def target_cfg(target_kind, request) -> dict:
     return request.getfixturevalue("tiny_cfg" if target_kind == "tiny" else "gemma4_cfg")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for the module (decoding tests that time themselves)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

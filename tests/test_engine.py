@@ -45,12 +45,7 @@ P_MIN = 1e-3
 SPS = SPSCurve(np.arange(1, 65), 1.0 / (1.0 + 0.08 * np.arange(1, 65)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # timing-sensitive decoding: one torch thread
 
 
 def _requests(n_tok, prompts=PROMPTS, seed=0):

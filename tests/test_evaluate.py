@@ -16,12 +16,7 @@ N_PROMPTS = 4
 SPEED = 1  # eval.speed_prompts of the tiny preset
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # timing-sensitive decoding: one torch thread
 
 
 @pytest.fixture(scope="module")

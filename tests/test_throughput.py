@@ -9,12 +9,7 @@ import torch
 from deepspec.pipeline.throughput import COLUMNS, best_threshold, cli_fig7, cli_throughput
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # timing-sensitive decoding: one torch thread
 
 
 def test_throughput_table_and_fig7(tmp_path, tiny_cfg, tiny_target, shared_data):
