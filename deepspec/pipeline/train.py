@@ -1,9 +1,9 @@
 """The train rule (workflow/rules/train.smk): one generic, resumable loop from a
 CPU laptop to a multi-GPU node.
 
-The loop knows nothing about drafters. It takes a model (a ``PreTrainedModel``
-whose frozen parts have ``requires_grad=False``), a map-style dataset of
-samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
+The loop knows nothing about drafters; its arithmetic is
+`deepspec.pipeline.recipe`. It takes a model (a ``PreTrainedModel`` whose
+frozen parts have ``requires_grad=False``), a map-style dataset of samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
 metrics)``, and implements the paper's recipe (paper-notes §3):
 
 * AdamW (lr 6e-4, weight decay 0) over the trainable parameters only, linear
@@ -42,15 +42,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import logging
-import math
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,6 +58,16 @@ from ..core.train_step import StepSpec
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
+from .recipe import (  # noqa: F401 - the loop's arithmetic, also used as train.<name>
+    StepSampler,
+    accumulation_steps,
+    lr_factor,
+    make_optimizer,
+    micro_seed,
+    plan_steps,
+    split_batch,
+    warmup_steps,
+)
 from .checkpoints import (
     CKPT_DIR,
     LOG_NAME,
@@ -78,104 +86,6 @@ StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, 
 HEAD_COLS = ["step", "epoch", "lr", "loss"]
 TAIL_COLS = ["grad_norm", "positions_per_s", "sequences_per_s", "elapsed_s"]
 TIMING_COLS = ("positions_per_s", "sequences_per_s", "elapsed_s")
-
-
-# --------------------------------------------------------------------------- schedule
-
-
-def plan_steps(num_samples: int, train_cfg: dict) -> tuple[int, int]:
-    """(steps per epoch, total optimiser steps) for a dataset of `num_samples`."""
-    if num_samples < 1:
-        raise DeepSpecError("training dataset is empty")
-    per_epoch = max(1, num_samples // int(train_cfg["global_batch"]))
-    total = max(1, math.ceil(float(train_cfg["epochs"]) * per_epoch - 1e-9))
-    if train_cfg.get("max_steps"):
-        total = min(total, int(train_cfg["max_steps"]))
-    return per_epoch, total
-
-
-def warmup_steps(total_steps: int, warmup_ratio: float) -> int:
-    """Number of linear-warmup updates: ceil(ratio * total) (as HF Trainer)."""
-    return math.ceil(warmup_ratio * total_steps)
-
-
-def lr_factor(step: int, total_steps: int, num_warmup: int) -> float:
-    """Multiplier of the peak lr for update number `step` (0-based).
-
-    Warmup: (step + 1) / num_warmup, reaching 1 at the last warmup update; then
-    cosine from 1 at `num_warmup` down to 0 at `total_steps` (the update after
-    the last one), so every update has a positive lr.
-    """
-    if step < num_warmup:
-        return (step + 1) / num_warmup
-    progress = (step - num_warmup) / max(1, total_steps - num_warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_steps: int):
-    """AdamW + LambdaLR(warmup, cosine to 0) over `params`."""
-    opt = torch.optim.AdamW(params, lr=float(train_cfg["lr"]), weight_decay=float(train_cfg["weight_decay"]))
-    n_warm = warmup_steps(total_steps, float(train_cfg["warmup_ratio"]))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, n_warm))
-    return opt, sched
-
-
-# --------------------------------------------------------------------------- data order
-
-
-class StepSampler:
-    """Deterministic, resumable data order: `indices(step)` is the global batch
-    of update `step` (0-based). The position is the step number itself.
-
-    Epoch e's order is randperm(N) from a generator seeded with (seed, e); when
-    N < global_batch, further permutations from the same generator are
-    appended so that a step always has a full global batch.
-    """
-
-    def __init__(self, num_samples: int, global_batch: int, seed: int):
-        self.n, self.g, self.seed = int(num_samples), int(global_batch), int(seed)
-        self.steps_per_epoch = max(1, self.n // self.g)
-        self._epoch, self._order = -1, None
-
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            reps = max(1, math.ceil(self.g / self.n))
-            self._order = torch.cat([torch.randperm(self.n, generator=gen) for _ in range(reps)])
-            self._epoch = epoch
-        return self._order
-
-    def indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step, self.steps_per_epoch)
-        return self._epoch_order(epoch)[k * self.g:(k + 1) * self.g].tolist()
-
-
-def split_batch(indices: Sequence[int], rank: int, world: int, micro: int) -> list[tuple[int, list[int]]]:
-    """This process's micro batches of a global batch (contiguous rank slices),
-    each with its index among all the global batch's micro batches: the same
-    micro batch has the same index whatever the number of processes."""
-    per_rank = len(indices) // world
-    mine = list(indices[rank * per_rank:(rank + 1) * per_rank])
-    first = rank * per_rank // micro
-    return [(first + k, mine[i:i + micro]) for k, i in enumerate(range(0, len(mine), micro))]
-
-
-def micro_seed(seed: int, step: int, micro_index: int) -> int:
-    """The seed of the generator handed to step_fn for one micro batch (the
-    block drafters' anchors): a function of the update and the micro batch's
-    place in the global batch only, so 1 or N processes draw the same anchors
-    and a run resumed under another world size continues the same trajectory."""
-    h = hashlib.sha256(f"{seed}:{step}:{micro_index}".encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
-def accumulation_steps(train_cfg: dict, world: int) -> int:
-    g, m = int(train_cfg["global_batch"]), int(train_cfg["micro_batch"])
-    if g % (world * m):
-        raise DeepSpecError(
-            f"train.global_batch ({g}) must be a multiple of train.micro_batch ({m}) x processes ({world})"
-        )
-    return g // (world * m)
 
 
 # --------------------------------------------------------------------------- log
