@@ -25,9 +25,11 @@ layer instead: q/k RMSNorms per head, a scale-free RMSNorm on values, keys
 reused as values when attention_k_eq_v, attention scale 1, Gemma's norms after
 attention and around the MLP, and the output times `layer_scalar`.
 
-Differences from the reference: the mask embedding is a learned vector (the
-reference uses the frozen embedding of a reserved token id, e.g. 151669 on
-Qwen3; SmolLM2 has no reserved token). The DSpark heads (Markov bias, confidence)
+The block's mask input: with drafter.mask_token_id (the paper presets: 151669
+on Qwen3, 4 on Gemma4) it is the target's frozen embedding of that reserved
+token, as in the reference (`drafters.freeze_mask_embedding`); without one
+(SmolLM2 has no reserved token) it is a learned vector, our departure from the
+reference. The DSpark heads (Markov bias, confidence)
 are hooks here that DFlash leaves empty: DFlash = DSpark with markov_rank 0 and
 no confidence head, exactly as in the reference.
 """
