@@ -178,13 +178,7 @@ def test_propose_batch_equals_propose_per_request(tiny_target, tiny_cfg, drafter
             states.append(d.init_state())
             feats.append(f)
             toks.append(ids)
-        alone = [d.propose(copy.deepcopy(s), f, t, temperature=0.0) for s, f, t in zip(states, feats, toks)]
-        both = d.propose_batch(states, feats, toks, temperature=0.0)
-        for r, p in enumerate(alone):
-            assert torch.equal(both.tokens[r : r + 1], p.tokens)
-            torch.testing.assert_close(both.probs[r : r + 1], p.probs, rtol=1e-4, atol=1e-5)
-            if p.conf_logits is not None:
-                torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
+        _batch_equals_alone(d, states, feats, toks)
 
 
 class _Spy:
@@ -276,11 +270,7 @@ def test_propose_batch_on_both_targets(target, target_cfg):
         feats.append(target.features(ids[:, :-1], layers)[0])
         states.append(d.init_state())
         toks.append(ids)
-    alone = [d.propose(copy.deepcopy(s), f, t, temperature=0.0) for s, f, t in zip(states, feats, toks)]
-    both = d.propose_batch(states, feats, toks, temperature=0.0)
-    for r, p in enumerate(alone):
-        assert torch.equal(both.tokens[r : r + 1], p.tokens)
-        torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
+    _batch_equals_alone(d, states, feats, toks)
 
 
 def test_padded_algorithm1_picks_the_best_common_width():
@@ -301,3 +291,13 @@ def test_padded_algorithm1_picks_the_best_common_width():
         best = max(theta(e) for e in itertools.product(range(5), repeat=3))
         ell = pol.lengths(props)
         assert len(set(ell)) == 1 and theta(ell) == pytest.approx(best)
+
+def _batch_equals_alone(d, states, feats, toks):
+    """propose_batch over the rows equals propose per row (greedy)."""
+    alone = [d.propose(copy.deepcopy(s), f, t, temperature=0.0) for s, f, t in zip(states, feats, toks)]
+    both = d.propose_batch(states, feats, toks, temperature=0.0)
+    for r, p in enumerate(alone):
+        assert torch.equal(both.tokens[r : r + 1], p.tokens)
+        torch.testing.assert_close(both.probs[r : r + 1], p.probs, rtol=1e-4, atol=1e-5)
+        if p.conf_logits is not None:
+            torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
