@@ -83,7 +83,7 @@ def test_compare_facts_names_the_differing_fields():
 
 
 def test_hub_check_is_skipped_offline_with_one_line(no_network, caplog):
-    with caplog.at_level(logging.INFO, logger="deepspec.pipeline.plan"):
+    with caplog.at_level(logging.INFO, logger="deepspec.pipeline"):
         out = P.check_against_hub({"hidden_size": 1}, "Qwen/Qwen3-4B")
     assert out == {"checked": False, "reason": "offline"}
     assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1

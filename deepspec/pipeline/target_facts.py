@@ -1,0 +1,123 @@
+"""Architecture facts of the paper targets (config/targets/<name>.json: the
+fields of their hub config.json, with `deepspec_source` citing where they were
+read), so that `plan` and the GPU check can build a weightless or random-weight
+target of the real dimensions offline; checked against the hub's config.json
+when it is reachable.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from ..config import REPO_ROOT
+from ..core.target import Target
+from ..errors import DeepSpecError
+from ..paths import RunPaths
+
+log = logging.getLogger(__name__)
+
+FACTS_DIR = REPO_ROOT / "config" / "targets"
+SOURCE_KEY = "deepspec_source"
+# gemma4_unified's text decoder is planned as a Gemma4 text model (the drafters' Gemma4 blocks)
+TEXT_MODEL_TYPES = {"gemma4_unified_text": "gemma4_text", "gemma4_unified": "gemma4_text"}
+COMPARED_SKIP = {SOURCE_KEY, "torch_dtype", "dtype", "transformers_version", "use_cache"}
+
+
+def facts_path(name: str) -> Path:
+    return FACTS_DIR / f"{name}.json"
+
+
+def load_facts(cfg: dict) -> tuple[dict, str]:
+    """(config.json fields, where they come from) of the preset's target."""
+    t = cfg["target"]
+    prepared = RunPaths.of(cfg).target_checkpoint() / "config.json"
+    if prepared.exists():
+        return json.loads(prepared.read_text()), str(prepared)
+    shipped = facts_path(t["name"])
+    for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
+        if path.exists():
+            return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
+    if t["spec"] == "tiny":
+        from .target import tiny_config
+
+        base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny target uses SmolLM2's tokenizer
+        c = tiny_config("llama", vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
+                        eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
+        return c.to_dict(), "deepspec/pipeline/target.py:tiny_config (vocabulary of SmolLM2)"
+    raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add {shipped.relative_to(REPO_ROOT)} "
+                        f"(the fields of {t['spec']}'s config.json) or prepare the target first")
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def compare_facts(shipped: dict, real: dict, prefix: str = "") -> list[str]:
+    """Fields of `shipped` whose value differs in `real` (nested dicts compared field by field)."""
+    diffs = []
+    for key, want in shipped.items():
+        if key in COMPARED_SKIP:
+            continue
+        have = real.get(key)
+        if isinstance(want, dict) and isinstance(have, dict):
+            diffs += compare_facts(want, have, f"{prefix}{key}.")
+        elif have != want and not (isinstance(want, (int, float)) and isinstance(have, (int, float)) and math.isclose(want, have)):
+            diffs.append(f"{prefix}{key}: shipped {want!r}, hub {have!r}")
+    return diffs
+
+
+def check_against_hub(facts: dict, spec: str, offline: bool = False) -> dict:
+    """Compare the shipped facts with the hub's config.json of `spec` when the
+    hub is reachable; offline: skipped with one log line."""
+    if offline or not _hub_reachable():
+        log.info("hub not reachable (offline): architecture facts of %s not checked against its config.json", spec)
+        return {"checked": False, "reason": "offline"}
+    from huggingface_hub import hf_hub_download
+
+    try:
+        real = json.loads(Path(hf_hub_download(spec, "config.json")).read_text())
+    except Exception as e:  # noqa: BLE001 - any hub failure leaves the plan usable
+        log.warning("could not read %s's config.json from the hub (%s): facts not checked", spec, str(e).splitlines()[0])
+        return {"checked": False, "reason": str(e).splitlines()[0]}
+    diffs = compare_facts(facts, real)
+    for d in diffs:
+        log.warning("architecture facts of %s differ from the hub: %s", spec, d)
+    return {"checked": True, "differences": diffs}
+
+
+def target_config(facts: dict):
+    """A transformers config of the target's text decoder from its facts."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in facts.items() if k != SOURCE_KEY}
+    if isinstance(fields.get("text_config"), dict):  # multimodal wrapper: plan its decoder
+        fields = dict(fields["text_config"], tie_word_embeddings=fields.get("tie_word_embeddings", True))
+    model_type = TEXT_MODEL_TYPES.get(fields.get("model_type"), fields.get("model_type"))
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype",
+                                                             "transformers_version", "_name_or_path")}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def meta_target(cfg: dict, facts: dict, dtype: torch.dtype = torch.bfloat16) -> Target:
+    """A random-weight target of the preset's architecture on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    config = target_config(facts)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.requires_grad_(False)
+    eos = config.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos)
