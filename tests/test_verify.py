@@ -229,3 +229,30 @@ def test_per_position_acceptance_hand_made():
     np.testing.assert_allclose(s.survival, [4 / 5, 3 / 5, 1 / 4])
     with pytest.raises(ValueError):
         per_position_acceptance([2], [3])
+
+
+def test_sample_follows_probs_and_never_draws_zero_mass():
+    """Inverse-CDF `sample`: chi-squared against the distribution (unnormalised,
+    with zero-mass entries at both ends and inside), zero-mass indices never drawn,
+    and the one-hot (greedy) case returns the argmax."""
+    p = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])
+    n = 40_000
+    draws = sample(p.expand(n, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=len(p)).double()
+    assert counts[p == 0].sum() == 0
+    pos = p > 0
+    expected = p[pos].double() / p.sum().double() * n
+    assert stats.chisquare(counts[pos].numpy(), expected.numpy()).pvalue > 1e-3
+    onehot = torch.nn.functional.one_hot(torch.tensor([5, 0, 7]), 8).float()
+    assert sample(onehot, torch.Generator().manual_seed(1)).tolist() == [5, 0, 7]
+
+
+def test_sample_with_one_generator_per_row_matches_rows_alone():
+    """A list of generators gives each row of probs [B, k, V] its own stream: the
+    draws equal what each row draws alone with its generator (the batched engine's
+    batch independence rests on it)."""
+    probs = torch.softmax(torch.randn(4, 3, 50, generator=torch.Generator().manual_seed(2)), -1)
+    together = sample(probs, [torch.Generator().manual_seed(10 + b) for b in range(4)])
+    alone = torch.cat([sample(probs[b : b + 1], torch.Generator().manual_seed(10 + b)) for b in range(4)])
+    assert torch.equal(together, alone)
+    assert not torch.equal(together, sample(probs, torch.Generator().manual_seed(10)))

@@ -6,7 +6,7 @@ single source of this math for the decode loop, the losses and the metrics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -27,11 +27,26 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     return torch.softmax(logits / temperature, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Draw one index per row from probs [..., V]; returns [...] long."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
-    return out.reshape(probs.shape[:-1])
+def sample(probs: torch.Tensor, generator: Optional[Union[torch.Generator, Sequence[torch.Generator]]] = None
+           ) -> torch.Tensor:
+    """Draw one index per distribution from probs [..., V] (unnormalised is fine);
+    returns [...] long. Inverse-CDF sampling: one float64 uniform u per
+    distribution, the first index whose cumulative mass exceeds u * total
+    (zero-mass indices are never drawn). torch.multinomial draws V exponentials
+    per distribution instead: 1 ms per 49k-vocabulary row here, a fifth of a
+    batched drafter call (measured). A list of generators gives probs [B, ..., V]
+    one stream per row b, consumed as that row alone would consume it."""
+    V = probs.shape[-1]
+    flat = probs.reshape(-1, V)
+    if isinstance(generator, (list, tuple)):
+        per = flat.shape[0] // len(generator)
+        u = torch.cat([torch.rand(per, generator=g, dtype=torch.float64, device=flat.device) for g in generator])
+    else:
+        u = torch.rand(flat.shape[0], generator=generator, dtype=torch.float64, device=flat.device)
+    cdf = flat.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    last = V - 1 - (flat > 0).flip(-1).int().argmax(-1)  # u * total can round up to total
+    return torch.minimum(idx, last).reshape(probs.shape[:-1])
 
 
 @dataclass

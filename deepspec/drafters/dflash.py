@@ -343,6 +343,4 @@ def draw(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     streams: a row consumes its stream as it would at batch size 1)."""
     if verify.is_greedy(temperature):
         return probs.argmax(-1)
-    if isinstance(generator, (list, tuple)):
-        return torch.cat([verify.sample(probs[r : r + 1], gen) for r, gen in enumerate(generator)])
     return verify.sample(probs, generator)
