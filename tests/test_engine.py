@@ -169,7 +169,7 @@ def test_batch_independence(tiny_target, drafters, method):
 def test_propose_batch_equals_propose_per_request(tiny_target, tiny_cfg, drafters):
     """Ragged contexts: one batched drafter call drafts what each request's own call drafts."""
     g = torch.Generator().manual_seed(3)
-    for m in ("dflash", "dspark"):
+    for m in ("dflash", "dspark", "eagle3"):
         d = drafters[m]
         states, feats, toks = [], [], []
         for n in (5, 2, 9):
@@ -262,15 +262,16 @@ def test_propose_batch_on_both_targets(target, target_cfg):
     """Batched block drafting on the Llama-style and the Gemma4 tiny targets: each row equals its own call."""
     layers = target_cfg["target"]["feature_layers"]
     g = torch.Generator().manual_seed(4)
-    torch.manual_seed(0)
-    d = build_drafter("dspark", target, target_cfg).eval()
-    states, feats, toks = [], [], []
-    for n in (6, 3):
-        ids = torch.randint(0, target.vocab_size, (1, n + 1), generator=g)
-        feats.append(target.features(ids[:, :-1], layers)[0])
-        states.append(d.init_state())
-        toks.append(ids)
-    _batch_equals_alone(d, states, feats, toks)
+    for m in ("dspark", "eagle3"):
+        torch.manual_seed(0)
+        d = build_drafter(m, target, target_cfg).eval()
+        states, feats, toks = [], [], []
+        for n in (6, 3):
+            ids = torch.randint(0, target.vocab_size, (1, n + 1), generator=g)
+            feats.append(target.features(ids[:, :-1], layers)[0])
+            states.append(d.init_state())
+            toks.append(ids)
+        _batch_equals_alone(d, states, feats, toks)
 
 
 def test_padded_algorithm1_picks_the_best_common_width():
@@ -293,9 +294,19 @@ def test_padded_algorithm1_picks_the_best_common_width():
         assert len(set(ell)) == 1 and theta(ell) == pytest.approx(best)
 
 def _batch_equals_alone(d, states, feats, toks):
-    """propose_batch over the rows equals propose per row (greedy)."""
-    alone = [d.propose(copy.deepcopy(s), f, t, temperature=0.0) for s, f, t in zip(states, feats, toks)]
-    both = d.propose_batch(states, feats, toks, temperature=0.0)
+    """propose_batch over the rows equals propose per row: greedy, then sampled with
+    one generator per row (each row draws what it draws alone), then greedy again
+    on the states both calls advanced."""
+    for temp in (0.0, 1.0, 0.0):
+        gens = lambda: [torch.Generator().manual_seed(50 + r) for r in range(len(states))]  # noqa: E731
+        alone = [d.propose(copy.deepcopy(s), f, t, temperature=temp, generator=gen)
+                 for s, f, t, gen in zip(states, feats, toks, gens())]
+        both = d.propose_batch(states, feats, toks, temperature=temp, generator=gens())
+        _rows_equal(both, alone)
+        feats, toks = [f[:, :0] for f in feats], [t[:, -1:] for t in toks]  # next call: nothing new verified
+
+
+def _rows_equal(both, alone):
     for r, p in enumerate(alone):
         assert torch.equal(both.tokens[r : r + 1], p.tokens)
         torch.testing.assert_close(both.probs[r : r + 1], p.probs, rtol=1e-4, atol=1e-5)

@@ -122,6 +122,17 @@ class KVStore:
             self.v[i] = self.v[i][:, :, :n]
 
 
+def stack_padded(kvs, L: int) -> torch.Tensor:
+    """Per-request K or V [1, H, n_r, hd] (None: no positions yet) right-padded with
+    zeros to [R, H, L, hd] (batched drafter calls mask the padding)."""
+    ref = next(t for t in kvs if t is not None)
+    out = ref.new_zeros(len(kvs), ref.shape[1], L, ref.shape[3])
+    for r, t in enumerate(kvs):
+        if t is not None:
+            out[r, :, : t.shape[2]] = t[0]
+    return out
+
+
 def gemma4_draft_config(tc, n: int):
     """Draft config for a Gemma4 text config `tc`: n dense full-attention layers.
 

@@ -44,7 +44,7 @@ import torch.nn as nn
 from ..core import verify
 from ..core.train_step import block_step
 from .base import DrafterBase, Proposal
-from .blocks import attention, rope
+from .blocks import attention, rope, stack_padded
 
 
 class KVInjectionLayer(nn.Module):
@@ -333,8 +333,7 @@ def _padded(kvs, L: int, layer, x) -> torch.Tensor:
     if ref is None:  # no context yet anywhere
         a = layer.self_attn
         return x.new_zeros(len(kvs), a.config.num_key_value_heads, 0, a.head_dim)
-    return torch.cat([ref.new_zeros(1, ref.shape[1], L, ref.shape[3]) if t is None
-                      else torch.nn.functional.pad(t, (0, 0, 0, L - t.shape[2])) for t in kvs])
+    return stack_padded(kvs, L)
 
 
 def draw(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:

@@ -32,7 +32,9 @@ steps 1..s) - the TTT mask.
 
 Inference (`propose`): the verified context goes into a KV cache (step 0), then
 gamma tokens are drafted autoregressively from the last context row, appending
-chain K/V; the cache is cropped back to the context afterwards.
+chain K/V; the cache is cropped back to the context afterwards. `propose_batch`
+(the batched engine) runs the chain steps for R requests at once over their
+right-padded contexts.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from ..core import verify
 from ..core.target import cache_kwarg
 from ..core.train_step import chain_step
 from .base import DrafterBase, Proposal
-from .blocks import KVStore
+from .blocks import KVStore, stack_padded
 
 
 def ttt_mask(L: int, step: int, device=None) -> torch.Tensor:
@@ -168,31 +170,71 @@ class Eagle3Drafter(DrafterBase):
     def init_state(self) -> ChainState:
         return ChainState()
 
+    def _extend_context(self, state: ChainState, feats, tokens) -> None:
+        """Step 0 over the newly verified rows (feats [1, n, m*d], tokens [1, n+1]):
+        their K/V join the request's cache, the last row's output seeds the chain."""
+        dev, n = self.device, feats.shape[1]
+        if n == 0:
+            return
+        P0 = state.n
+        hid = self.fc(feats.to(dev, self.fc.weight.dtype))
+        pos = torch.arange(P0, P0 + n, device=dev).unsqueeze(0)
+        mask = (torch.arange(P0 + n, device=dev).view(1, -1) <= (P0 + torch.arange(n, device=dev)).view(-1, 1))
+        g = self._step(tokens[:, 1 : n + 1].to(dev), hid, pos, mask.view(1, 1, n, P0 + n), state.cache)
+        state.n += n
+        state.last_hidden = g[:, -1:]
+
+    def _draw(self, g, temperature, generator):
+        """Next draft token of every row from the pre-norm hidden g [R, 1, d]: (target ids [R], probs [R, V_d])."""
+        p = verify.logits_to_probs(self.draft_logits(self.norm(g))[:, -1], temperature)
+        idx = p.argmax(-1) if verify.is_greedy(temperature) else verify.sample(p, generator)
+        return self.to_target_ids(idx), p
+
     @torch.no_grad()
     def propose(self, state: ChainState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
-        dev = self.device
-        n = feats.shape[1]
-        if n > 0:
-            P0 = state.n
-            hid = self.fc(feats.to(dev, self.fc.weight.dtype))
-            pos = torch.arange(P0, P0 + n, device=dev).unsqueeze(0)
-            mask = (torch.arange(P0 + n, device=dev).view(1, -1) <= (P0 + torch.arange(n, device=dev)).view(-1, 1))
-            g = self._step(tokens[:, 1 : n + 1].to(dev), hid, pos, mask.view(1, 1, n, P0 + n), state.cache)
-            state.n += n
-            state.last_hidden = g[:, -1:]
-        P = state.n
-        g = state.last_hidden
+        self._extend_context(state, feats, tokens)
+        P, g = state.n, state.last_hidden
         toks, probs = [], []
         for k in range(self.gamma):
-            p = verify.logits_to_probs(self.draft_logits(self.norm(g))[:, -1], temperature)
-            idx = p.argmax(-1) if verify.is_greedy(temperature) else verify.sample(p, generator)
-            tok = self.to_target_ids(idx)
+            tok, p = self._draw(g, temperature, generator)
             toks.append(tok)
             probs.append(p)
             if k + 1 < self.gamma:
-                pos = torch.full((1, 1), P + k, device=dev, dtype=torch.long)
+                pos = torch.full((1, 1), P + k, device=self.device, dtype=torch.long)
                 g = self._step(tok.view(1, 1), g, pos, None, state.cache)
         state.cache.crop(P)  # keep only verified context
+        return Proposal(
+            tokens=torch.stack(toks, 1), probs=self.to_full_vocab(torch.stack(probs, 1)).float(), conf_logits=None
+        )
+
+    @torch.no_grad()
+    def propose_batch(self, states, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
+        """One drafter call for R requests (the batched engine, core/engine.py): each
+        request's new context goes through its own cache (step 0, as in `propose`),
+        then the gamma chain steps run once for all rows; row r's query attends to
+        its own context (right-padded to the longest, padding masked) and its own
+        chain. `generator` is one torch.Generator or one per request (a row then
+        draws from its stream exactly as it would alone). Returns [R, gamma] tokens
+        and [R, gamma, V] probs."""
+        for s, f, t in zip(states, feats, tokens):
+            self._extend_context(s, f, t)
+        dev, R = self.device, len(states)
+        ns = torch.tensor([s.n for s in states], device=dev)
+        L = int(ns.max())
+        chain = KVStore()  # the padded contexts, then the chain's own K/V
+        for i in states[0].cache.k:
+            chain.k[i] = stack_padded([s.cache.k[i] for s in states], L)
+            chain.v[i] = stack_padded([s.cache.v[i] for s in states], L)
+        ctx_valid = torch.arange(L, device=dev)[None] < ns[:, None]  # [R, L]
+        g = torch.cat([s.last_hidden for s in states])  # [R, 1, d]
+        toks, probs = [], []
+        for k in range(self.gamma):
+            tok, p = self._draw(g, temperature, generator)
+            toks.append(tok)
+            probs.append(p)
+            if k + 1 < self.gamma:
+                mask = torch.cat([ctx_valid, ctx_valid.new_ones(R, k + 1)], 1).view(R, 1, 1, L + k + 1)
+                g = self._step(tok.view(R, 1), g, (ns + k).view(R, 1), mask, chain)
         return Proposal(
             tokens=torch.stack(toks, 1), probs=self.to_full_vocab(torch.stack(probs, 1)).float(), conf_logits=None
         )
