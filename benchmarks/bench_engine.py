@@ -3,11 +3,12 @@ Algorithm 1 against fixed gamma, static thresholds and plain batched decoding,
 all in ONE process so the ratios share the same machine state.
 
     python benchmarks/bench_engine.py [--preset smollm2-135m] [--set key=value ...] [--method dspark]
-        [--drafter DIR] [--n 16] [--max-new 32] [--batch 4,8,16] [--concurrency 1,4,16] [--sts alg1.json]
+        [--drafter DIR] [--n 16] [--max-new 64] [--batch 4,8,16] [--concurrency 1,4,16] [--sts alg1.json]
 
 1. Evaluation throughput: speculative rounds per CPU-second (process time, all
    threads) of `speculative_generate` over n prompts, one at a time, against the
-   engine over the same prompts at each --batch size (fixed gamma); the share
+   engine over the same prompts, queued shortest first as `evaluate` queues
+   them, at each --batch size (fixed gamma); the share
    of padding in the engine's target forwards; and one padded forward of ragged
    rows against the same rows forwarded one by one (what packing could at best
    approach).
@@ -67,7 +68,8 @@ def part1(cfg, target, drafter, prompts, max_new, batches):
     print(f"{'batch-1 loop':>12} {sum(len(g.rounds) for g in gens):>7} {cpu:>7.1f} {wall:>7.1f} {base:>13.2f} {1:>7.2f}x {'':>8}")
     for b in batches:
         eng = BatchedEngine(target, drafter, feature_layers=layers, temperature=T, max_batch=b)
-        reqs = [Request(i, ids, max_new, seed=seed + i) for i, ids in enumerate(prompts)]
+        reqs = sorted((Request(i, ids, max_new, seed=seed + i) for i, ids in enumerate(prompts)),
+                      key=lambda r: len(r.prompt_ids))  # as evaluate queues them (pipeline/evaluate.py:run_batched)
         done, cpu, wall = _cpu(lambda: eng.generate(reqs))
         n = sum(len(f.rounds) for f in done)
         print(f"{'engine ' + str(b):>12} {n:>7} {cpu:>7.1f} {wall:>7.1f} {n / cpu:>13.2f} {n / cpu / base:>7.2f}x "
@@ -137,7 +139,8 @@ def main():
     p.add_argument("--drafter")
     p.add_argument("--sts", help="a schedule rule's alg1.json: Algorithm 1 uses its STS temperatures")
     p.add_argument("--n", type=int, default=16, help="prompts / requests")
-    p.add_argument("--max-new", type=int, default=32)
+    p.add_argument("--max-new", type=int, help="new tokens per request (default: the preset's eval.max_new_tokens "
+                                              "in part 1, throughput.max_new_tokens in part 2)")
     p.add_argument("--batch", default="4,8,16")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--skip", default="", help="parts to skip: 1 and/or 2")
@@ -152,11 +155,13 @@ def main():
     print(f"{cfg['target']['name']}, {args.method} drafter {how}, T={cfg['eval']['temperature']}, "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}")
     if "1" not in args.skip:
-        part1(cfg, target, drafter, prompts, args.max_new, [int(x) for x in args.batch.split(",")])
+        part1(cfg, target, drafter, prompts, args.max_new or cfg["eval"]["max_new_tokens"],
+              [int(x) for x in args.batch.split(",")])
         padding_vs_rows(target)
     if "2" not in args.skip:
         temps = read_json(args.sts)["sts_temperatures"] if args.sts else None
-        part2(cfg, target, drafter, prompts, args.max_new, [int(x) for x in args.concurrency.split(",")], temps,
+        part2(cfg, target, drafter, prompts, args.max_new or cfg["throughput"]["max_new_tokens"],
+              [int(x) for x in args.concurrency.split(",")], temps,
               [int(x) for x in args.fixed.split(",") if x], [float(x) for x in args.thresholds.split(",")])
 
 

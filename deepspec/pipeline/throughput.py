@@ -13,7 +13,9 @@ the engine with continuous batching:
 * alg1    - live Algorithm 1 with the engine's SPS(B) profiled at start-up for
             this concurrency (`core.engine.profile_engine_sps`) or read from
             throughput.sps_csv, and STS temperatures when --sts names a
-            schedule rule's alg1.json.
+            schedule rule's alg1.json;
+* alg1-padded - the same with one common width per round (PaddedAlgorithm1,
+            our addition: what a padded forward really costs).
 
 One row per (concurrency, policy): target, method, policy, concurrency,
 requests, new_tokens, wall_s, tokens_per_s (all requests), per_request_tokens_per_s
@@ -142,7 +144,7 @@ def cli_throughput(argv) -> int:
     drafter = load_drafter(drafter_path(cfg, method, args.drafter), target).eval()
     temps = read_json(Path(args.sts))["sts_temperatures"] if args.sts else None
     names = policy_names(cfg)
-    if "alg1" in names and drafter.config.deepspec_confidence_head is False:
+    if any(n.startswith("alg1") for n in names) and drafter.config.deepspec_confidence_head is False:
         raise DeepSpecError(f"throughput: Algorithm 1 needs a drafter with a confidence head ({method} has none)")
     write_csv_atomic(measure(cfg, target, drafter, method, names, temps), out)
     return 0
@@ -165,7 +167,7 @@ def plot_fig7(df: pd.DataFrame, pdf: Path, png: Path | None = None, title: str =
     import matplotlib.pyplot as plt
 
     d = best_threshold(df)
-    colors = {"plain": "C0", "fixed": "C1", "threshold (best)": "C3", "alg1": "C2"}
+    colors = {"plain": "C0", "fixed": "C1", "threshold (best)": "C3", "alg1": "C2", "alg1-padded": "C4"}
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for pol, g in d.groupby("policy", sort=False):
         g = g.sort_values("concurrency")
