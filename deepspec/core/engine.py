@@ -158,21 +158,29 @@ class BatchKV:
         return self.cache.layers
 
     def add(self, cache, n: int) -> None:
-        """Append a request prefilled alone (its cache holds n positions), left-padding
-        the shorter side to a common length."""
-        valid = torch.ones(1, n, dtype=torch.bool, device=cache.layers[0].keys.device)
+        """Append a request prefilled alone (its cache holds n positions)."""
+        self.add_many([(cache, n)])
+
+    def add_many(self, joining: Sequence[tuple]) -> None:
+        """Append requests prefilled alone, (cache, n positions) each, left-padding
+        every row to a common length: one copy of the cache per layer however many
+        join (appending them one at a time would copy it once per request)."""
+        valids = ([self.valid] if self.cache is not None else []) + [
+            torch.ones(1, n, dtype=torch.bool, device=c.layers[0].keys.device) for c, n in joining]
+        parts = ([self.cache] if self.cache is not None else []) + [c for c, _ in joining]
+        T = max(v.shape[1] for v in valids)
         if self.cache is None:
-            self.cache, self.valid = cache, valid
-            return
-        T = max(self.length, n)
-        for mine, new in zip(self._layers(), cache.layers):
+            self.cache = joining[0][0]
+        for i, layer in enumerate(self._layers()):
             for name in ("keys", "values"):
-                a, b = getattr(mine, name), getattr(new, name)
-                a = torch.nn.functional.pad(a, (0, 0, T - a.shape[2], 0))
-                b = torch.nn.functional.pad(b, (0, 0, T - b.shape[2], 0))
-                setattr(mine, name, torch.cat([a, b]))
-        pad = lambda v: torch.nn.functional.pad(v, (T - v.shape[1], 0))  # noqa: E731
-        self.valid = torch.cat([pad(self.valid), pad(valid)])
+                ts = [getattr(c.layers[i], name) for c in parts]
+                out = ts[0].new_zeros(sum(t.shape[0] for t in ts), ts[0].shape[1], T, ts[0].shape[3])
+                row = 0
+                for t in ts:
+                    out[row : row + t.shape[0], :, T - t.shape[2] :] = t
+                    row += t.shape[0]
+                setattr(layer, name, out)
+        self.valid = torch.cat([torch.nn.functional.pad(v, (T - v.shape[1], 0)) for v in valids])
 
     def select(self, keep: Sequence[int]) -> None:
         """Keep only these rows (requests that leave are dropped)."""
@@ -256,12 +264,16 @@ class BatchedEngine:
                 on_finish(f)
 
         while queue or rows:
+            joining = []
             while queue and len(rows) < self.max_batch:
-                row = self._join(queue.popleft(), kv)
+                row, cache = self._join(queue.popleft())
                 if self._finished(row):
                     finish(row)
                 else:
                     rows.append(row)
+                    joining.append((cache, len(row.request.prompt_ids)))
+            if joining:
+                kv.add_many(joining)
             if not rows:
                 continue
             self._round(rows, kv)
@@ -277,8 +289,9 @@ class BatchedEngine:
     def _finished(self, row: _Row) -> bool:
         return row.done or row.out[-1] in self.eos
 
-    def _join(self, req: Request, kv: BatchKV) -> _Row:
-        """Prefill the prompt alone, sample the first token from the request's stream."""
+    def _join(self, req: Request):
+        """Prefill the prompt alone, sample the first token from the request's stream.
+        Returns the row and its prompt's KV cache."""
         _sync(self.target.device)
         t0 = time.perf_counter()
         dev = self.target.device
@@ -288,10 +301,7 @@ class BatchedEngine:
         logits, feats = _forward(self.target, ids, cache, self.layers, last_only=True)
         first = int(sample(logits_to_probs(logits[:, -1], self.temperature), gen))
         state = None if self.drafter is None else self.drafter.init_state()
-        row = _Row(req, gen, state, [first], ids, feats, t0)
-        if not self._finished(row):
-            kv.add(cache, ids.shape[1])
-        return row
+        return _Row(req, gen, state, [first], ids, feats, t0), cache
 
     def _propose(self, rows) -> list:
         """One batched drafter call; per-row (tokens [1,g], probs [1,g,V], conf [1,g] | None)."""
@@ -363,11 +373,13 @@ def profile_engine_sps(target: Target, rows: int, widths: Sequence[int], context
     g = torch.Generator().manual_seed(seed)
     dev = target.device
     kv = BatchKV(contiguous=has_sliding_window(target))
+    joining = []
     for _ in range(rows):
         cache = engine_cache()
         ids = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
         _forward(target, ids, cache, None, last_only=True)
-        kv.add(cache, context_len)
+        joining.append((cache, context_len))
+    kv.add_many(joining)
     by_tokens = {rows * int(w): int(w) for w in widths}
 
     def forward(B):
