@@ -312,3 +312,56 @@ def _rows_equal(both, alone):
         torch.testing.assert_close(both.probs[r : r + 1], p.probs, rtol=1e-4, atol=1e-5)
         if p.conf_logits is not None:
             torch.testing.assert_close(both.conf_logits[r : r + 1], p.conf_logits, rtol=1e-4, atol=1e-5)
+
+
+def test_row_groups_is_the_cheapest_partition():
+    """row_groups against brute force over every partition of the sorted rows
+    into contiguous groups (the optimum partition of a sorted list is contiguous)."""
+    import itertools
+
+    from deepspec.core.engine import row_groups
+
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        need = torch.from_numpy(rng.integers(1, 400, size=int(rng.integers(1, 7))))
+        over = int(rng.integers(0, 300))
+        s = sorted(need.tolist())
+
+        def cost(cuts):
+            b = [0, *cuts, len(s)]
+            return sum((j - i) * s[j - 1] + over for i, j in zip(b, b[1:]))
+
+        best = min(cost(c) for k in range(len(s)) for c in itertools.combinations(range(1, len(s)), k))
+        groups = row_groups(need, over)
+        assert sorted(torch.cat([g for g, _ in groups]).tolist()) == list(range(len(s)))
+        assert all(keep == int(need[g].max()) for g, keep in groups)
+        assert sum(len(g) * keep + over for g, keep in groups) == best
+
+
+def test_grouped_attention_is_exact(tiny_target, drafters, plain_greedy, monkeypatch):
+    """With no per-group overhead every distinct context length attends alone over
+    its own keys: the forward's logits equal the padded forward's, and batched
+    greedy decoding still equals plain decoding."""
+    from deepspec.core import engine
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 17, 9, 30]
+    kv = {}
+    for overhead in (None, 0):
+        monkeypatch.setattr(engine, "GROUP_OVERHEAD", 10**9 if overhead is None else 0)
+        b = BatchKV()
+        g.manual_seed(0)
+        joining = []
+        for n in lengths:
+            c = engine.engine_cache()
+            decode._forward(tiny_target, torch.randint(0, tiny_target.vocab_size, (1, n), generator=g), c, None,
+                            last_only=True)
+            joining.append((c, n))
+        b.add_many(joining)
+        ids = torch.randint(0, tiny_target.vocab_size, (4, 5), generator=g)
+        kv[overhead] = b.forward(tiny_target, ids, torch.tensor([5, 2, 4, 1]), None)[0]
+    assert len(engine.row_groups(torch.tensor(lengths) + 5, 0)) == 4
+    torch.testing.assert_close(kv[0], kv[None], rtol=1e-4, atol=1e-4)  # fp32 summation order only
+    eng = BatchedEngine(tiny_target, drafters["dspark"], feature_layers=LAYERS, temperature=0.0, max_batch=3)
+    got = _by_id(eng.generate([Request(i, p, 14 - 2 * (i % 3)) for i, p in enumerate(PROMPTS + PROMPTS[:2])]))
+    assert {i: f.tokens for i, f in got.items()} == plain_greedy

@@ -29,6 +29,7 @@ with RoPE positions = the request's verified length (explicit position_ids).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import time
@@ -37,8 +38,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .decode import Round, _forward, _sync, round_record, verify_row
 from .scheduler import SPSCurve, profile_sps
@@ -96,6 +99,74 @@ def _grouped_query_sdpa(on: bool):
     finally:
         if on:
             os.environ.pop(key) if old is None else os.environ.__setitem__(key, old)
+
+
+RAGGED_ATTENTION = "deepspec_ragged_sdpa"
+GROUP_OVERHEAD = 256  # one more attention call per layer, in (row x key) units of attention work
+_ROW_GROUPS: contextvars.ContextVar = contextvars.ContextVar("deepspec_row_groups", default=None)
+
+
+def row_groups(need: torch.Tensor, overhead: Optional[int] = None) -> list:
+    """Partition the rows of a padded batch into groups that attend separately,
+    each over the last max(need) keys of its rows: need[r] = how many trailing
+    key slots row r needs (its oldest verified token onward). Rows sorted by need,
+    contiguous groups chosen by dynamic programming to minimise
+    sum_g |g| * max need_g + overhead * #groups (exact partition of a sorted list).
+    Returns [(row index tensor, keys from the end)] - one group without ragged lengths."""
+    overhead = GROUP_OVERHEAD if overhead is None else overhead
+    order = torch.argsort(need, stable=True).tolist()
+    n = [int(need[i]) for i in order]
+    R = len(n)
+    best, cut = [0] + [None] * R, [0] * (R + 1)
+    for j in range(1, R + 1):  # best cost of the first j sorted rows
+        best[j], cut[j] = min((best[i] + (j - i) * n[j - 1] + overhead, i) for i in range(j))
+    groups, j = [], R
+    while j > 0:
+        i = cut[j]
+        groups.append((torch.tensor(order[i:j], device=need.device), n[j - 1]))
+        j = i
+    return groups[::-1]
+
+
+def _ragged_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, once per row group of `_ROW_GROUPS` over only the
+    keys that group needs (masked padding columns dropped): a padded batch with one
+    long prompt otherwise makes every row attend over the longest context. Exact:
+    the dropped columns are masked for every row of the group."""
+    groups = _ROW_GROUPS.get()
+    if groups is None or len(groups) == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    L, outs, rows = key.shape[2], [], []
+    for idx, keep in groups:
+        mask = None if attention_mask is None else attention_mask[idx][..., L - keep :]
+        out, _ = sdpa_attention_forward(module, query[idx], key[idx, :, L - keep :], value[idx, :, L - keep :], mask,
+                                        **kwargs)
+        outs.append(out)
+        rows.append(idx)
+    out = torch.empty((query.shape[0], *outs[0].shape[1:]), dtype=outs[0].dtype, device=outs[0].device)
+    out[torch.cat(rows)] = torch.cat(outs)
+    return out, None
+
+
+AttentionInterface.register(RAGGED_ATTENTION, _ragged_sdpa)
+AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def _ragged_attention(model, groups):
+    """Run `model`'s sdpa attention through `_ragged_sdpa` with these row groups."""
+    config = model.config
+    old = config._attn_implementation
+    if old != "sdpa" or groups is None:
+        yield
+        return
+    token = _ROW_GROUPS.set(groups)
+    config._attn_implementation = RAGGED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
+        _ROW_GROUPS.reset(token)
 
 
 class InPlaceLayer(DynamicLayer):
@@ -229,7 +300,8 @@ class BatchKV:
         R, W = ids.shape
         chunk = torch.arange(W, device=ids.device)[None] < widths[:, None]
         pos = self.valid.sum(1, keepdim=True) + torch.arange(W, device=ids.device)[None]
-        with _grouped_query_sdpa(ids.device.type == "cpu"):
+        groups = None if self.contiguous else row_groups(self.length + W - self.valid.int().argmax(1))
+        with _grouped_query_sdpa(ids.device.type == "cpu"), _ragged_attention(target.model, groups):
             out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
                                use_cache=True, output_hidden_states=layers is not None,
                                **{cache_kwarg(target.model): self.cache})
