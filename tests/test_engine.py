@@ -365,3 +365,21 @@ def test_grouped_attention_is_exact(tiny_target, drafters, plain_greedy, monkeyp
     eng = BatchedEngine(tiny_target, drafters["dspark"], feature_layers=LAYERS, temperature=0.0, max_batch=3)
     got = _by_id(eng.generate([Request(i, p, 14 - 2 * (i % 3)) for i, p in enumerate(PROMPTS + PROMPTS[:2])]))
     assert {i: f.tokens for i, f in got.items()} == plain_greedy
+
+
+def test_propose_batch_in_context_length_groups(tiny_target, drafters, monkeypatch):
+    """Drafters split the batch by context length (no per-group overhead: every
+    length its own group); each row still drafts what it drafts alone."""
+    from deepspec.drafters import dflash
+
+    monkeypatch.setattr(dflash, "DRAFT_GROUP_OVERHEAD", 0)
+    g = torch.Generator().manual_seed(7)
+    for m in ("dflash", "dspark", "eagle3"):
+        d = drafters[m]
+        states, feats, toks = [], [], []
+        for n in (5, 2, 9, 2):
+            ids = torch.randint(0, tiny_target.vocab_size, (1, n + 1), generator=g)
+            feats.append(tiny_target.features(ids[:, :-1], LAYERS)[0])
+            states.append(d.init_state())
+            toks.append(ids)
+        _batch_equals_alone(d, states, feats, toks)

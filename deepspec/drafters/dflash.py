@@ -282,7 +282,7 @@ class DFlashDrafter(DrafterBase):
         [R, gamma] tokens, [R, gamma, V] probs and [R, gamma] conf_logits (or None)."""
         self._extend_context(states, feats)
         anchor = torch.cat([t[:, -1] for t in tokens]).to(self.device)  # [R]
-        h = self._block_hidden(states, anchor)
+        h = self._grouped_block_hidden(states, anchor)
         toks, probs, conf = self._sample_block(h, anchor, temperature, generator)
         return Proposal(tokens=toks, probs=self.to_full_vocab(probs).float(), conf_logits=conf)
 
@@ -306,6 +306,22 @@ class DFlashDrafter(DrafterBase):
         for s, k in zip(states, n):
             s.n += k
 
+    def _grouped_block_hidden(self, states, anchor) -> torch.Tensor:
+        """`_block_hidden` over groups of requests with similar context lengths
+        (core.engine.row_groups; rows are independent), so that one long context
+        does not pad every request's context to its length."""
+        from ..core.engine import row_groups
+
+        groups = row_groups(torch.tensor([s.n for s in states]), DRAFT_GROUP_OVERHEAD) if len(states) > 1 else []
+        if len(groups) <= 1:
+            return self._block_hidden(states, anchor)
+        h = None
+        for idx, _ in groups:
+            hg = self._block_hidden([states[i] for i in idx.tolist()], anchor[idx.to(anchor.device)])
+            h = hg.new_empty(len(states), *hg.shape[1:]) if h is None else h
+            h[idx.to(h.device)] = hg
+        return h
+
     def _block_hidden(self, states, anchor) -> torch.Tensor:
         """The block pass for R requests: anchor + masks attend to each request's own
         verified context (right-padded to the longest, padding masked) and, fully, to
@@ -323,6 +339,11 @@ class DFlashDrafter(DrafterBase):
             cv = _padded([s.v[i] for s in states], L, layer, x)
             x = layer(x, ck, cv, cos, sin, mask)  # full attention: verified context + own block
         return self.norm(x)
+
+
+# A separate block pass per group costs about as much as attending over this many
+# more (request x context position) pairs (2 layers on SmolLM2's width, CPU).
+DRAFT_GROUP_OVERHEAD = 1024
 
 
 def _padded(kvs, L: int, layer, x) -> torch.Tensor:

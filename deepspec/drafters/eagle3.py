@@ -211,13 +211,36 @@ class Eagle3Drafter(DrafterBase):
     def propose_batch(self, states, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
         """One drafter call for R requests (the batched engine, core/engine.py): each
         request's new context goes through its own cache (step 0, as in `propose`),
-        then the gamma chain steps run once for all rows; row r's query attends to
-        its own context (right-padded to the longest, padding masked) and its own
+        then the gamma chain steps run once per group of requests with similar
+        context lengths (core.engine.row_groups); row r's query attends to its own
+        context (right-padded to its group's longest, padding masked) and its own
         chain. `generator` is one torch.Generator or one per request (a row then
         draws from its stream exactly as it would alone). Returns [R, gamma] tokens
         and [R, gamma, V] probs."""
+        from ..core.engine import row_groups
+        from .dflash import DRAFT_GROUP_OVERHEAD
+
         for s, f, t in zip(states, feats, tokens):
             self._extend_context(s, f, t)
+        R = len(states)
+        groups = row_groups(torch.tensor([s.n for s in states]), DRAFT_GROUP_OVERHEAD) if R > 1 else []
+        if len(groups) <= 1:
+            toks, probs = self._chain(states, temperature, generator)
+        else:
+            per_row = isinstance(generator, (list, tuple))
+            toks, probs = None, None
+            for idx, _ in groups:
+                rows = idx.tolist()
+                t, p = self._chain([states[i] for i in rows], temperature,
+                                   [generator[i] for i in rows] if per_row else generator)
+                if toks is None:
+                    toks, probs = t.new_empty(R, *t.shape[1:]), p.new_empty(R, *p.shape[1:])
+                toks[idx.to(t.device)], probs[idx.to(p.device)] = t, p
+        return Proposal(tokens=toks, probs=self.to_full_vocab(probs).float(), conf_logits=None)
+
+    def _chain(self, states, temperature, generator):
+        """The gamma chain steps for these requests over their right-padded contexts:
+        (target-id tokens [R, gamma], draft-vocab probs [R, gamma, V_d])."""
         dev, R = self.device, len(states)
         ns = torch.tensor([s.n for s in states], device=dev)
         L = int(ns.max())
@@ -235,6 +258,4 @@ class Eagle3Drafter(DrafterBase):
             if k + 1 < self.gamma:
                 mask = torch.cat([ctx_valid, ctx_valid.new_ones(R, k + 1)], 1).view(R, 1, 1, L + k + 1)
                 g = self._step(tok.view(R, 1), g, (ns + k).view(R, 1), mask, chain)
-        return Proposal(
-            tokens=torch.stack(toks, 1), probs=self.to_full_vocab(torch.stack(probs, 1)).float(), conf_logits=None
-        )
+        return torch.stack(toks, 1), torch.stack(probs, 1)
