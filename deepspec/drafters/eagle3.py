@@ -193,19 +193,24 @@ class Eagle3Drafter(DrafterBase):
     @torch.no_grad()
     def propose(self, state: ChainState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
         self._extend_context(state, feats, tokens)
-        P, g = state.n, state.last_hidden
+        P = state.n
+        pos0 = torch.full((1,), P, device=self.device, dtype=torch.long)
+        toks, probs = self._run_chain(state.last_hidden, pos0, state.cache, lambda k: None, temperature, generator)
+        state.cache.crop(P)  # keep only verified context
+        return Proposal(tokens=toks, probs=self.to_full_vocab(probs).float(), conf_logits=None)
+
+    def _run_chain(self, g, pos0, cache, mask_at, temperature, generator):
+        """gamma draft steps from the pre-norm hidden g [R, 1, d]; step k's query sits
+        at RoPE position pos0 + k [R] and attends through `cache` with mask_at(k).
+        Returns (target-id tokens [R, gamma], draft-vocab probs [R, gamma, V_d])."""
         toks, probs = [], []
         for k in range(self.gamma):
             tok, p = self._draw(g, temperature, generator)
             toks.append(tok)
             probs.append(p)
             if k + 1 < self.gamma:
-                pos = torch.full((1, 1), P + k, device=self.device, dtype=torch.long)
-                g = self._step(tok.view(1, 1), g, pos, None, state.cache)
-        state.cache.crop(P)  # keep only verified context
-        return Proposal(
-            tokens=torch.stack(toks, 1), probs=self.to_full_vocab(torch.stack(probs, 1)).float(), conf_logits=None
-        )
+                g = self._step(tok.view(-1, 1), g, (pos0 + k).view(-1, 1), mask_at(k), cache)
+        return torch.stack(toks, 1), torch.stack(probs, 1)
 
     @torch.no_grad()
     def propose_batch(self, states, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
@@ -249,13 +254,8 @@ class Eagle3Drafter(DrafterBase):
             chain.k[i] = stack_padded([s.cache.k[i] for s in states], L)
             chain.v[i] = stack_padded([s.cache.v[i] for s in states], L)
         ctx_valid = torch.arange(L, device=dev)[None] < ns[:, None]  # [R, L]
-        g = torch.cat([s.last_hidden for s in states])  # [R, 1, d]
-        toks, probs = [], []
-        for k in range(self.gamma):
-            tok, p = self._draw(g, temperature, generator)
-            toks.append(tok)
-            probs.append(p)
-            if k + 1 < self.gamma:
-                mask = torch.cat([ctx_valid, ctx_valid.new_ones(R, k + 1)], 1).view(R, 1, 1, L + k + 1)
-                g = self._step(tok.view(R, 1), g, (ns + k).view(R, 1), mask, chain)
-        return torch.stack(toks, 1), torch.stack(probs, 1)
+
+        def mask_at(k):  # own context (padding masked) and own chain so far
+            return torch.cat([ctx_valid, ctx_valid.new_ones(R, k + 1)], 1).view(R, 1, 1, L + k + 1)
+
+        return self._run_chain(torch.cat([s.last_hidden for s in states]), ns, chain, mask_at, temperature, generator)
