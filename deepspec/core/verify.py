@@ -40,13 +40,20 @@ def sample(probs: torch.Tensor, generator: Optional[Union[torch.Generator, Seque
     flat = probs.reshape(-1, V)
     if isinstance(generator, (list, tuple)):
         per = flat.shape[0] // len(generator)
-        u = torch.cat([torch.rand(per, generator=g, dtype=torch.float64, device=flat.device) for g in generator])
+        u = torch.cat([_uniform(per, g, flat.device) for g in generator])
     else:
-        u = torch.rand(flat.shape[0], generator=generator, dtype=torch.float64, device=flat.device)
+        u = _uniform(flat.shape[0], generator, flat.device)
     cdf = flat.double().cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     last = V - 1 - (flat > 0).flip(-1).int().argmax(-1)  # u * total can round up to total
     return torch.minimum(idx, last).reshape(probs.shape[:-1])
+
+
+def _uniform(n: int, generator: Optional[torch.Generator], device) -> torch.Tensor:
+    """n float64 U(0, 1) draws, made on the generator's own device (a CPU generator
+    may serve CUDA probabilities, as in regeneration) and moved to `device`."""
+    on = device if generator is None else generator.device
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=on).to(device)
 
 
 @dataclass
