@@ -132,8 +132,12 @@ def plain_greedy(tiny_target):
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("method", ["double", "dflash", "dspark", "eagle3"])
-def test_batched_greedy_equals_plain(tiny_target, drafters, plain_greedy, method, policy):
-    """Six requests through three rows (continuous batching: three join mid-run)."""
+def test_batched_greedy_equals_plain(tiny_target, drafters, plain_greedy, method, policy, monkeypatch):
+    """Six requests through three rows (continuous batching: three join mid-run,
+    each into the row of a request that left)."""
+    placed = []
+    put_many = BatchKV.put_many
+    monkeypatch.setattr(BatchKV, "put_many", lambda kv, p: (placed.extend(p), put_many(kv, p)))
     reqs = [Request(i, p, 14 - 2 * (i % 3)) for i, p in enumerate(PROMPTS + PROMPTS[:2])]
     eng = BatchedEngine(tiny_target, drafters[method], feature_layers=LAYERS, temperature=0.0, max_batch=3,
                         policy=POLICIES[policy]())
@@ -142,6 +146,7 @@ def test_batched_greedy_equals_plain(tiny_target, drafters, plain_greedy, method
         assert got[i].tokens == want, (method, policy, i)
         assert all(r["emitted"] >= 1 and 1 <= r["batch_size"] <= 3 for r in got[i].rounds)
     assert {r["batch_size"] for f in got.values() for r in f.rounds} >= {3}
+    assert len(placed) == 3
 
 
 def test_plain_batched_decoding(tiny_target, plain_greedy):
@@ -235,6 +240,31 @@ def test_batch_kv_compacts_and_keeps_rows(tiny_target):
         assert torch.equal(kv.cache.layers[0].keys[r][:, kv.valid[r]], before[r])
     kv.select([1, 3])
     assert kv.length == max(len(PROMPTS[1]), len(PROMPTS[3])) and torch.equal(kv.valid.sum(1), torch.tensor([4, 2]))
+
+
+def test_batch_kv_puts_a_request_in_a_left_row_in_place(tiny_target):
+    """A joining request overwrites a left request's row: its verified keys are its
+    prompt's, the other rows keep theirs, and a longer prompt grows the cache once."""
+    def prefill(p):
+        cache = decode.new_cache()
+        decode._forward(tiny_target, torch.tensor([p]), cache, None)
+        return cache
+
+    kv = BatchKV()
+    kv.add_many([(prefill(p), len(p)) for p in PROMPTS[:3]])
+    rows = lambda r: kv.cache.layers[1].values[r][:, kv.valid[r]]  # noqa: E731
+    kept = [rows(r).clone() for r in (0, 2)]
+    buf = kv.cache.layers[1].values.data_ptr()
+    short = prefill(PROMPTS[3])
+    kv.put_many([(1, short, len(PROMPTS[3]))])
+    assert kv.cache.layers[1].values.data_ptr() == buf  # in place: no copy of the batch
+    assert torch.equal(rows(1), short.layers[1].values[0]) and int(kv.valid[1].sum()) == len(PROMPTS[3])
+    assert all(torch.equal(rows(r), k) for r, k in zip((0, 2), kept))
+    assert float(kv.cache.layers[1].values[1][:, ~kv.valid[1]].abs().sum()) == 0.0  # masked slots zeroed
+    longer = PROMPTS[2] + PROMPTS[0]
+    kv.put_many([(0, prefill(longer), len(longer))])
+    assert kv.length == len(longer) and torch.equal(rows(0), prefill(longer).layers[1].values[0])
+    assert torch.equal(rows(2), kept[1]) and torch.equal(rows(1), short.layers[1].values[0])
 
 
 def test_profile_engine_sps(tiny_target):

@@ -14,7 +14,9 @@ Requests are independent: each has its own prompt length, its own
 torch.Generator seeded from the request (its draft and verification draws come
 from that stream in the order they would at batch size 1), and its own drafter
 state. Finished requests (EOS or max_new_tokens) leave and queued ones join
-(continuous batching); a joining request is prefilled alone.
+(continuous batching): a joining request is prefilled alone and takes the row
+of one that left in place (`BatchKV.put_many`); rows are dropped (a copy of the
+batch's cache) only when no request is queued.
 
 Ragged lengths are handled by padding (`BatchKV`): the target's transformers
 DynamicCache holds [R, H, L, hd] per layer with a validity mask [R, L]. A
@@ -253,6 +255,34 @@ class BatchKV:
                 setattr(layer, name, out)
         self.valid = torch.cat([torch.nn.functional.pad(v, (T - v.shape[1], 0)) for v in valids])
 
+    def put_many(self, placing: Sequence[tuple]) -> None:
+        """Put requests prefilled alone, (row, cache, n positions) each, into rows whose
+        requests left: each row's slots are overwritten in place (right-aligned,
+        left part masked and zeroed), so the other rows are not copied unless a
+        prompt is longer than the cache (then the cache grows on the left once)."""
+        T = max(n for _, _, n in placing)
+        if T > self.length:
+            self._pad_left(T - self.length)
+        L = self.length
+        for i, layer in enumerate(self._layers()):
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                for row, cache, n in placing:
+                    t[row, :, : L - n] = 0
+                    t[row, :, L - n :] = getattr(cache.layers[i], name)[0]
+        for row, _, n in placing:
+            self.valid[row] = torch.arange(L, device=self.valid.device) >= L - n
+        self._maybe_compact()
+
+    def _pad_left(self, d: int) -> None:
+        for layer in self._layers():
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                out = t.new_zeros(t.shape[0], t.shape[1], t.shape[2] + d, t.shape[3])
+                out[:, :, d:] = t
+                setattr(layer, name, out)
+        self.valid = torch.nn.functional.pad(self.valid, (d, 0))
+
     def select(self, keep: Sequence[int]) -> None:
         """Keep only these rows (requests that leave are dropped)."""
         if not keep:
@@ -335,24 +365,37 @@ class BatchedEngine:
             if on_finish:
                 on_finish(f)
 
+        def join():
+            """The next queued request that does not finish at its prefill: (row, cache) or None."""
+            while queue:
+                row, cache = self._join(queue.popleft())
+                if not self._finished(row):
+                    return row, cache
+                finish(row)
+            return None
+
         while queue or rows:
             joining = []
-            while queue and len(rows) < self.max_batch:
-                row, cache = self._join(queue.popleft())
-                if self._finished(row):
-                    finish(row)
-                else:
-                    rows.append(row)
-                    joining.append((cache, len(row.request.prompt_ids)))
+            while len(rows) < self.max_batch and (new := join()):
+                rows.append(new[0])
+                joining.append((new[1], len(new[0].request.prompt_ids)))
             if joining:
                 kv.add_many(joining)
             if not rows:
                 continue
             self._round(rows, kv)
             leaving = [i for i, r in enumerate(rows) if self._finished(r)]
+            for i in leaving:
+                finish(rows[i])
+            # queued requests take the rows of those that left, in place (no copy of the batch)
+            placing = []
+            while leaving and (new := join()):
+                i = leaving.pop(0)
+                rows[i] = new[0]
+                placing.append((i, new[1], len(new[0].request.prompt_ids)))
+            if placing:
+                kv.put_many(placing)
             if leaving:
-                for i in leaving:
-                    finish(rows[i])
                 keep = [i for i in range(len(rows)) if i not in leaving]
                 rows[:] = [rows[i] for i in keep]
                 kv.select(keep)
