@@ -25,12 +25,12 @@ its acceptance and confidences are then meaningless, only the costs are).
 import argparse
 import time
 
-import numpy as np
 import torch
 
 from deepspec.config import load_config, parse_set
 from deepspec.core.decode import speculative_generate
-from deepspec.core.engine import BatchedEngine, BatchKV, Request, padding_share, profile_engine_sps
+from deepspec.core.batch_cache import BatchKV
+from deepspec.core.engine import BatchedEngine, Request, padding_share, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.files import read_json
 from deepspec.pipeline.evaluate import drafter_path

@@ -29,7 +29,8 @@ import torch
 
 from deepspec.core import decode
 from deepspec.core.decode import plain_generate, speculative_generate
-from deepspec.core.engine import BatchedEngine, BatchKV, Request, profile_engine_sps
+from deepspec.core.batch_cache import BatchKV
+from deepspec.core.engine import BatchedEngine, Request, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
 from deepspec.drafters import build_drafter
@@ -275,7 +276,7 @@ def test_profile_engine_sps(tiny_target):
 @pytest.mark.parametrize("policy", ["fixed", "alg1"])
 def test_batched_greedy_equals_plain_on_gemma4(gemma4_target, policy):
     """A sliding-window target: the engine keeps every row's verified tokens adjacent."""
-    from deepspec.core.engine import has_sliding_window
+    from deepspec.core.batch_cache import has_sliding_window
 
     assert has_sliding_window(gemma4_target)
     d = DistortedTargetDrafter(gemma4_target, [0, 1], gamma=3, conf=True)
@@ -349,7 +350,7 @@ def test_row_groups_is_the_cheapest_partition():
     into contiguous groups (the optimum partition of a sorted list is contiguous)."""
     import itertools
 
-    from deepspec.core.engine import row_groups
+    from deepspec.core.batch_cache import row_groups
 
     rng = np.random.default_rng(1)
     for _ in range(30):
@@ -372,25 +373,25 @@ def test_grouped_attention_is_exact(tiny_target, drafters, plain_greedy, monkeyp
     """With no per-group overhead every distinct context length attends alone over
     its own keys: the forward's logits equal the padded forward's, and batched
     greedy decoding still equals plain decoding."""
-    from deepspec.core import engine
+    from deepspec.core import batch_cache
 
     g = torch.Generator().manual_seed(0)
     lengths = [3, 17, 9, 30]
     kv = {}
     for overhead in (None, 0):
-        monkeypatch.setattr(engine, "GROUP_OVERHEAD", 10**9 if overhead is None else 0)
+        monkeypatch.setattr(batch_cache, "GROUP_OVERHEAD", 10**9 if overhead is None else 0)
         b = BatchKV()
         g.manual_seed(0)
         joining = []
         for n in lengths:
-            c = engine.engine_cache()
+            c = batch_cache.engine_cache()
             decode._forward(tiny_target, torch.randint(0, tiny_target.vocab_size, (1, n), generator=g), c, None,
                             last_only=True)
             joining.append((c, n))
         b.add_many(joining)
         ids = torch.randint(0, tiny_target.vocab_size, (4, 5), generator=g)
         kv[overhead] = b.forward(tiny_target, ids, torch.tensor([5, 2, 4, 1]), None)[0]
-    assert len(engine.row_groups(torch.tensor(lengths) + 5, 0)) == 4
+    assert len(batch_cache.row_groups(torch.tensor(lengths) + 5, 0)) == 4
     torch.testing.assert_close(kv[0], kv[None], rtol=1e-4, atol=1e-4)  # fp32 summation order only
     eng = BatchedEngine(tiny_target, drafters["dspark"], feature_layers=LAYERS, temperature=0.0, max_batch=3)
     got = _by_id(eng.generate([Request(i, p, 14 - 2 * (i % 3)) for i, p in enumerate(PROMPTS + PROMPTS[:2])]))

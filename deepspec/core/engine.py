@@ -18,39 +18,24 @@ state. Finished requests (EOS or max_new_tokens) leave and queued ones join
 of one that left in place (`BatchKV.put_many`); rows are dropped (a copy of the
 batch's cache) only when no request is queued.
 
-Ragged lengths are handled by padding (`BatchKV`): the target's transformers
-DynamicCache holds [R, H, L, hd] per layer with a validity mask [R, L]. A
-round's chunk is left-aligned per row (anchor, drafts, then padding), so after
-verification a row keeps the first 1 + accepted slots of the chunk; the rest
-is masked and zeroed, and the cache is cropped to the longest kept prefix.
-The cache is compacted when over a quarter of its slots are needed by no row
-(left padding, which no compaction can remove, does not count). Every
-query attends to exactly its request's verified tokens (2-D attention mask),
-with RoPE positions = the request's verified length (explicit position_ids).
+Ragged lengths are handled by padding, in the batch cache of
+core/batch_cache.py (`BatchKV`: every row keeps only its verified tokens).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
-from transformers import AttentionInterface, DynamicCache
-from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .batch_cache import BatchKV, engine_cache, has_sliding_window
 from .decode import Round, _forward, _sync, round_record, verify_row
 from .scheduler import SPSCurve, profile_sps
-from .target import Target, cache_kwarg, select_features
+from .target import Target
 from .verify import logits_to_probs, sample
-
-COMPACT_FRACTION = 0.25  # compact when slots no row needs exceed this share of the cache
 
 
 @dataclass
@@ -83,259 +68,6 @@ class _Row:
     @property
     def done(self) -> bool:
         return len(self.out) >= self.request.max_new_tokens
-
-
-@contextlib.contextmanager
-def _grouped_query_sdpa(on: bool):
-    """transformers' sdpa attention copies K/V once per query head (repeat_kv)
-    whenever there is an attention mask, unless TRANSFORMERS_SDPA_FORCE_GQA=1
-    lets torch's sdpa group the heads itself. On CPU that is exact and 1.8-2.6x
-    faster for a masked batch forward (measured, SmolLM2-135M, 16 rows x 512
-    tokens); on CUDA a masked GQA call falls back to the math kernel, so only CPU
-    forwards set it, for the duration of the call."""
-    key, old = "TRANSFORMERS_SDPA_FORCE_GQA", os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
-    if on:
-        os.environ[key] = "1"
-    try:
-        yield
-    finally:
-        if on:
-            os.environ.pop(key) if old is None else os.environ.__setitem__(key, old)
-
-
-RAGGED_ATTENTION = "deepspec_ragged_sdpa"
-GROUP_OVERHEAD = 256  # one more attention call per layer, in (row x key) units of attention work
-_ROW_GROUPS: contextvars.ContextVar = contextvars.ContextVar("deepspec_row_groups", default=None)
-
-
-def row_groups(need: torch.Tensor, overhead: Optional[int] = None) -> list:
-    """Partition the rows of a padded batch into groups that attend separately,
-    each over the last max(need) keys of its rows: need[r] = how many trailing
-    key slots row r needs (its oldest verified token onward). Rows sorted by need,
-    contiguous groups chosen by dynamic programming to minimise
-    sum_g |g| * max need_g + overhead * #groups (exact partition of a sorted list).
-    Returns [(row index tensor, keys from the end)] - one group without ragged lengths."""
-    overhead = GROUP_OVERHEAD if overhead is None else overhead
-    order = torch.argsort(need, stable=True).tolist()
-    n = [int(need[i]) for i in order]
-    R = len(n)
-    best, cut = [0] + [None] * R, [0] * (R + 1)
-    for j in range(1, R + 1):  # best cost of the first j sorted rows
-        best[j], cut[j] = min((best[i] + (j - i) * n[j - 1] + overhead, i) for i in range(j))
-    groups, j = [], R
-    while j > 0:
-        i = cut[j]
-        groups.append((torch.tensor(order[i:j], device=need.device), n[j - 1]))
-        j = i
-    return groups[::-1]
-
-
-def _ragged_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention, once per row group of `_ROW_GROUPS` over only the
-    keys that group needs (masked padding columns dropped): a padded batch with one
-    long prompt otherwise makes every row attend over the longest context. Exact:
-    the dropped columns are masked for every row of the group."""
-    groups = _ROW_GROUPS.get()
-    if groups is None or len(groups) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    L, outs, rows = key.shape[2], [], []
-    for idx, keep in groups:
-        mask = None if attention_mask is None else attention_mask[idx][..., L - keep :]
-        out, _ = sdpa_attention_forward(module, query[idx], key[idx, :, L - keep :], value[idx, :, L - keep :], mask,
-                                        **kwargs)
-        outs.append(out)
-        rows.append(idx)
-    out = torch.empty((query.shape[0], *outs[0].shape[1:]), dtype=outs[0].dtype, device=outs[0].device)
-    out[torch.cat(rows)] = torch.cat(outs)
-    return out, None
-
-
-AttentionInterface.register(RAGGED_ATTENTION, _ragged_sdpa)
-AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)
-
-
-@contextlib.contextmanager
-def _ragged_attention(model, groups):
-    """Run `model`'s sdpa attention through `_ragged_sdpa` with these row groups."""
-    config = model.config
-    old = config._attn_implementation
-    if old != "sdpa" or groups is None:
-        yield
-        return
-    token = _ROW_GROUPS.set(groups)
-    config._attn_implementation = RAGGED_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = old
-        _ROW_GROUPS.reset(token)
-
-
-class InPlaceLayer(DynamicLayer):
-    """transformers' DynamicLayer.update concatenates, copying the whole cache at
-    every forward: 60 copies of [R, H, L, hd] per batched SmolLM2 round, 7-18 % of
-    the engine's target forward (measured). This layer keeps keys/values as views
-    [:, :, :n] of buffers with spare capacity and writes new positions in place.
-    Whatever replaces keys/values with a new tensor (crop and BatchKV.commit keep
-    a view; cat, gather and batch selection do not) is copied into a fresh buffer
-    at the next update, so every DynamicCache operation stays valid."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, m = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
-        if not (_prefix_view(self.keys, getattr(self, "_kbuf", None), key_states, n + m)
-                and _prefix_view(self.values, getattr(self, "_vbuf", None), value_states, n + m)):
-            cap = n + m + max(64, (n + m) // 2)
-            self._kbuf, self._vbuf = _grown(self.keys, key_states, n, cap), _grown(self.values, value_states, n, cap)
-        self._kbuf[:, :, n : n + m] = key_states
-        self._vbuf[:, :, n : n + m] = value_states
-        self.keys, self.values = self._kbuf[:, :, : n + m], self._vbuf[:, :, : n + m]
-        return self.keys, self.values
-
-
-def _prefix_view(t: torch.Tensor, buf: Optional[torch.Tensor], new: torch.Tensor, need: int) -> bool:
-    """Whether t is buf[:, :, :n] and buf has room up to `need` for rows shaped like `new`."""
-    return (buf is not None and t.dim() == 4 and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride()
-            and buf.shape[:2] == new.shape[:2] and buf.shape[3] == new.shape[3] and buf.shape[2] >= need)
-
-
-def _grown(old: torch.Tensor, new: torch.Tensor, n: int, cap: int) -> torch.Tensor:
-    buf = new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
-    if n:
-        buf[:, :, :n] = old
-    return buf
-
-
-def engine_cache() -> DynamicCache:
-    """An empty DynamicCache whose layers are `InPlaceLayer`s."""
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = InPlaceLayer
-    return cache
-
-
-class BatchKV:
-    """The target's KV cache for R rows: a DynamicCache [R, H, L, hd] per layer and
-    a validity mask [R, L]; row r's verified tokens are its valid slots, in order."""
-
-    def __init__(self, contiguous: bool = False):
-        # contiguous: keep every row's verified tokens adjacent (compact after each round), for
-        # sliding-window attention, which measures its window in cache slots, not positions
-        self.cache, self.valid, self.contiguous = None, None, contiguous
-
-    @property
-    def length(self) -> int:
-        return 0 if self.valid is None else self.valid.shape[1]
-
-    def _layers(self):
-        return self.cache.layers
-
-    def add(self, cache, n: int) -> None:
-        """Append a request prefilled alone (its cache holds n positions)."""
-        self.add_many([(cache, n)])
-
-    def add_many(self, joining: Sequence[tuple]) -> None:
-        """Append requests prefilled alone, (cache, n positions) each, left-padding
-        every row to a common length: one copy of the cache per layer however many
-        join (appending them one at a time would copy it once per request)."""
-        valids = ([self.valid] if self.cache is not None else []) + [
-            torch.ones(1, n, dtype=torch.bool, device=c.layers[0].keys.device) for c, n in joining]
-        parts = ([self.cache] if self.cache is not None else []) + [c for c, _ in joining]
-        T = max(v.shape[1] for v in valids)
-        if self.cache is None:
-            self.cache = joining[0][0]
-        for i, layer in enumerate(self._layers()):
-            for name in ("keys", "values"):
-                ts = [getattr(c.layers[i], name) for c in parts]
-                out = ts[0].new_zeros(sum(t.shape[0] for t in ts), ts[0].shape[1], T, ts[0].shape[3])
-                row = 0
-                for t in ts:
-                    out[row : row + t.shape[0], :, T - t.shape[2] :] = t
-                    row += t.shape[0]
-                setattr(layer, name, out)
-        self.valid = torch.cat([torch.nn.functional.pad(v, (T - v.shape[1], 0)) for v in valids])
-
-    def put_many(self, placing: Sequence[tuple]) -> None:
-        """Put requests prefilled alone, (row, cache, n positions) each, into rows whose
-        requests left: each row's slots are overwritten in place (right-aligned,
-        left part masked and zeroed), so the other rows are not copied unless a
-        prompt is longer than the cache (then the cache grows on the left once)."""
-        T = max(n for _, _, n in placing)
-        if T > self.length:
-            self._pad_left(T - self.length)
-        L = self.length
-        for i, layer in enumerate(self._layers()):
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                for row, cache, n in placing:
-                    t[row, :, : L - n] = 0
-                    t[row, :, L - n :] = getattr(cache.layers[i], name)[0]
-        for row, _, n in placing:
-            self.valid[row] = torch.arange(L, device=self.valid.device) >= L - n
-        self._maybe_compact()
-
-    def _pad_left(self, d: int) -> None:
-        for layer in self._layers():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                out = t.new_zeros(t.shape[0], t.shape[1], t.shape[2] + d, t.shape[3])
-                out[:, :, d:] = t
-                setattr(layer, name, out)
-        self.valid = torch.nn.functional.pad(self.valid, (d, 0))
-
-    def select(self, keep: Sequence[int]) -> None:
-        """Keep only these rows (requests that leave are dropped)."""
-        if not keep:
-            self.cache, self.valid = None, None
-            return
-        idx = torch.as_tensor(list(keep), device=self.valid.device)
-        self.cache.batch_select_indices(idx)
-        self.valid = self.valid[idx]
-        self._maybe_compact()
-
-    def commit(self, start: int, kept: torch.Tensor) -> None:
-        """After a round whose chunk began at `start`: row r keeps its first kept[r]
-        chunk slots (anchor + accepted drafts); the others are masked and zeroed."""
-        new_len = start + int(kept.max())
-        keep = torch.arange(new_len - start, device=kept.device)[None] < kept[:, None]  # [R, W']
-        for layer in self._layers():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)[:, :, :new_len]
-                t[:, :, start:] *= keep[:, None, :, None].to(t.dtype)
-                setattr(layer, name, t)
-        self.valid = torch.cat([self.valid[:, :start], keep], 1)
-        self._maybe_compact()
-
-    def _maybe_compact(self) -> None:
-        if self.contiguous or self.length - int(self.valid.sum(1).max()) > COMPACT_FRACTION * self.length:
-            self.compact(force=self.contiguous)
-
-    def compact(self, force: bool = False) -> None:
-        """Move each row's valid slots to the right end (order kept), dropping slots
-        no row needs; without `force` only when some slot is needed by no row."""
-        counts = self.valid.sum(1)
-        T, L = int(counts.max()), self.length
-        if T == L and not force:
-            return
-        order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, L - T :]  # [R, T]: masked first
-        self.valid = self.valid.gather(1, order)
-        for layer in self._layers():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                setattr(layer, name, t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], T, t.shape[3])))
-
-    def forward(self, target: Target, ids: torch.Tensor, widths: torch.Tensor, layers):
-        """Target forward of chunk ids [R, W] (row r's first widths[r] are real) after
-        each row's verified tokens. Returns (logits [R, W, V], features or None)."""
-        R, W = ids.shape
-        chunk = torch.arange(W, device=ids.device)[None] < widths[:, None]
-        pos = self.valid.sum(1, keepdim=True) + torch.arange(W, device=ids.device)[None]
-        groups = None if self.contiguous else row_groups(self.length + W - self.valid.int().argmax(1))
-        with _grouped_query_sdpa(ids.device.type == "cpu"), _ragged_attention(target.model, groups):
-            out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
-                               use_cache=True, output_hidden_states=layers is not None,
-                               **{cache_kwarg(target.model): self.cache})
-        return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
 
 
 class BatchedEngine:
@@ -469,14 +201,6 @@ class BatchedEngine:
             row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": rnd.width})
             row.ctx, row.feats = rnd.ctx, rnd.feats
             row.out.extend(emitted[: row.request.max_new_tokens - len(row.out)])
-
-
-def has_sliding_window(target: Target) -> bool:
-    """Whether some layer of the target attends through a sliding window (Gemma, Mistral, Qwen with it on)."""
-    c = target.text_config
-    if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
-        return True
-    return bool(getattr(c, "sliding_window", None)) and getattr(c, "use_sliding_window", True) is not False
 
 
 @torch.no_grad()

@@ -13,7 +13,6 @@ import copy
 import importlib
 import inspect
 from types import SimpleNamespace
-from typing import Optional
 
 import torch
 import torch.nn as nn

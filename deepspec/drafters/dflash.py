@@ -308,9 +308,9 @@ class DFlashDrafter(DrafterBase):
 
     def _grouped_block_hidden(self, states, anchor) -> torch.Tensor:
         """`_block_hidden` over groups of requests with similar context lengths
-        (core.engine.row_groups; rows are independent), so that one long context
+        (core.batch_cache.row_groups; rows are independent), so that one long context
         does not pad every request's context to its length."""
-        from ..core.engine import row_groups
+        from ..core.batch_cache import row_groups
 
         groups = row_groups(torch.tensor([s.n for s in states]), DRAFT_GROUP_OVERHEAD) if len(states) > 1 else []
         if len(groups) <= 1:

@@ -217,12 +217,12 @@ class Eagle3Drafter(DrafterBase):
         """One drafter call for R requests (the batched engine, core/engine.py): each
         request's new context goes through its own cache (step 0, as in `propose`),
         then the gamma chain steps run once per group of requests with similar
-        context lengths (core.engine.row_groups); row r's query attends to its own
+        context lengths (core.batch_cache.row_groups); row r's query attends to its own
         context (right-padded to its group's longest, padding masked) and its own
         chain. `generator` is one torch.Generator or one per request (a row then
         draws from its stream exactly as it would alone). Returns [R, gamma] tokens
         and [R, gamma, V] probs."""
-        from ..core.engine import row_groups
+        from ..core.batch_cache import row_groups
         from .dflash import DRAFT_GROUP_OVERHEAD
 
         for s, f, t in zip(states, feats, tokens):

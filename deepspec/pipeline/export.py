@@ -76,7 +76,7 @@ def deepspec_layout(d, target, mask_token_id=None):
     c = d.config
     family = c.model_type
     if family not in PREFIX:
-        _refuse(f"a {family} drafter as deepspec", f"DeepSpec has Qwen3 and Gemma4 drafter classes only")
+        _refuse(f"a {family} drafter as deepspec", "DeepSpec has Qwen3 and Gemma4 drafter classes only")
     if d.reduced_vocab:
         _refuse("as deepspec", "the layout has a full-vocabulary head; this drafter has a reduced draft vocabulary")
     cfg = dict(_base_config(d), num_target_layers=int(c.deepspec_target_num_layers),
