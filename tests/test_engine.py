@@ -239,8 +239,50 @@ def test_batch_kv_compacts_and_keeps_rows(tiny_target):
     assert kv.length == max(len(p) for p in PROMPTS) and bool(kv.valid[:, -1].all())
     for r in range(4):
         assert torch.equal(kv.cache.layers[0].keys[r][:, kv.valid[r]], before[r])
-    kv.select([1, 3])
-    assert kv.length == max(len(PROMPTS[1]), len(PROMPTS[3])) and torch.equal(kv.valid.sum(1), torch.tensor([4, 2]))
+    assert kv.remove([0, 2]) == [3, 1]  # the last row moves into the first free one
+    assert kv.length == max(len(PROMPTS[1]), len(PROMPTS[3])) and torch.equal(kv.valid.sum(1), torch.tensor([2, 4]))
+    for r, old in enumerate([3, 1]):
+        assert torch.equal(kv.cache.layers[0].keys[r][:, kv.valid[r]], before[old])
+
+
+def test_batch_kv_removes_rows_and_grows_left_without_copying_the_batch(tiny_target):
+    """With the engine's cache layers, removing rows and a longer joining prompt
+    keep the buffers (views, one row copied per move), every row keeps its verified
+    keys, and the next forward still equals the rows' own forwards."""
+    from deepspec.core.batch_cache import engine_cache
+
+    def prefill(p):
+        cache = engine_cache()
+        decode._forward(tiny_target, torch.tensor([p]), cache, None)
+        return cache
+
+    def rows(kv, r):
+        return kv.cache.layers[1].keys[r][:, kv.valid[r]]
+
+    prompts = PROMPTS + [PROMPT[2:]]
+    kv = BatchKV()
+    kv.add_many([(prefill(p), len(p)) for p in prompts])
+    ids, start = torch.tensor([[7, 8]] * len(prompts)), kv.length
+    kv.forward(tiny_target, ids, torch.full((len(prompts),), 2), None)  # moves the cache into the layers' buffers
+    kv.commit(start, torch.full((len(prompts),), 2))
+    buf = kv.cache.layers[1]._kbuf.data_ptr()
+    want = {r: rows(kv, r).clone() for r in range(len(prompts))}
+    order = kv.remove([1, 2])
+    assert order == [0, 3, 4] and kv.cache.layers[1]._kbuf.data_ptr() == buf
+    assert all(torch.equal(rows(kv, r), want[old]) for r, old in enumerate(order))
+    longer = PROMPTS[2] + PROMPTS[0] + PROMPTS[1]
+    kv.put_many([(1, prefill(longer), len(longer))])  # grows on the left: one copy into a buffer with room there
+    buf = kv.cache.layers[1]._kbuf.data_ptr()
+    longest = longer + [5]
+    kv.put_many([(2, prefill(longest), len(longest))])  # grows again, in place
+    assert kv.cache.layers[1]._kbuf.data_ptr() == buf and kv.length == len(longest)
+    assert torch.equal(rows(kv, 0), want[0]) and torch.equal(rows(kv, 1), prefill(longer).layers[1].keys[0])
+    assert float(kv.cache.layers[1].keys[0][:, ~kv.valid[0]].abs().sum()) == 0.0  # masked slots zeroed
+    seqs = [prompts[0] + [7, 8], longer, longest]
+    logits, _ = kv.forward(tiny_target, torch.tensor([[9]] * 3), torch.ones(3, dtype=torch.long), None)
+    for r, seq in enumerate(seqs):
+        alone = tiny_target.model(torch.tensor([seq + [9]])).logits[0, -1]
+        torch.testing.assert_close(logits[r, 0], alone, rtol=1e-4, atol=1e-4)
 
 
 def test_batch_kv_puts_a_request_in_a_left_row_in_place(tiny_target):

@@ -127,36 +127,82 @@ class InPlaceLayer(DynamicLayer):
     """transformers' DynamicLayer.update concatenates, copying the whole cache at
     every forward: 60 copies of [R, H, L, hd] per batched SmolLM2 round, 7-18 % of
     the engine's target forward (measured). This layer keeps keys/values as views
-    [:, :, :n] of buffers with spare capacity and writes new positions in place.
-    Whatever replaces keys/values with a new tensor (crop and BatchKV.commit keep
-    a view; cat, gather and batch selection do not) is copied into a fresh buffer
-    at the next update, so every DynamicCache operation stays valid."""
+    buf[:R, :, s:s+n] of buffers with spare rows, spare slots on the right (new
+    positions are written in place) and, after `pad_left`, on the left (a longer
+    joining prompt grows the cache without moving it). Whatever replaces
+    keys/values with a tensor that is not such a view (cat, gather, batch
+    selection do not give one; crop and BatchKV's row operations do) is copied
+    into a fresh buffer at the next update, so every DynamicCache operation stays
+    valid."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, m = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
-        if not (_prefix_view(self.keys, getattr(self, "_kbuf", None), key_states, n + m)
-                and _prefix_view(self.values, getattr(self, "_vbuf", None), value_states, n + m)):
-            cap = n + m + max(64, (n + m) // 2)
-            self._kbuf, self._vbuf = _grown(self.keys, key_states, n, cap), _grown(self.values, value_states, n, cap)
-        self._kbuf[:, :, n : n + m] = key_states
-        self._vbuf[:, :, n : n + m] = value_states
-        self.keys, self.values = self._kbuf[:, :, : n + m], self._vbuf[:, :, : n + m]
+        s = _window_start(self.keys, getattr(self, "_kbuf", None), key_states, n + m)
+        if s is None or s != _window_start(self.values, getattr(self, "_vbuf", None), value_states, n + m):
+            self._adopt(n + m + _room(n + m), 0, n, key_states, value_states)
+            s = 0
+        R = key_states.shape[0]
+        self._kbuf[:R, :, s + n : s + n + m] = key_states
+        self._vbuf[:R, :, s + n : s + n + m] = value_states
+        self.keys, self.values = self._kbuf[:R, :, s : s + n + m], self._vbuf[:R, :, s : s + n + m]
         return self.keys, self.values
 
+    def _adopt(self, cap: int, left: int, n: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """Copy the n current slots into fresh buffers of `cap` slots (rows and heads
+        shaped like `like_*`), starting at `left`."""
+        def grown(old, like):
+            buf = like.new_empty(like.shape[0], like.shape[1], cap, like.shape[3])
+            if n:
+                buf[:, :, left : left + n] = old
+            return buf
 
-def _prefix_view(t: torch.Tensor, buf: Optional[torch.Tensor], new: torch.Tensor, need: int) -> bool:
-    """Whether t is buf[:, :, :n] and buf has room up to `need` for rows shaped like `new`."""
-    return (buf is not None and t.dim() == 4 and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride()
-            and buf.shape[:2] == new.shape[:2] and buf.shape[3] == new.shape[3] and buf.shape[2] >= need)
+        self._kbuf, self._vbuf = grown(self.keys, like_k), grown(self.values, like_v)
+        self.keys, self.values = self._kbuf[:, :, left : left + n], self._vbuf[:, :, left : left + n]
+
+    def pad_left(self, d: int) -> None:
+        """d zero slots before every row's slots; in place when the buffers have room on the left."""
+        n = self.keys.shape[-2]
+        s = _window_start(self.keys, getattr(self, "_kbuf", None), self.keys, n)
+        if s is None or s < d or s != _window_start(self.values, getattr(self, "_vbuf", None), self.values, n):
+            s = d + _room(n + d)  # room to grow on both sides
+            self._adopt(s + n + _room(n + d), s, n, self.keys, self.values)
+        R = self.keys.shape[0]
+        for buf in (self._kbuf, self._vbuf):
+            buf[:R, :, s - d : s] = 0
+        self.keys, self.values = self._kbuf[:R, :, s - d : s + n], self._vbuf[:R, :, s - d : s + n]
+
+    def gather_slots(self, order: torch.Tensor) -> None:
+        """Row r keeps slots order[r] ([R, T]), gathered straight into fresh buffers
+        with room on the right (a plain gather would be copied again at the next update)."""
+        R, T = order.shape
+        cap = T + _room(T)
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            buf = t.new_empty(R, t.shape[1], cap, t.shape[3])
+            torch.gather(t, 2, order[:, None, :, None].expand(R, t.shape[1], T, t.shape[3]), out=buf[:, :, :T])
+            setattr(self, "_kbuf" if name == "keys" else "_vbuf", buf)
+            setattr(self, name, buf[:, :, :T])
 
 
-def _grown(old: torch.Tensor, new: torch.Tensor, n: int, cap: int) -> torch.Tensor:
-    buf = new.new_empty(new.shape[0], new.shape[1], cap, new.shape[3])
-    if n:
-        buf[:, :, :n] = old
-    return buf
+def _room(n: int) -> int:
+    """Spare slots a buffer of n slots gets on a side it grows on: growth is amortised
+    (a copy per many rounds) without doubling a long prompt's padded batch."""
+    return max(64, min(n // 2, 512))
+
+
+def _window_start(t: torch.Tensor, buf: Optional[torch.Tensor], new: torch.Tensor, need: int) -> Optional[int]:
+    """s when t is buf[:R, :, s:s+n] with R rows shaped like `new` and room up to s + `need`, else None."""
+    if buf is None or t.dim() != 4 or t.stride() != buf.stride() or t.shape[0] > buf.shape[0]:
+        return None
+    if t.shape[0] != new.shape[0] or buf.shape[1] != new.shape[1] or buf.shape[3] != new.shape[3]:
+        return None
+    off = t.data_ptr() - buf.data_ptr()
+    step = buf.stride(2) * buf.element_size()
+    if off < 0 or off % step or off // step + need > buf.shape[2] or (off // step) * buf.stride(2) >= buf.stride(1):
+        return None
+    return off // step
 
 
 def engine_cache() -> DynamicCache:
@@ -228,6 +274,9 @@ class BatchKV:
 
     def _pad_left(self, d: int) -> None:
         for layer in self._layers():
+            if isinstance(layer, InPlaceLayer):
+                layer.pad_left(d)  # in place when its buffers have room on the left
+                continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 out = t.new_zeros(t.shape[0], t.shape[1], t.shape[2] + d, t.shape[3])
@@ -235,15 +284,31 @@ class BatchKV:
                 setattr(layer, name, out)
         self.valid = torch.nn.functional.pad(self.valid, (d, 0))
 
-    def select(self, keep: Sequence[int]) -> None:
-        """Keep only these rows (requests that leave are dropped)."""
+    def remove(self, leaving: Sequence[int]) -> list[int]:
+        """Drop these rows (their requests left, none is queued): the last kept rows
+        move into the lowest free rows and the batch is cut to the kept rows, a view
+        (one row copied per leaving request, not the whole cache). Returns the old
+        row of each new row (the caller reorders its rows the same way)."""
+        gone = set(leaving)
+        keep = [i for i in range(self.valid.shape[0]) if i not in gone]
         if not keep:
             self.cache, self.valid = None, None
-            return
-        idx = torch.as_tensor(list(keep), device=self.valid.device)
-        self.cache.batch_select_indices(idx)
-        self.valid = self.valid[idx]
+            return []
+        R = len(keep)
+        moves = list(zip(sorted(i for i in gone if i < R), [i for i in keep if i >= R]))  # (free row, moved row)
+        for layer in self._layers():
+            for t in (layer.keys, layer.values):
+                for dst, src in moves:
+                    t[dst] = t[src]
+            layer.keys, layer.values = layer.keys[:R], layer.values[:R]  # views: InPlaceLayer keeps its buffers
+        for dst, src in moves:
+            self.valid[dst] = self.valid[src]
+        self.valid = self.valid[:R]
+        order = list(range(R))
+        for dst, src in moves:
+            order[dst] = src
         self._maybe_compact()
+        return order
 
     def commit(self, start: int, kept: torch.Tensor) -> None:
         """After a round whose chunk began at `start`: row r keeps its first kept[r]
@@ -272,6 +337,9 @@ class BatchKV:
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, L - T :]  # [R, T]: masked first
         self.valid = self.valid.gather(1, order)
         for layer in self._layers():
+            if isinstance(layer, InPlaceLayer):
+                layer.gather_slots(order)
+                continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)
                 setattr(layer, name, t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], T, t.shape[3])))

@@ -15,8 +15,9 @@ torch.Generator seeded from the request (its draft and verification draws come
 from that stream in the order they would at batch size 1), and its own drafter
 state. Finished requests (EOS or max_new_tokens) leave and queued ones join
 (continuous batching): a joining request is prefilled alone and takes the row
-of one that left in place (`BatchKV.put_many`); rows are dropped (a copy of the
-batch's cache) only when no request is queued.
+of one that left in place (`BatchKV.put_many`); with no request queued the batch
+shrinks (`BatchKV.remove`: the last rows move into the free ones, one row copied
+per leaving request).
 
 Ragged lengths are handled by padding, in the batch cache of
 core/batch_cache.py (`BatchKV`: every row keeps only its verified tokens).
@@ -127,10 +128,8 @@ class BatchedEngine:
                 placing.append((i, new[1], len(new[0].request.prompt_ids)))
             if placing:
                 kv.put_many(placing)
-            if leaving:
-                keep = [i for i in range(len(rows)) if i not in leaving]
-                rows[:] = [rows[i] for i in keep]
-                kv.select(keep)
+            if leaving:  # nothing queued: the batch shrinks
+                rows[:] = [rows[i] for i in kv.remove(leaving)]
         return done
 
     def _finished(self, row: _Row) -> bool:
