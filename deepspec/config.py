@@ -188,7 +188,7 @@ RULE_SETTINGS = {
                              "eval.temperature", "eval.seed", "eval.released_checkpoints", "throughput"],
     "fig7": ["target.name"],
 }
-EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.request_timeout_s",
+EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
                   "train.main_process_port", "eval.gpus"}

@@ -63,6 +63,10 @@ class RunPaths:
     def conversations(self) -> Path:
         return self.run / "regen" / "conversations.jsonl"
 
+    def conversations_shard(self, shard, shards: int) -> Path:
+        """Shard `shard` of `shards` of the regenerated conversations (regenerate.shards > 1)."""
+        return self.run / "regen" / "shards" / f"conversations.{shard}-of-{shards}.jsonl"
+
     def cache_dir(self) -> Path:
         return self.run / "cache"
 

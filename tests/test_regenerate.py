@@ -8,7 +8,8 @@ import torch
 
 from deepspec.pipeline.prompts import Prompt
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.regenerate import errors_path, filter_logits, regenerate, sample_next, settings_path
+from deepspec.pipeline.regenerate import (errors_path, filter_logits, merge_shards, regenerate, sample_next, settings_path,
+                                          shard_of)
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),
@@ -189,3 +190,36 @@ def test_server_errors_are_retried_then_counted(tiny_cfg, tmp_path, fake_server)
     assert stats["done"] == 2 and stats["skipped"] == 10
     assert len(_FakeServer.bodies) == n + 2  # only the two failed records were asked again
     assert len(_lines(out2)) == 12
+
+
+def test_shards_regenerate_the_same_records_and_merge_in_prompt_order(tiny_cfg, tiny_target, tmp_path):
+    cfg = _cfg(tiny_cfg, tmp_path, max_failed_fraction=0.5)
+    cfg["data"]["max_prompt_tokens"] = 45  # t:3's prompt (at least) is over it: error records
+    prompts = PROMPTS + [Prompt(id=f"u:{i}", turns=[f"Count to {i}."], source="u") for i in range(4)]
+    whole = tmp_path / "whole.jsonl"
+    regenerate(cfg, whole, prompts=prompts, target=tiny_target)
+    assert [p.id for p in shard_of(prompts, 1, 3)] == ["t:2", "u:1"]
+    with pytest.raises(DeepSpecError, match="0..2"):
+        shard_of(prompts, 3, 3)
+    parts = [tmp_path / f"s{i}.jsonl" for i in range(3)]
+    for i, part in enumerate(parts):
+        regenerate(cfg, part, prompts=shard_of(prompts, i, 3), target=tiny_target)
+    out = tmp_path / "merged.jsonl"
+    failed = [r["id"] for r in _lines(errors_path(whole))]
+    assert "t:3" in failed and merge_shards(cfg, parts, out, prompts=prompts) == len(prompts) - len(failed)
+    # each record has its own seed: the same answers as one job, in the prompts' order
+    merged = _lines(out)
+    assert [r["id"] for r in merged] == [p.id for p in prompts if p.id not in failed]
+    assert {r["id"]: r for r in merged} == {r["id"]: r for r in _lines(whole)}
+    assert [r["id"] for r in _lines(errors_path(out))] == [p.id for p in prompts if p.id in failed]
+    assert json.loads(settings_path(out).read_text()) == json.loads(settings_path(whole).read_text())
+    # what does not add up fails with one line naming the file
+    with pytest.raises(DeepSpecError, match="in no shard"):
+        merge_shards(cfg, parts[:2], tmp_path / "m2.jsonl", prompts=prompts)
+    with pytest.raises(DeepSpecError, match=r"s0.jsonl:1: record '.+' is also in .*s0.jsonl"):
+        merge_shards(cfg, [parts[0], parts[0]], tmp_path / "m3.jsonl", prompts=prompts)
+    with pytest.raises(DeepSpecError, match="other settings"):
+        merge_shards(_cfg(tiny_cfg, tmp_path, max_new_tokens=3), parts, tmp_path / "m4.jsonl", prompts=prompts)
+    with pytest.raises(DeepSpecError, match="not a training prompt"):
+        merge_shards(cfg, parts, tmp_path / "m5.jsonl", prompts=prompts[1:])
+    assert not any((tmp_path / f"m{i}.jsonl").exists() for i in (2, 3, 4, 5))
