@@ -137,6 +137,29 @@ def test_eagle3_precomputed_target_probs_match_per_step(tiny_target, tiny_cfg, b
     assert m0["c_star_1"] == pytest.approx(m1["c_star_1"], abs=1e-6)
 
 
+def test_eagle3_step_keeps_head_graphs_when_they_fit_and_reads_only_needed_positions(tiny_target, tiny_cfg, batch,
+                                                                                     monkeypatch):
+    """All TTT steps' rows within one chunk: the heads keep their graphs (no
+    checkpoint, no recomputation in the backward); one row fewer: each step's head
+    is checkpointed. Same loss and gradients. The p_t table holds only the positions
+    some step reads (none of the prompt's first tokens, no padding)."""
+    rows, calls = [], []
+    real_pt, real_ckpt = train_step._restricted_pt, train_step.checkpoint
+    monkeypatch.setattr(train_step, "_restricted_pt", lambda d, x, c: rows.append(x.shape[0]) or real_pt(d, x, c))
+    monkeypatch.setattr(train_step, "checkpoint", lambda *a, **k: calls.append(1) or real_ckpt(*a, **k))
+    _, m, _ = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch)
+    n = int(m["n_positions"])
+    l0, _, g0 = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch, chunk_positions=n)
+    assert not calls
+    l1, _, g1 = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch, chunk_positions=n - 1)
+    assert len(calls) == 7
+    assert torch.allclose(l0, l1, atol=1e-6) and torch.allclose(g0, g1, atol=1e-5)
+    # read: position p = t+1+s for rows t with the loss mask at t+s (t+s < length-1)
+    lm, am = batch["loss_mask"], batch["attention_mask"]
+    want = sum(int((lm[b, :-1] & am[b, 1:]).sum()) for b in range(lm.shape[0]))
+    assert rows[0] == want < batch["input_ids"].numel()
+
+
 @pytest.mark.parametrize("vocab", [None, 64])
 def test_block_target_probs_once_per_position_match_per_slot(tiny_target, tiny_cfg, batch, vocab):
     """p_t computed once per distinct (sequence, position) and gathered equals

@@ -37,6 +37,20 @@ def test_dry_run_plans_every_preset(tmp_path, preset):
         assert rule in out, f"{rule} missing from the plan of {preset}"
 
 
+def test_train_start_first_orders_training_jobs(tmp_path):
+    """train.start_first raises those methods' training jobs above the others (1),
+    in its order; a name that is no method of the preset stops the plan."""
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
+                   "train={start_first: [dspark, eagle3]}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    prio = dict(re.findall(r"method=(\w+)\n\s+priority: (\d+)", r.stdout + r.stderr))
+    assert prio == {"dspark": "3", "eagle3": "2", "dflash": "1"}, prio
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
+                   "train={start_first: [eagle]}")
+    assert r.returncode != 0 and "train.start_first: 'eagle' is none of this preset's methods" in r.stdout + r.stderr
+
+
 def _readme_snakemake_commands():
     """The `snakemake ...` lines of the README's bash blocks (comments dropped)."""
     cmds, in_bash = [], False

@@ -19,7 +19,9 @@ dominates the cost of a small drafter, so it is computed once per distinct
 sequence position and gathered by the blocks / steps that read it, as long as
 that table fits in `pt_table_bytes`; beyond, each chunk computes its own rows.
 The head terms run in chunks of `chunk_positions` positions under activation
-checkpointing, so no [positions, V] tensor outlives its chunk. DFlash's loss is
+checkpointing, so no [positions, V] tensor outlives its chunk; a chain step
+whose TTT steps' rows all fit in one chunk keeps their graphs instead (the same
+memory, no recomputation in the backward). DFlash's loss is
 CE only: there p_t serves only the logged c* and is skipped off log steps.
 `vocab_peak_bytes` bounds the vocabulary-sized memory of a step (table + one chunk).
 
@@ -235,15 +237,23 @@ def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     return loss, metrics
 
 
-def _chain_target_table(drafter, last, spec: StepSpec):
-    """p_t on the draft vocabulary for every position [B, L, K], or None when it
-    exceeds spec.pt_table_bytes. Every TTT step reads p_t at the same positions
-    shifted by one, so the full-vocabulary head runs once per position, not per
-    step (and not again in the checkpointed backward)."""
+@torch.no_grad()
+def _chain_target_table(drafter, last, src, valids, spec: StepSpec):
+    """p_t on the draft vocabulary once per distinct position some TTT step reads
+    (src[s][valids[s]], flat ids b*L + position): (table [U, K], row of each flat
+    id [B*L], -1 where none), or None when the table exceeds spec.pt_table_bytes.
+    Every TTT step reads p_t at the same positions shifted by one, so the
+    full-vocabulary head runs once per position, not per step (and not again in
+    the checkpointed backward); positions no step reads (the prompt's) not at all."""
     B, L = last.shape[:2]
-    if B * L * drafter.draft_vocab_size * 4 > spec.pt_table_bytes:
+    base = torch.arange(B, device=last.device).view(B, 1) * L
+    flat = torch.cat([(base + sr)[v] for sr, v in zip(src, valids)])
+    uniq = torch.unique(flat)
+    if uniq.numel() * drafter.draft_vocab_size * 4 > spec.pt_table_bytes:
         return None
-    return _restricted_pt(drafter, last.reshape(B * L, -1), spec.chunk_positions)[0].view(B, L, -1)
+    row = torch.full((B * L,), -1, dtype=torch.long, device=last.device)
+    row[uniq] = torch.arange(uniq.numel(), device=last.device)
+    return _restricted_pt(drafter, last.reshape(B * L, -1)[uniq], spec.chunk_positions)[0], row
 
 
 def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
@@ -258,29 +268,32 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     last = batch["last_hidden"].to(dev)
     outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev))
     t = torch.arange(L, device=dev)
-    pt_all = _chain_target_table(drafter, last, spec)
+    valids = [chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask) for s in range(len(outs))]
+    srcs = [(t + 1 + s).clamp(max=L - 1).expand(B, L) for s in range(len(outs))]  # row t's target: p_t at t+1+s
+    table = _chain_target_table(drafter, last, srcs, valids, spec)
     # per row: its row of the p_t table (read inside the chunk: no [rows, K] copy
     # per step outlives its chunk), or (too large a table) the final hidden state
-    table = (torch.arange(B, device=dev).view(B, 1, 1) * L + t.view(1, L, 1)) if pt_all is not None else last
+    x = table[1].view(B, L, 1) if table is not None else last
+    # the steps' heads keep their graphs (no recomputation in the backward) when all
+    # their rows together fit in one chunk, the memory one checkpointed chunk takes
+    alone = sum(int(v.sum()) for v in valids) <= spec.chunk_positions
 
     def terms(h_, x_):
         logp = torch.log_softmax(drafter.draft_logits(h_).float(), -1)
-        if pt_all is not None:
-            pt = pt_all.view(B * L, -1)[x_.squeeze(-1)]
+        if table is not None:
+            pt = table[0][x_.squeeze(-1)]
         else:
             pt = drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
         return soft_ce_terms(logp, pt)
 
     metrics, cs, step_losses, n_pos = {}, [], [], 0
-    for s, h in enumerate(outs):
-        valid = chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask)
-        src = (t + 1 + s).clamp(max=L - 1).expand(B, L)  # row t's target: p_t at t+1+s (token t+2+s)
+    for s, (h, valid, src) in enumerate(zip(outs, valids, srcs)):
         if not valid.any():
             metrics[f"loss_step_{s + 1}"] = 0.0
             cs.append(0.0)
             step_losses.append(None)
             continue
-        sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(table, src)[valid], alone=len(outs) == 1)
+        sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(x, src)[valid], alone=alone)
         step_losses.append(sce.sum() / chain_normalizer(valid, spec.coef.eagle3_normalizer))
         metrics[f"loss_step_{s + 1}"] = float(step_losses[-1].detach())
         cs.append(float(cstar.mean()))

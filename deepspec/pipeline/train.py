@@ -433,7 +433,8 @@ def step_spec(cfg: dict) -> StepSpec:
     coef = LossWeights(ce_alpha=L["ce_alpha"], l1_alpha=L["l1_alpha"], conf_alpha=L["conf_alpha"],
                        decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"],
                        eagle3_row_mask=L["eagle3_row_mask"], eagle3_normalizer=L["eagle3_normalizer"])
-    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), coef=coef)
+    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), coef=coef,
+                    chunk_positions=int(cfg["train"]["chunk_positions"]))
 
 
 def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool] = None) -> TrainResult:

@@ -52,6 +52,9 @@ METHODS = list(CFG["train"]["methods"])
 FIG3_METHODS = fig3_methods(CFG)
 FIG4_METHODS = fig4_methods(CFG)
 ALL_METHODS = list(dict.fromkeys(METHODS + FIG3_METHODS + FIG4_METHODS))
+for _m in CFG["train"]["start_first"]:
+    if _m not in ALL_METHODS:
+        raise DeepSpecError(f"train.start_first: '{_m}' is none of this preset's methods ({', '.join(ALL_METHODS)})")
 BENCHMARKS = list(CFG["data"]["benchmarks"])
 # The prompt files the preset reads, under data.root (DEEPSPEC_DATA overrides);
 # prepare_data builds the missing ones. A missing file without a known source
@@ -106,6 +109,12 @@ def train_data(wc):
     if CFG["cache"]["mode"] == "online":
         return str(paths.conversations())
     return str(paths.cache_dir() / "manifest.json")
+
+
+def train_priority(wc):
+    """1 for every training job, more for train.start_first's methods (the first highest)."""
+    first = CFG["train"]["start_first"]
+    return 1 + (len(first) - first.index(wc.method) if wc.method in first else 0)
 
 
 def train_prompt_files(wc):

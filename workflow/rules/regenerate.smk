@@ -31,6 +31,7 @@ if REGEN_SHARDS == 1:
         params:
             settings=settings("regenerate"),
         threads: res("regenerate", "threads", 2)
+        priority: 1
         resources:
             **REGEN_RESOURCES,
         shell:
@@ -53,6 +54,8 @@ else:
         params:
             settings=settings("regenerate"),
         threads: res("regenerate", "threads", 2)
+        # the critical path: the shards start before the baselines, which fill the cores later
+        priority: 1
         resources:
             **REGEN_RESOURCES,
         shell:
@@ -70,5 +73,6 @@ else:
         params:
             settings=settings("regenerate"),
         threads: 1
+        priority: 1
         shell:
             "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} --out {output:q} > {log:q} 2>&1"
