@@ -114,6 +114,9 @@ def measure(cfg: dict, target, drafter, method: str, names, temperatures=None) -
     for c in tp["concurrency"]:
         prompts = load_prompts(cfg, target, max(tp["requests"], c))
         sps = engine_sps(cfg, target, c, drafter.gamma) if any(n.startswith("alg1") for n in names) else None
+        if sps is not None:  # the curve Algorithm 1 decides by: what explains its choices
+            log.info("SPS(B) at concurrency %d: %s", c, ", ".join(f"B={int(b)}: {v:.1f}/s" for b, v in
+                                                               zip(sps.batch_tokens, sps.steps_per_s)))
         for name in names:
             pol = make_policy(name, sps=sps, temperatures=temperatures)
             row = run_load(target, None if name == "plain" else drafter, prompts, policy=pol, concurrency=c,
