@@ -8,8 +8,8 @@ import torch
 
 from deepspec.pipeline.prompts import Prompt
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.regenerate import (errors_path, filter_logits, merge_shards, regenerate, sample_next, settings_path,
-                                          shard_of)
+from deepspec.pipeline.regen_shards import merge_shards, shard_of
+from deepspec.pipeline.regenerate import errors_path, filter_logits, regenerate, sample_next, settings_path
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),

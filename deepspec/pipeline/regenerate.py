@@ -56,7 +56,7 @@ from ..config import rule_settings, settings_fingerprint
 from ..core.target import cache_kwarg
 from ..core.verify import sample
 from ..errors import DeepSpecError
-from ..files import read_json, require_file, write_json_atomic, write_text_atomic
+from ..files import read_json, write_json_atomic
 from ..paths import RunPaths
 from .conversations import with_system_prompt
 from .prompts import Prompt, load_train_prompts
@@ -426,58 +426,6 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
     return stats
 
 
-def shard_of(prompts: list[Prompt], shard: int, shards: int) -> list[Prompt]:
-    """The prompts of shard `shard` of `shards`: every shards-th from the shard-th,
-    so each shard gets a like share of every source (and of long prompts)."""
-    if not 0 <= shard < shards:
-        raise DeepSpecError(f"--shard {shard}/{shards}: the shard must be in 0..{shards - 1}")
-    return prompts[shard::shards]
-
-
-def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optional[str | os.PathLike] = None, *,
-                 prompts: Optional[list[Prompt]] = None) -> int:
-    """The records of the shards' files as one conversations file `out`, in the
-    order of `prompts`; their failures likewise in the errors file beside it.
-    Every shard must come from `regenerate` under this run's settings, and every
-    prompt must be in exactly one shard's records or errors. Returns the number of records."""
-    out = Path(out) if out else RunPaths.of(cfg).conversations()
-    prompts = load_train_prompts(cfg) if prompts is None else prompts
-    rank = {p.id: i for i, p in enumerate(prompts)}
-    fp = settings_fingerprint(cfg, "regenerate")
-    recs, errs, seen = [], [], {}
-    for f in map(Path, shard_files):
-        require_file(f, "regenerated shard")
-        made = read_json(settings_path(f), default={}).get("fingerprint")
-        if made != fp:
-            raise DeepSpecError(f"{f} was regenerated under other settings (fingerprint {made}, this run {fp}): "
-                                "rerun its shard")
-        for name, rows in ((f, recs), (errors_path(f), errs)):
-            if not name.exists():
-                continue
-            for k, line in enumerate(name.read_text(encoding="utf-8").splitlines(), 1):
-                try:
-                    rec = json.loads(line)
-                    pid = rec["id"]
-                except (ValueError, KeyError, TypeError):
-                    raise DeepSpecError(f"{name}:{k}: not a JSON record with an id") from None
-                if pid not in rank:
-                    raise DeepSpecError(f"{name}:{k}: record {pid!r} is not a training prompt of this run")
-                if pid in seen:
-                    raise DeepSpecError(f"{name}:{k}: record {pid!r} is also in {seen[pid]}")
-                seen[pid] = name
-                rows.append(rec)
-    missing = [p.id for p in prompts if p.id not in seen]
-    if missing:
-        raise DeepSpecError(f"{len(missing)} training prompts are in no shard (first: {missing[0]!r}): the shards "
-                            f"given ({len(shard_files)}) are not all of this run's")
-    for path, rows in ((out, recs), (errors_path(out), errs)):
-        rows = sorted(rows, key=lambda r: rank[r["id"]])
-        write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate")})
-    log.info("merged %d shards: %d records, %d failed -> %s", len(shard_files), len(recs), len(errs), out)
-    return len(recs)
-
-
 def _forget_other_settings(cfg: dict, out: Path, partial: Path) -> None:
     """Records made under other regeneration settings are never reused: when
     the settings fingerprint differs from the one recorded beside `out` (or
@@ -531,25 +479,21 @@ def cli_regenerate(argv) -> int:
     add_config_args(p)
     p.add_argument("--out", help="conversations JSONL (default: <results>/<target>/regen/conversations.jsonl)")
     p.add_argument("--limit", type=int, help="only the first N training prompts (quick runs)")
-    p.add_argument("--shard", metavar="I/N", help="regenerate only shard I of N (every N-th prompt from the I-th); "
-                                                  "--out defaults to <results>/<target>/regen/shards/")
-    p.add_argument("--merge", nargs="+", metavar="SHARD", help="merge these shard files into --out instead")
+    one = p.add_mutually_exclusive_group()
+    one.add_argument("--shard", metavar="I/N", help="only shard I of N (regen_shards.py); --out defaults to regen/shards/")
+    one.add_argument("--merge", nargs="+", metavar="SHARD", help="merge these shard files into --out instead")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     prompts = load_train_prompts(cfg)
     if args.limit:
         prompts = prompts[: args.limit]
+    from .regen_shards import merge_shards, parse_shard, shard_of
     if args.merge:
-        if args.shard:
-            raise DeepSpecError("--merge and --shard: give one")
         merge_shards(cfg, args.merge, args.out, prompts=prompts)
         return 0
     out = args.out
     if args.shard:
-        try:
-            shard, shards = (int(x) for x in args.shard.split("/"))
-        except ValueError:
-            raise DeepSpecError(f"--shard {args.shard!r}: expected I/N, e.g. 0/2") from None
+        shard, shards = parse_shard(args.shard)
         prompts = shard_of(prompts, shard, shards)
         out = out or RunPaths.of(cfg).conversations_shard(shard, shards)
     regenerate(cfg, out, prompts=prompts)

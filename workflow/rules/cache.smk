@@ -16,7 +16,6 @@ rule build_cache:
         settings=settings("build_cache"),
         out=lambda wc, output: str(Path(output[0]).parent),
     threads: res("build_cache", "threads", 2)
-    priority: 1  # the critical path (the baselines are needed only by the evaluations)
     resources:
         mem_mb=res("build_cache", "mem_mb", 6000),
         runtime=res("build_cache", "runtime", 60),
