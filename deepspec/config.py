@@ -191,7 +191,8 @@ RULE_SETTINGS = {
 EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
-                  "train.main_process_port", "train.start_first", "train.chunk_positions", "eval.gpus"}
+                  "train.main_process_port", "train.start_first", "train.chunk_positions", "eval.gpus",
+                  "eval.baseline_jobs"}
 
 
 def _pick(cfg: dict, dotted: str):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deepspec.cli import main
+from deepspec.errors import DeepSpecError
 from deepspec.pipeline.evaluate import cli_baseline, cli_evaluate, cli_schedule
 
 N_PROMPTS = 4
@@ -36,6 +37,8 @@ def setup(tmp_path_factory, tiny_cfg, tiny_target):
 
 def test_baseline_evaluate_schedule(setup, shared_data):
     ev, args = setup
+    with pytest.raises(DeepSpecError, match="--benchmark nope: not a benchmark of this preset"):
+        cli_baseline(args + ["--benchmark", "nope"])
     assert cli_baseline(args + ["--benchmark", "gsm8k"]) == 0
     base = json.loads((ev / "baseline/gsm8k.json").read_text())
     assert base["n_samples"] == SPEED == len(base["sample_ids"])  # the timed sample: the first eval.speed_prompts

@@ -119,6 +119,25 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
     assert T.warmup_steps(3, 0.04) == 1 and T.lr_factor(0, 3, 1) == 1.0
 
 
+def test_optimizer_is_fused_adamw_with_the_for_loop_update():
+    """make_optimizer uses torch's fused AdamW on CPU; its updates equal the
+    reference for-loop AdamW's (same lr schedule) up to rounding."""
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(64, 48, generator=g)
+    grads = [torch.randn(64, 48, generator=g) * (torch.rand(64, 48, generator=g) < 0.2) for _ in range(12)]
+    p = nn.Parameter(init.clone())
+    opt, sched = T.make_optimizer([p], train_cfg(lr=1e-2), 12)
+    assert opt.defaults["fused"] is True
+    q = nn.Parameter(init.clone())
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.0, foreach=False)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, sched.lr_lambdas[0])
+    for grad in grads:
+        p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step(), sched.step(), ref.step(), ref_sched.step()
+    assert not torch.equal(p.detach(), init)
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=1e-6)
+
+
 def test_plan_steps_and_sampler():
     assert T.plan_steps(10, train_cfg(global_batch=4)) == (2, 2)
     assert T.plan_steps(10, train_cfg(global_batch=4, epochs=1.5)) == (2, 3)

@@ -107,7 +107,7 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
 
 EVAL = {"evaluate": 3, "report": 1}  # one evaluate job per method (all benchmarks)
 CHANGES = {  # tiny preset: 3 drafters, 3 benchmarks
-    "eval={max_new_tokens: 12}": {"baseline": 3, **EVAL},
+    "eval={max_new_tokens: 12}": {"baseline_0": 1, "baseline_1": 1, **EVAL},  # eval.baseline_jobs: 2
     "regenerate={temperature: 0.5}": {"regenerate_shard": 2, "regenerate": 1, "build_cache": 1, "train": 3, **EVAL},
     "cache={shard_tokens: 1000}": {"build_cache": 1, "train": 3, **EVAL},
     "train={lr: 0.001}": {"train": 3, **EVAL},

@@ -247,7 +247,9 @@ def cli_evaluate(argv) -> int:
 
 
 # --------------------------------------------------------------------------- baseline
-def run_baselines(cfg: dict, target, prompts, kinds) -> dict[str, list[dict]]:
+def run_baselines(cfg: dict, target, prompts, kinds, *, warmup: bool = True) -> dict[str, list[dict]]:
+    """Each baseline kind over `prompts`, timed one prompt at a time (after one
+    short untimed run of each kind, unless this process has made it already)."""
     from tqdm import tqdm
 
     from ..core.decode import plain_generate, prompt_lookup_generate
@@ -263,7 +265,8 @@ def run_baselines(cfg: dict, target, prompts, kinds) -> dict[str, list[dict]]:
 
     out = {}
     for kind in kinds:
-        _warmup(lambda: one(kind, 0, prompts[0][1], 4))
+        if warmup:
+            _warmup(lambda: one(kind, 0, prompts[0][1], 4))
         out[kind] = []
         for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"baseline {kind}", unit="prompt")):
             gen = one(kind, idx, ids, ev["max_new_tokens"])
@@ -274,17 +277,29 @@ def run_baselines(cfg: dict, target, prompts, kinds) -> dict[str, list[dict]]:
 def cli_baseline(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec baseline", description="plain and prompt-lookup decoding baselines")
     add_config_args(p)
-    p.add_argument("--benchmark", required=True)
-    p.add_argument("--out", help="summary JSON (default R/T/eval/baseline/<benchmark>.json); per-sample CSV beside it")
+    p.add_argument("--benchmark", action="append", help="repeatable (default: every benchmark of the preset)")
+    p.add_argument("--out-dir", help="directory for <benchmark>.json and .csv (default R/T/eval/baseline/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from .target import target_from_config
 
-    out_json = Path(args.out) if args.out else RunPaths.of(cfg).baseline(args.benchmark)
+    benches = args.benchmark or list(cfg["data"]["benchmarks"])
+    for b in benches:
+        if b not in cfg["data"]["benchmarks"]:
+            raise DeepSpecError(f"--benchmark {b}: not a benchmark of this preset ({', '.join(cfg['data']['benchmarks'])})")
+    paths = RunPaths.of(cfg)
     target = target_from_config(cfg)
-    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, args.benchmark))
-    runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"])
-    summary = {"target": cfg["target"]["name"], "benchmark": args.benchmark, "n_samples": len(prompts),
+    # one process for every benchmark: the start-up (~7 s) and the warm-up are paid once
+    for i, bench in enumerate(benches):
+        out_json = Path(args.out_dir) / f"{bench}.json" if args.out_dir else paths.baseline(bench)
+        _write_baseline(cfg, target, bench, out_json, warmup=i == 0)
+    return 0
+
+
+def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bool) -> None:
+    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, bench))
+    runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"], warmup=warmup)
+    summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts),
                "sample_ids": [p.id for p, _ in prompts],
                "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"]}
@@ -293,11 +308,10 @@ def cli_baseline(argv) -> int:
                          "total_new_tokens": sum(s["new_tokens"] for s in samples),
                          "total_time_s": sum(s["time_s"] for s in samples),
                          "new_tokens": [s["new_tokens"] for s in samples]}
-        log.info("baseline %s/%s: %.2f tokens/s", kind, args.benchmark, summary[kind]["tokens_per_s"])
+        log.info("baseline %s/%s: %.2f tokens/s", kind, bench, summary[kind]["tokens_per_s"])
     rows = [{"baseline": k, **s} for k, samples in runs.items() for s in samples]
     write_csv_atomic(pd.DataFrame(rows, columns=["baseline", "sample_id", "new_tokens", "time_s"]), out_json.with_suffix(".csv"))
     write_json_atomic(out_json, json_safe(summary))
-    return 0
 
 
 # --------------------------------------------------------------------------- schedule

@@ -29,6 +29,7 @@ import torch
 from .. import paths
 from ..core.target import Target, eos_ids_of
 from ..errors import DeepSpecError
+from ..runtime import keep_large_allocations_on_heap
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,8 @@ def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool
     dev = device or t["device"]
     if dev == "cuda" and not torch.cuda.is_available():
         raise DeepSpecError("target.device is 'cuda' but no GPU is visible (set --set target.device=cpu)")
+    if dev == "cpu":
+        keep_large_allocations_on_heap()  # CPU runs: no page faults per large temporary
     target = load_target(
         t["spec"],
         path=paths.RunPaths.of(cfg).target_checkpoint(),

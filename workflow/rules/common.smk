@@ -122,9 +122,9 @@ def train_prompt_files(wc):
     return [str(DATA_ROOT / e["path"]) for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
 
 
-def benchmark_file(wc):
-    path = CFG["data"]["benchmarks"][wc.benchmark]["path"]
-    return [] if path.startswith("hub:") else str(DATA_ROOT / path)
+# the benchmark prompt files on disk (a hub: benchmark is read from the hub)
+BENCHMARK_FILES = [str(DATA_ROOT / f) for f in (CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS)
+                   if not f.startswith("hub:")]
 
 
 def eval_inputs(wc):
@@ -133,9 +133,8 @@ def eval_inputs(wc):
     released checkpoint (eval.released_checkpoints) is evaluated from the hub
     and needs no trained drafter."""
     paths = RunPaths.of(CFG, target=wc.target)
-    files = [CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS]
     inputs = {"target": target_checkpoint(wc), "baselines": [str(paths.baseline(b)) for b in BENCHMARKS],
-              "prompts": [str(DATA_ROOT / f) for f in files if not f.startswith("hub:")]}
+              "prompts": BENCHMARK_FILES}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = str(paths.drafter_dir(wc.method) / "config.json")
     return inputs

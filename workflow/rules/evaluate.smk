@@ -1,7 +1,7 @@
 # Speculative-decoding evaluation (paper Sec. 4, Table 1;
 # deepspec/pipeline/evaluate.py): one job per (target, method) decoding every
 # benchmark with the batched engine (its first eval.speed_prompts prompts per
-# benchmark alone and timed), the drafter-free baselines per benchmark, and DSpark's verify-smarter analysis
+# benchmark alone and timed), the drafter-free baselines (one job), and DSpark's verify-smarter analysis
 # (threshold sweep, STS calibration, Algorithm 1). GPU presets expose GPU 0
 # unless CUDA_VISIBLE_DEVICES is already set (e.g. by SLURM).
 EVAL_GPUS = int(CFG["eval"]["gpus"])
@@ -35,26 +35,39 @@ rule evaluate:
         "--method {wildcards.method} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
-rule baseline:
-    input:
-        target=target_checkpoint,
-        prompts=benchmark_file,
-    output:
-        json=str(P.baseline("{benchmark}")),
-        csv=str(P.baseline("{benchmark}").with_suffix(".csv")),
-    log:
-        str(P.log("baseline_{benchmark}")),
-    benchmark:
-        str(P.log("baseline_{benchmark}").with_suffix(".benchmark.tsv"))
-    params:
-        settings=settings("baseline"),
-        env=EVAL_ENV,
-    threads: res("evaluate", "threads", 2)
-    resources:
-        **EVAL_RESOURCES,
-    shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec baseline {CONFIG_ARGS} "
-        "--benchmark {wildcards.benchmark} --out {output.json:q} > {log:q} 2>&1"
+# The drafter-free baselines: eval.baseline_jobs jobs, each timing every N-th
+# benchmark (from the I-th) in one process, so the start-up (~7 s) and the
+# warm-up are paid once per job, not per benchmark. On CPU, two one-thread jobs
+# fill both cores between the regeneration and the cache.
+BASELINE_PARTS = [BENCHMARKS[i :: int(CFG["eval"]["baseline_jobs"])]
+                  for i in range(min(int(CFG["eval"]["baseline_jobs"]), len(BENCHMARKS)))]
+
+for _i, _benches in enumerate(BASELINE_PARTS):
+
+    rule:
+        name:
+            "baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}"
+        input:
+            target=target_checkpoint,
+            prompts=BENCHMARK_FILES,
+        output:
+            json=[str(P.baseline(b)) for b in _benches],
+            csv=[str(P.baseline(b).with_suffix(".csv")) for b in _benches],
+        log:
+            str(P.log("baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}")),
+        benchmark:
+            str(P.log("baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}").with_suffix(".benchmark.tsv"))
+        params:
+            benchmarks=" ".join(f"--benchmark {shlex.quote(b)}" for b in _benches),
+            out_dir=lambda wc, output: str(Path(output.json[0]).parent),
+            settings=settings("baseline"),
+            env=EVAL_ENV,
+        threads: res("evaluate", "threads", 2)
+        resources:
+            **EVAL_RESOURCES,
+        shell:
+            "OMP_NUM_THREADS={threads} {params.env}python -m deepspec baseline {CONFIG_ARGS} "
+            "{params.benchmarks} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 # Figures 5 and 6 and the Algorithm 1 simulation, from DSpark's records of one benchmark.
