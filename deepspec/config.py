@@ -180,7 +180,7 @@ RULE_SETTINGS = {
     "evaluate": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
     "baseline": _TARGET + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.temperature",
                            "eval.max_new_tokens", "eval.seed", "eval.baselines", "eval.prompt_lookup_num_tokens",
-                           "eval.speed_prompts"],
+                           "eval.speed_prompts", "eval.speed_benchmarks"],
     "schedule": _TARGET + ["data.max_length", "eval", "ablations.thresholds"],
     "report": ["preset", "description", "target", "data.benchmarks", "drafter", "train", "eval"],
     "ablation": ["data.benchmarks", "drafter", "train.max_steps", "eval", "ablations"],

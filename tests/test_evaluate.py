@@ -37,7 +37,7 @@ def setup(tmp_path_factory, tiny_cfg, tiny_target):
 
 def test_baseline_evaluate_schedule(setup, shared_data):
     ev, args = setup
-    with pytest.raises(DeepSpecError, match="--benchmark nope: not a benchmark of this preset"):
+    with pytest.raises(DeepSpecError, match="--benchmark nope: not a timed benchmark of this preset"):
         cli_baseline(args + ["--benchmark", "nope"])
     assert cli_baseline(args + ["--benchmark", "gsm8k"]) == 0
     base = json.loads((ev / "baseline/gsm8k.json").read_text())
@@ -140,5 +140,10 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         df = pd.read_csv(tmp_path / f"{bench}.csv")
         s = json.loads((tmp_path / f"{bench}.json").read_text())
         assert (df["benchmark"] == bench).all() and s["rounds"] == len(df) and s["engine"]["batch_size"] == 3
-        # one engine for the whole run: every prompt past each benchmark's timed sample (gsm8k 4, the others 2)
-        assert s["engine"]["requests"] == (N_PROMPTS - SPEED) + 2 * (2 - SPEED) and df["batch_size"].max() <= 3
+        # one engine for the whole run: every prompt past each timed benchmark's timed sample (gsm8k 4 prompts,
+        # mt-bench 2) and every prompt of humaneval (2), which the tiny preset leaves out of eval.speed_benchmarks
+        assert s["engine"]["requests"] == (N_PROMPTS - SPEED) + (2 - SPEED) + 2 and df["batch_size"].max() <= 3
+        timed = [x["sample_id"] for x in s["samples"] if x.get("batch1", True)]
+        assert len(timed) == (0 if bench == "humaneval" else SPEED) and len(s["samples"]) == s["n_samples"]
+        if bench == "humaneval":  # nothing timed: no tokens/s, no speedup
+            assert s["speedup_vs_plain"] is None and s["tokens_per_s"] is None

@@ -12,6 +12,7 @@ from deepspec.pipeline.preflight import preflight
     ({"train": {"micro_batch": 3}}, r"global_batch \(4\) must be a multiple of train.micro_batch \(3\)"),
     ({"target": {"feature_layers": [0, 1]}}, "layer 1 is out of range for the 2-layer target"),
     ({"target": {"feature_layers": [-2]}}, "minimum of -1"),
+    ({"eval": {"speed_benchmarks": ["gsm8k", "mbpp"]}}, "eval.speed_benchmarks: 'mbpp' is not a benchmark of this preset"),
 ])
 def test_preflight_stops_at_plan_time(over, msg):
     with pytest.raises(DeepSpecError, match=msg):

@@ -33,7 +33,7 @@ from ..errors import DeepSpecError
 from ..files import json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from .methods import resolve_method
-from .prompts import benchmark_prompt_ids
+from .prompts import benchmark_prompt_ids, speed_benchmarks
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,15 @@ def _tokens_per_s(samples: list[dict]) -> float:
     return sum(s["new_tokens"] for s in samples) / t if t > 0 else float("nan")
 
 
-def speed_sample(cfg: dict, prompts: list) -> list:
+def n_speed(cfg: dict, benchmark: str) -> int:
+    """How many of a benchmark's first prompts are timed at batch size 1: eval.speed_prompts
+    for the timed benchmarks (eval.speed_benchmarks), none for the others."""
+    return cfg["eval"]["speed_prompts"] if benchmark in speed_benchmarks(cfg) else 0
+
+
+def speed_sample(cfg: dict, prompts: list, benchmark: str) -> list:
     """The small fixed sample timed at batch size 1 (speedup vs plain): the first eval.speed_prompts."""
-    return prompts[: cfg["eval"]["speed_prompts"]]
+    return prompts[: n_speed(cfg, benchmark)]
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -134,8 +140,8 @@ def _layers(cfg: dict, drafter) -> list:
     return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
 
 
-def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: int):
-    """Every prompt of every benchmark but the first `skip` of each through one
+def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict):
+    """Every prompt of every benchmark b but its first skip[b] through one
     BatchedEngine at eval.batch_size (fixed gamma, or the static threshold when
     eval.confidence_threshold > 0). Returns ({benchmark: (records, samples)}, engine info)."""
     from ..core.engine import BatchedEngine, Request, padding_share
@@ -146,7 +152,7 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     engine = BatchedEngine(target, drafter, feature_layers=_layers(cfg, drafter), temperature=ev["temperature"],
                            policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"])
     reqs = [Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i)
-            for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip]
+            for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
     reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
     out = {b: ([], []) for b in bench_prompts}
     t0 = time.perf_counter()
@@ -178,10 +184,11 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
     out = {}
     for b, prompts in bench_prompts.items():
         domain = cfg["data"]["benchmarks"][b]["domain"]
-        speed = speed_sample(cfg, prompts)
+        speed = speed_sample(cfg, prompts, b)
         out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain) if speed \
             else (pd.DataFrame(), [])
-    batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method, skip=cfg["eval"]["speed_prompts"])
+    batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
+                                skip={b: n_speed(cfg, b) for b in bench_prompts})
     for b, (df, samples) in batched.items():
         df0, s0 = out[b]
         df = pd.concat([d for d in (df0, df) if len(d)], ignore_index=True) if len(df0) or len(df) else df0
@@ -277,16 +284,18 @@ def run_baselines(cfg: dict, target, prompts, kinds, *, warmup: bool = True) -> 
 def cli_baseline(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec baseline", description="plain and prompt-lookup decoding baselines")
     add_config_args(p)
-    p.add_argument("--benchmark", action="append", help="repeatable (default: every benchmark of the preset)")
+    p.add_argument("--benchmark", action="append", help="repeatable (default: every timed benchmark, eval.speed_benchmarks)")
     p.add_argument("--out-dir", help="directory for <benchmark>.json and .csv (default R/T/eval/baseline/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from .target import target_from_config
 
-    benches = args.benchmark or list(cfg["data"]["benchmarks"])
+    timed = speed_benchmarks(cfg)
+    benches = args.benchmark or timed
     for b in benches:
-        if b not in cfg["data"]["benchmarks"]:
-            raise DeepSpecError(f"--benchmark {b}: not a benchmark of this preset ({', '.join(cfg['data']['benchmarks'])})")
+        if b not in timed:
+            raise DeepSpecError(f"--benchmark {b}: not a timed benchmark of this preset ({', '.join(timed)}; "
+                                "eval.speed_benchmarks)")
     paths = RunPaths.of(cfg)
     target = target_from_config(cfg)
     # one process for every benchmark: the start-up (~7 s) and the warm-up are paid once
@@ -297,7 +306,7 @@ def cli_baseline(argv) -> int:
 
 
 def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bool) -> None:
-    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, bench))
+    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, bench), bench)
     runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"], warmup=warmup)
     summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts),
                "sample_ids": [p.id for p, _ in prompts],

@@ -49,6 +49,10 @@ def preflight(cfg: dict) -> None:
     if int(t["global_batch"]) % (world * int(t["micro_batch"])):
         raise DeepSpecError(f"train.global_batch ({t['global_batch']}) must be a multiple of train.micro_batch "
                             f"({t['micro_batch']}) x processes ({world})")
+    for name in cfg["eval"].get("speed_benchmarks") or []:
+        if name not in cfg["data"]["benchmarks"]:
+            raise DeepSpecError(f"eval.speed_benchmarks: '{name}' is not a benchmark of this preset "
+                                f"({', '.join(cfg['data']['benchmarks'])})")
     n = target_num_layers(cfg)
     for layer in cfg["target"]["feature_layers"]:
         if n is not None and not -1 <= int(layer) <= n - 2:

@@ -122,6 +122,16 @@ def load_benchmark(cfg: dict, name: str) -> list[Prompt]:
     return rows
 
 
+def speed_benchmarks(cfg: dict) -> list[str]:
+    """The benchmarks whose first eval.speed_prompts prompts are decoded alone and
+    timed (tokens/s, speedup vs plain): eval.speed_benchmarks, or every benchmark
+    (none when eval.speed_prompts is 0)."""
+    names = cfg["eval"].get("speed_benchmarks")
+    if not cfg["eval"]["speed_prompts"]:
+        return []
+    return list(cfg["data"]["benchmarks"]) if names is None else [b for b in cfg["data"]["benchmarks"] if b in names]
+
+
 def check_prompt_length(n_tokens: int, limit: int, where: str) -> None:
     if n_tokens == 0:
         raise DeepSpecError(f"{where}: empty prompt")

@@ -18,7 +18,7 @@ from deepspec.pipeline.launch import launcher as train_launcher
 from deepspec.pipeline.methods import fig3_methods, fig4_methods
 from deepspec.pipeline.preflight import preflight
 from deepspec.pipeline.prepare_data import check_sources, needed_files
-from deepspec.pipeline.prompts import data_root
+from deepspec.pipeline.prompts import data_root, speed_benchmarks
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2
@@ -122,18 +122,20 @@ def train_prompt_files(wc):
     return [str(DATA_ROOT / e["path"]) for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
 
 
+# the benchmarks with a batch-1 timed sample, and so a baseline (eval.speed_benchmarks)
+SPEED_BENCHMARKS = speed_benchmarks(CFG)
 # the benchmark prompt files on disk (a hub: benchmark is read from the hub)
 BENCHMARK_FILES = [str(DATA_ROOT / f) for f in (CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS)
                    if not f.startswith("hub:")]
 
 
 def eval_inputs(wc):
-    """evaluate (one job per method, every benchmark) waits for every benchmark's
-    baseline so that its summaries carry speedup_vs_plain. A method with a
+    """evaluate (one job per method, every benchmark) waits for every timed
+    benchmark's baseline so that its summaries carry speedup_vs_plain. A method with a
     released checkpoint (eval.released_checkpoints) is evaluated from the hub
     and needs no trained drafter."""
     paths = RunPaths.of(CFG, target=wc.target)
-    inputs = {"target": target_checkpoint(wc), "baselines": [str(paths.baseline(b)) for b in BENCHMARKS],
+    inputs = {"target": target_checkpoint(wc), "baselines": [str(paths.baseline(b)) for b in SPEED_BENCHMARKS],
               "prompts": BENCHMARK_FILES}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = str(paths.drafter_dir(wc.method) / "config.json")

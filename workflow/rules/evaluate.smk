@@ -1,9 +1,9 @@
 # Speculative-decoding evaluation (paper Sec. 4, Table 1;
 # deepspec/pipeline/evaluate.py): one job per (target, method) decoding every
-# benchmark with the batched engine (its first eval.speed_prompts prompts per
-# benchmark alone and timed), the drafter-free baselines (one job), and DSpark's verify-smarter analysis
-# (threshold sweep, STS calibration, Algorithm 1). GPU presets expose GPU 0
-# unless CUDA_VISIBLE_DEVICES is already set (e.g. by SLURM).
+# benchmark with the batched engine (the first eval.speed_prompts prompts of each
+# timed benchmark alone), the drafter-free baselines, and DSpark's
+# verify-smarter analysis (threshold sweep, STS calibration, Algorithm 1). GPU
+# presets expose GPU 0 unless CUDA_VISIBLE_DEVICES is already set (e.g. by SLURM).
 EVAL_GPUS = int(CFG["eval"]["gpus"])
 EVAL_ENV = gpu_env(min(EVAL_GPUS, 1))
 EVAL_RESOURCES = dict(
@@ -35,12 +35,13 @@ rule evaluate:
         "--method {wildcards.method} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
-# The drafter-free baselines: eval.baseline_jobs jobs, each timing every N-th
-# benchmark (from the I-th) in one process, so the start-up (~7 s) and the
-# warm-up are paid once per job, not per benchmark. On CPU, two one-thread jobs
-# fill both cores between the regeneration and the cache.
-BASELINE_PARTS = [BENCHMARKS[i :: int(CFG["eval"]["baseline_jobs"])]
-                  for i in range(min(int(CFG["eval"]["baseline_jobs"]), len(BENCHMARKS)))]
+# The drafter-free baselines of the timed benchmarks (eval.speed_benchmarks):
+# eval.baseline_jobs jobs, each timing every N-th of them (from the I-th) in one
+# process, so the start-up (~7 s) and the warm-up are paid once per job, not
+# per benchmark. On CPU, two one-thread jobs fill both cores between the
+# regeneration and the cache.
+BASELINE_PARTS = [SPEED_BENCHMARKS[i :: int(CFG["eval"]["baseline_jobs"])]
+                  for i in range(min(int(CFG["eval"]["baseline_jobs"]), len(SPEED_BENCHMARKS)))]
 
 for _i, _benches in enumerate(BASELINE_PARTS):
 
