@@ -242,7 +242,7 @@ def _speed_scope(cfg) -> str:
         return "not timed (eval.speed_prompts is 0)"
     which = "every benchmark" if len(timed) == len(cfg["data"]["benchmarks"]) else \
         ", ".join(paper.BENCHMARK_LABEL.get(b, b) for b in timed)
-    return f"timed on the first {n} prompt{'s' if n != 1 else ''} of {which}"
+    return f"timed on the first {n} prompts of {which}" if n != 1 else f"timed on the first prompt of {which}"
 
 
 def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path) -> None:
