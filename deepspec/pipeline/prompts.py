@@ -126,9 +126,9 @@ def speed_benchmarks(cfg: dict) -> list[str]:
     """The benchmarks whose first eval.speed_prompts prompts are decoded alone and
     timed (tokens/s, speedup vs plain): eval.speed_benchmarks, or every benchmark
     (none when eval.speed_prompts is 0)."""
-    names = cfg["eval"].get("speed_benchmarks")
     if not cfg["eval"]["speed_prompts"]:
         return []
+    names = cfg["eval"].get("speed_benchmarks")
     return list(cfg["data"]["benchmarks"]) if names is None else [b for b in cfg["data"]["benchmarks"] if b in names]
 
 

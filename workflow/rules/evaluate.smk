@@ -44,10 +44,11 @@ BASELINE_PARTS = [SPEED_BENCHMARKS[i :: int(CFG["eval"]["baseline_jobs"])]
                   for i in range(min(int(CFG["eval"]["baseline_jobs"]), len(SPEED_BENCHMARKS)))]
 
 for _i, _benches in enumerate(BASELINE_PARTS):
+    _name = "baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}"
 
     rule:
         name:
-            "baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}"
+            _name
         input:
             target=target_checkpoint,
             prompts=BENCHMARK_FILES,
@@ -55,9 +56,9 @@ for _i, _benches in enumerate(BASELINE_PARTS):
             json=[str(P.baseline(b)) for b in _benches],
             csv=[str(P.baseline(b).with_suffix(".csv")) for b in _benches],
         log:
-            str(P.log("baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}")),
+            str(P.log(_name)),
         benchmark:
-            str(P.log("baseline" if len(BASELINE_PARTS) == 1 else f"baseline_{_i}").with_suffix(".benchmark.tsv"))
+            str(P.log(_name).with_suffix(".benchmark.tsv"))
         params:
             benchmarks=" ".join(f"--benchmark {shlex.quote(b)}" for b in _benches),
             out_dir=lambda wc, output: str(Path(output.json[0]).parent),
