@@ -147,3 +147,35 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         assert len(timed) == (0 if bench == "humaneval" else SPEED) and len(s["samples"]) == s["n_samples"]
         if bench == "humaneval":  # nothing timed: no tokens/s, no speedup
             assert s["speedup_vs_plain"] is None and s["tokens_per_s"] is None
+
+
+def test_over_long_prompts_are_skipped_and_named(setup, shared_data, tiny_cfg, tiny_target, tmp_path, caplog):
+    """A benchmark prompt over data.max_prompt_tokens is left out (a warning names it) by baseline and evaluate
+    alike, so both time the same prompts, and both summaries say how many were skipped."""
+    import logging
+
+    from deepspec.config import load_config
+    from deepspec.pipeline.prompts import benchmark_prompt_set
+
+    ev, args = setup
+    cfg = load_config("tiny", {"resources_dir": tiny_cfg["resources_dir"], "data": {
+        "root": tiny_cfg["data"]["root"], "max_prompt_tokens": 10**6, "benchmarks": {"gsm8k": {"cap": N_PROMPTS}}}})
+    lengths = [len(ids) for _, ids in benchmark_prompt_set(cfg, tiny_target, "gsm8k")[0]]
+    limit = sorted(lengths)[-2]  # the longest prompt (at least) is over it
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    assert over and len(over) < N_PROMPTS
+    lim = ["--set", f"data.max_prompt_tokens={limit}", "--benchmark", "gsm8k"]
+    with caplog.at_level(logging.WARNING, logger="deepspec.pipeline.prompts"):
+        assert cli_baseline(args + lim + ["--out-dir", str(tmp_path / "base")]) == 0
+    warned = [r.getMessage() for r in caplog.records if "over data.max_prompt_tokens" in r.getMessage()]
+    assert warned and all(f"#{i} " in warned[0] and f"({lengths[i]} tokens)" in warned[0] for i in over)
+    assert cli_evaluate(args + lim + ["--method", "dspark", "--out", str(tmp_path / "dspark.csv")]) == 0
+    base = json.loads((tmp_path / "base/gsm8k.json").read_text())
+    s = json.loads((tmp_path / "dspark.json").read_text())
+    for summary in (base, s):
+        assert summary["n_skipped_prompts"] == len(over) and summary["max_prompt_tokens"] == limit
+        assert [x["index"] for x in summary["skipped_prompts"]] == over
+    assert s["n_samples"] == N_PROMPTS - len(over)
+    skipped_ids = {x["sample_id"] for x in s["skipped_prompts"]}
+    assert not skipped_ids & set(pd.read_csv(tmp_path / "dspark.csv")["sample_id"])
+    assert base["sample_ids"] == [x["sample_id"] for x in s["samples"] if x.get("batch1", True)]

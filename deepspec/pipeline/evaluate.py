@@ -33,7 +33,7 @@ from ..errors import DeepSpecError
 from ..files import json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from .methods import resolve_method
-from .prompts import benchmark_prompt_ids, speed_benchmarks
+from .prompts import benchmark_prompt_set, speed_benchmarks
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,8 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
     return out, info
 
 
-def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict):
+def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict,
+                     skipped: list):
     """Summary JSON (tau with CI, positions, tokens/s of the batch-1 sample, speedup) beside the records."""
     paths = RunPaths.of(cfg)
     domain = cfg["data"]["benchmarks"][bench]["domain"]
@@ -207,13 +208,20 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
     summary = {"target": cfg["target"]["name"], "method": method, "benchmark": bench, "domain": domain,
                "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
                "max_new_tokens": cfg["eval"]["max_new_tokens"],
-               "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine, **summary}
+               "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine,
+               **_skipped_fields(cfg, skipped), **summary}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
     speedup = summary["speedup_vs_plain"]
     log.info("%s/%s: tau %.3f [%.3f, %.3f], %.2f tokens/s (batch 1), speedup vs plain %s -> %s", method, bench,
              summary["tau"], summary["tau_ci_low"], summary["tau_ci_high"], summary["tokens_per_s"],
              "n/a" if speedup is None else f"{speedup:.3f}x", out_csv)
+
+
+def _skipped_fields(cfg: dict, skipped: list) -> dict:
+    """How many of the benchmark's prompts were over data.max_prompt_tokens and left out (prompts.benchmark_prompt_set)."""
+    return {"max_prompt_tokens": cfg["data"]["max_prompt_tokens"], "n_skipped_prompts": len(skipped),
+            "skipped_prompts": skipped}
 
 
 def cli_evaluate(argv) -> int:
@@ -238,7 +246,8 @@ def cli_evaluate(argv) -> int:
     outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
                                                  else paths.records(args.method, b)) for b in benches}
     target = target_from_config(cfg)
-    bench_prompts = {b: benchmark_prompt_ids(cfg, target, b) for b in benches}
+    sets = {b: benchmark_prompt_set(cfg, target, b) for b in benches}
+    bench_prompts = {b: kept for b, (kept, _) in sets.items()}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
     path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
@@ -249,7 +258,7 @@ def cli_evaluate(argv) -> int:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
     results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method)
     for b, (df, samples) in results.items():
-        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine)
+        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1])
     return 0
 
 
@@ -306,9 +315,10 @@ def cli_baseline(argv) -> int:
 
 
 def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bool) -> None:
-    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, bench), bench)
+    kept, skipped = benchmark_prompt_set(cfg, target, bench)
+    prompts = speed_sample(cfg, kept, bench)
     runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"], warmup=warmup)
-    summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts),
+    summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts), **_skipped_fields(cfg, skipped),
                "sample_ids": [p.id for p, _ in prompts],
                "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"]}
