@@ -27,14 +27,14 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.core import decode
+from deepspec.core import decode, verify
 from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.batch_cache import BatchKV
 from deepspec.core.engine import BatchedEngine, Request, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
 from deepspec.drafters import build_drafter
-from test_decode import PROMPT, DistortedTargetDrafter, _broken_verify_chain, _chi2_pvalue
+from test_decode import PROMPT, DistortedTargetDrafter, _chi2_pvalue
 
 # Four prompts of different lengths (5, 4, 7, 2 tokens)
 PROMPTS = [PROMPT, PROMPT[1:], [591, 2293] + PROMPT, PROMPT[3:]]
@@ -95,8 +95,16 @@ def test_lossless_per_row_in_a_batch(tiny_target, exact4):
         assert min(pv) > P_MIN / 2, pv
 
 
+def _broken_rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u):
+    """The classic bug of test_decode's broken verifier, in the engine's batched verification
+    (decode.verify_rows): on rejection, resample from p_t instead of norm(max(0, p_t - p_d))."""
+    accepted, _, a_k, alpha = verify.rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u)
+    p_t = torch.softmax(target_logits.float() / temperature, -1)
+    return accepted, p_t[torch.arange(len(accepted)), accepted], a_k, alpha
+
+
 def test_batched_broken_verifier_is_detected(tiny_target, exact4, monkeypatch):
-    monkeypatch.setattr(decode, "verify_chain", _broken_verify_chain)
+    monkeypatch.setattr(decode, "rejection_decisions", _broken_rejection_decisions)
     samples, _ = _batched_samples(tiny_target, DistortedTargetDrafter(tiny_target, LAYERS, gamma=2))
     pv = [_chi2_pvalue([s[:2] for s in rows], exact[2]) for rows, exact in zip(samples, exact4)]
     assert min(pv) < P_MIN, pv
@@ -456,3 +464,43 @@ def test_propose_batch_in_context_length_groups(tiny_target, drafters, monkeypat
             states.append(d.init_state())
             toks.append(ids)
         _batch_equals_alone(d, states, feats, toks)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_batched_verification_equals_per_row_bit_for_bit(temperature):
+    """decode.verify_rows (every row of a round at once, one host transfer) returns exactly what
+    decode.verify_row returns row by row (accepted, emitted tokens, proposal length, a_k, alpha_k as
+    floats), and leaves every row's generator where verify_row leaves it; on random rounds with ragged
+    lengths (plain-step rows of no drafts included), drafted EOS tokens and confidences riding along."""
+    g = torch.Generator().manual_seed(7)
+    V, gamma, eos = 50, 5, (3, 4)
+    for trial in range(40):
+        R = int(torch.randint(1, 7, (1,), generator=g))
+        ells = torch.randint(0, gamma + 1, (R,), generator=g).tolist()
+        W = 1 + max(ells)
+        sharp = 0.3 + 3 * torch.rand((), generator=g)
+        logits = torch.randn(R, W, V, generator=g) * sharp
+        probs = torch.softmax(logits[:, 1:] + torch.randn(R, W - 1, V, generator=g), -1)  # close to p_t: acceptances
+        probs = torch.cat([probs, torch.softmax(torch.randn(R, gamma - (W - 1), V, generator=g), -1)], 1)
+        draft = torch.multinomial(probs[:, : W - 1].reshape(-1, V), 1, generator=g).reshape(R, W - 1) if W > 1 \
+            else torch.zeros(R, 0, dtype=torch.long)
+        if W > 1 and trial % 3 == 0:
+            draft[0, (W - 2) // 2] = eos[trial % 2]
+        if temperature == 0.0 and W > 1:  # greedy: make some drafts the argmax
+            hit = torch.rand(R, W - 1, generator=g) < 0.7
+            draft = torch.where(hit, logits[:, : W - 1].argmax(-1), draft)
+        conf = torch.randn(R, gamma, generator=g)
+        seeds = torch.randint(0, 2**31, (R,), generator=g).tolist()
+        gens_a = [torch.Generator().manual_seed(s) for s in seeds]
+        gens_b = [torch.Generator().manual_seed(s) for s in seeds]
+        rows = [decode.verify_row(logits[r : r + 1, : 1 + ell], probs[r : r + 1, :ell], draft[r : r + 1, :ell],
+                                  temperature=temperature, eos_token_ids=eos, generator=gens_a[r])
+                for r, ell in enumerate(ells)]
+        batched, accepted, extra = decode.verify_rows(logits, None if W == 1 and trial % 2 else probs, draft, ells,
+                                                      temperature=temperature, eos_token_ids=eos, generators=gens_b,
+                                                      extra=conf)
+        assert batched == rows, (trial, ells)
+        assert accepted.tolist() == [r[0] for r in rows] and extra == conf.tolist()
+        for ga, gb in zip(gens_a, gens_b):  # the same draws were consumed
+            assert torch.equal(torch.rand(3, generator=ga, dtype=torch.float64),
+                               torch.rand(3, generator=gb, dtype=torch.float64))

@@ -7,8 +7,9 @@ Each round, for the R active requests:
     drafters without it) -> the verification policy picks l_r draft tokens per
     request (core/policies.py: fixed gamma, static threshold, live Algorithm 1)
     -> one batched target forward over anchor + l_r drafts of every request ->
-    `verify_row` (chain rejection sampling, `verify_chain`) per row with that
-    request's own generator -> each row keeps only its verified tokens.
+    `verify_rows` (chain rejection sampling of every row at once, each with that
+    request's own generator, one host transfer) -> each row keeps only its
+    verified tokens.
 
 Requests are independent: each has its own prompt length, its own
 torch.Generator seeded from the request (its draft and verification draws come
@@ -33,7 +34,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from .batch_cache import BatchKV, engine_cache, has_sliding_window
-from .decode import Round, _forward, _sync, round_record, verify_row
+from .decode import Round, _forward, _sync, round_record, verify_rows
 from .scheduler import SPSCurve, profile_sps
 from .target import Target
 from .verify import logits_to_probs, sample
@@ -180,21 +181,22 @@ class BatchedEngine:
         widths = torch.tensor([1 + ell for ell in ells], device=dev)
         start = kv.length
         logits, feats = kv.forward(self.target, ids, widths, self.layers)
-        # row by row: batching the softmax over [R, W, V] is 1.5x slower on CPU (memory-bound; measured)
-        results = [verify_row(logits[i : i + 1, : 1 + ell], None if p[1] is None else p[1][:, :ell].to(dev),
-                              ids[i : i + 1, 1 : 1 + ell], temperature=self.temperature,
-                              eos_token_ids=self.target.eos_token_ids, generator=rows[i].generator)
-                   for i, (p, ell) in enumerate(zip(props, ells))]
-        kv.commit(start, torch.tensor([1 + res[0] for res in results], device=dev))
+        # every row at once, each with its own generator, one host transfer (decode.verify_rows)
+        probs = None if W == 1 or props[0][1] is None else torch.cat([p[1][:, : W - 1].to(dev) for p in props])
+        confs = None if any(p[2] is None for p in props) else torch.cat([p[2].float() for p in props])
+        results, accepted, conf_rows = verify_rows(logits[:, :W], probs, ids[:, 1:W], ells,
+                                                   temperature=self.temperature, eos_token_ids=self.target.eos_token_ids,
+                                                   generators=[r.generator for r in rows], extra=confs)
+        kv.commit(start, 1 + accepted)
         _sync(dev)
         t2 = time.perf_counter()
-        B = int(widths.sum())
+        B = R + sum(ells)  # sum of the rows' 1 + l_r (no device sync)
         self.stats["rounds"] += 1
         self.stats["verify_tokens"] += B
         self.stats["forward_tokens"] += R * W
         for i, (row, p, res) in enumerate(zip(rows, props, results)):
             acc, emitted, plen, a_k, alpha_k = res
-            conf = None if p[2] is None else p[2][0].float().tolist()
+            conf = None if p[2] is None else (conf_rows[i] if conf_rows is not None else p[2][0].float().tolist())
             rnd = Round(emitted, acc, plen, a_k, alpha_k, conf, p[0].shape[1], t1 - t0, t2 - t1,
                         ids[i : i + 1, : 1 + acc], None if feats is None else feats[i : i + 1, : 1 + acc], 1 + ells[i])
             row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": rnd.width})
