@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Optional
@@ -298,9 +299,22 @@ def eval_section(cfg: dict, data: dict, methods: list[str], rounds_per_s: float)
 # --------------------------------------------------------------------------- plan
 
 
+def _check_positive(flag: str, value, top: Optional[float] = None, whole: bool = False) -> None:
+    """One line naming the option when `value` is not a finite number > 0 (and <= top)."""
+    ok = value == int(value) if whole and math.isfinite(value) else True
+    if not (ok and math.isfinite(value) and value > 0 and (top is None or value <= top)):
+        want = f"in (0, {top:g}]" if top is not None else "a positive whole number" if whole else "a positive number"
+        raise DeepSpecError(f"{flag} {value:g}: must be {want}")
+
+
 def hardware(cfg: dict, gpus=None, gpu_tflops=None, mfu=None, rounds_per_s=None) -> dict:
-    """Command-line values, else the preset's plan section (defaults in the schema)."""
+    """Command-line values, else the preset's plan section (defaults in the schema);
+    each checked: positive, MFU in (0, 1] (one line naming the option)."""
     p = cfg["plan"]
+    for flag, value, top, whole in (("--gpus", gpus, None, True), ("--gpu-tflops", gpu_tflops, None, False),
+                                    ("--mfu", mfu, 1.0, False), ("--eval-rounds-per-s", rounds_per_s, None, False)):
+        if value is not None:
+            _check_positive(flag, float(value), top, whole)
     n = gpus if gpus is not None else (p["gpus"] or cfg["train"]["gpus"] or 1)
     return {"gpus": int(n), "gpu_tflops": float(gpu_tflops if gpu_tflops is not None else p["gpu_tflops"]),
             "mfu": float(mfu if mfu is not None else p["mfu"]),
