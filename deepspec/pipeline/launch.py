@@ -2,7 +2,8 @@
 on one machine with more than one GPU; torch's launcher (torchrun) for more
 than one CPU process (accelerate's own CPU launcher needs mpirun; under
 torchrun's environment accelerate's PartialState joins a gloo process group);
-or one `accelerate launch` per node of a SLURM allocation.
+or one `accelerate launch` per node of a SLURM allocation. `deepspec train`
+run by hand starts its processes the same way (`direct_command`).
 
 Multi-node: the rule runs `srun --nodes N --ntasks-per-node 1 python -m
 deepspec launch-node ...` inside the job's allocation; on every node
@@ -43,6 +44,38 @@ def launcher(train_cfg: dict, port: str | int | None = None) -> str:
     if gpus == 0 and procs > 1:
         return f"python -m torch.distributed.run --nproc_per_node {procs} --master_port {port}"
     return "python"
+
+
+def free_port() -> int:
+    """A free TCP port on this machine (the rendezvous of processes started by hand)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LAUNCHED = ("WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and accelerate launch in every process they start
+
+
+def direct_command(train_cfg: dict, env: Mapping[str, str], args: Sequence[str], port: int) -> list[str] | None:
+    """`deepspec train` run by hand (not under a launcher): the command that
+    starts its processes as the train rule would (train.gpus > 1, or
+    train.processes > 1 on CPU), with `args` after `-m deepspec train`; None
+    for one process or when already launched. train.nodes > 1 needs a SLURM
+    allocation: one line saying how to run it."""
+    import sys
+
+    if any(env.get(k) for k in LAUNCHED):
+        return None
+    prefix = launcher(train_cfg, port)
+    if prefix == "python":
+        return None
+    tail = ["-m", "deepspec", "train", *args]
+    if int(train_cfg["nodes"]) > 1:
+        raise DeepSpecError(f"train.nodes {train_cfg['nodes']} > 1 runs inside a SLURM allocation: run the Snakemake "
+                            f"train rule, or in the allocation `{prefix} {shlex.join(tail)}`")
+    return [sys.executable if w == "python" else w for w in shlex.split(prefix)] + tail
 
 
 def _main_address(env: Mapping[str, str]) -> str:

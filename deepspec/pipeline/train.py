@@ -44,7 +44,9 @@ import argparse
 import csv
 import logging
 import os
+import shlex
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ from ..core.train_step import StepSpec
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
+from .launch import direct_command, free_port
 from .recipe import (  # noqa: F401 - the loop's arithmetic, also used as train.<name>
     StepSampler,
     accumulation_steps,
@@ -486,5 +489,13 @@ def cli_train(argv=None) -> int:
         if args.max_steps < 1:
             raise DeepSpecError("--max-steps must be at least 1")
         cfg["train"]["max_steps"] = args.max_steps
+    cmd = direct_command(cfg["train"], os.environ, argv, free_port())
+    if cmd is not None:  # train.processes > 1 (CPU) or train.gpus > 1: start them, as the train rule does
+        log.info("starting the training processes: %s", shlex.join(cmd))
+        rc = subprocess.run(cmd).returncode
+        if rc:
+            raise DeepSpecError(f"the training processes failed (exit {rc}; their messages are above): {shlex.join(cmd)}")
+        return 0
     run_from_config(cfg, args.method, args.out, args.resume)
     return 0
+
