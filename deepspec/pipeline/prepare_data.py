@@ -364,7 +364,7 @@ def check_sha(rel: str, sha: str, src: Optional[Source], recorded: Optional[str]
     if accept:
         log.warning("%s: sha256 %s %s; accepted (--accept-changed-sources)", rel, sha, why)
         return False
-    hint = f" (or set data.sources.{rel}.sha256 in the preset)" if why is upstream else ""
+    hint = f" (or give its sha256 under data.sources['{rel}'] in the preset)" if why is upstream else ""
     raise DeepSpecError(
         f"{rel}: sha256 {sha} {why}; " + ("nothing written" if built else "file left as it is")
         + f": to use it anyway run prepare-data with --accept-changed-sources {rel}{hint}")
