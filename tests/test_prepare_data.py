@@ -188,7 +188,7 @@ def test_wrong_mirror_file_is_refused_unless_accepted_by_name(tmp_path, monkeypa
         err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert rc == 2 and len(err) == 1, err
         assert err[0].startswith(f"deepspec prepare-data: error: {rel}: sha256 ") and "reference copy" in err[0]
-        assert not data.exists() or not [p for p in data.rglob("*") if p.is_file() and not p.name.startswith(".")]
+        assert not data.exists() or not [p for p in data.rglob("*") if p.is_file()]  # SHA256SUMS neither
     # a name that is not checked here is refused (a typo accepts nothing)
     assert cli.main(base + ["--accept-changed-sources", "eval/gsm8k.json"]) == 2
     assert "not among the files" in capsys.readouterr().err and not (data / rel).exists()
