@@ -103,8 +103,10 @@ def test_launchers():
     assert launcher(dict(base, processes=2)) == "python -m torch.distributed.run --nproc_per_node 2 --master_port 29500"
     assert launcher(dict(base, gpus=8, processes=4)).startswith("accelerate launch --multi_gpu --num_processes 8 ")
     two_nodes = launcher(dict(base, gpus=8, nodes=2), port=29600)
-    assert two_nodes == ("srun --nodes 2 --ntasks-per-node 1 python -m deepspec launch-node --gpus-per-node 8 "
-                         "--port 29600 --")
+    # --overlap: the step runs inside the executor's own job step (which holds the
+    # allocation's CPUs and memory); --gpus-per-node: each node's own 8 GPUs
+    assert two_nodes == ("srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 python -m deepspec "
+                         "launch-node --gpus-per-node 8 --port 29600 --")
 
 
 def test_multi_node_command_from_slurm_environment():
