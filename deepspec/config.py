@@ -190,7 +190,7 @@ RULE_SETTINGS = {
 }
 EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
-                  "train.checkpoint_minutes",
+                  "train.checkpoint_minutes", "train.shard_optimizer",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
                   "train.main_process_port", "train.start_first", "train.chunk_positions", "eval.gpus",
                   "eval.baseline_jobs"}

@@ -118,3 +118,26 @@ def test_multi_node_command_from_slurm_environment():
                    "-m", "deepspec", "train", "--preset", "qwen3-4b", "--method", "dspark"]
     with pytest.raises(T.DeepSpecError, match="SLURM_NNODES"):
         node_command({}, 8, 29600, [])
+
+
+def test_sharded_optimizer_takes_the_same_steps_and_resumes_under_one_process(runs, tiny_cfg):
+    """train.shard_optimizer: two processes, each holding the AdamW moments of its
+    share of the parameters, end with the weights of the unsharded two-process run;
+    its checkpoint holds the whole optimizer state, which one process resumes."""
+    tmp, one, two = runs
+    zero = tmp / "zero"
+    _two_processes(_argv(tmp, tiny_cfg, zero) + ["--set", "train.shard_optimizer=true"])
+    a, b = _weights(zero), _weights(two)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    full = torch.load(two / "checkpoints" / "step_2" / "optimizer.pt", weights_only=False)
+    sharded = torch.load(zero / "checkpoints" / "step_2" / "optimizer.pt", weights_only=False)
+    assert sorted(sharded["state"]) == sorted(full["state"])
+    for i in full["state"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sharded["state"][i][k], full["state"][i][k]), (i, k)
+    out = tmp / "zero_resumed"
+    shutil.copytree(zero, out)
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS}")
+    (out / "config.json").unlink()
+    assert T.cli_train(_argv(tmp, tiny_cfg, out) + ["--set", "train.shard_optimizer=true"]) == 0  # one process
+    _close(_weights(out), _weights(one))

@@ -294,7 +294,7 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     if n < g:
         log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
     params = _trainable_params(model, acc)
-    opt, sched = make_optimizer(params, train_cfg, total)
+    opt, sched = make_optimizer(params, train_cfg, total, shard=bool(train_cfg.get("shard_optimizer")) and world > 1)
     gen = torch.Generator(device=acc.device)  # reseeded for every micro batch (micro_seed)
     run = _Loop(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, train_cfg, out,
                 StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total, fingerprint)
