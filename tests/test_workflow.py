@@ -175,3 +175,21 @@ def test_multi_node_training_plans(tmp_path):
     r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
                    "resources={train: {nodes: 3}}")
     assert r.returncode != 0 and "resources.train.nodes (3) differs from train.nodes (2)" in r.stdout + r.stderr
+
+
+def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
+    """The SLURM profile sends the train jobs (only) SIGTERM 15 min ahead of their
+    time limit (their checkpoint-and-stop signal). Planned with the profile minus its
+    executor, as the slurm plugin is not installed here."""
+    import yaml
+
+    _copy_workflow(tmp_path)
+    prof = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
+    prof.pop("executor")
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "config.yaml").write_text(yaml.safe_dump(prof))
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--profile", "prof", "--config", "preset=qwen3-4b")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", r.stdout + r.stderr)
+    signalled = sorted({name for name, res in jobs if "slurm_extra=--signal=TERM@900" in res})
+    assert signalled == ["train"], jobs[:3]
