@@ -142,18 +142,19 @@ def test_gpu_jobs_claim_their_own_gpus(tmp_path):
     expandable segments; local regeneration shards take a GPU each."""
     _copy_workflow(tmp_path)
     r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "1", "--config", "preset=qwen3-4b",
-                   "regenerate={backend: local, shards: 2}", "resources={regenerate: {gpu: 1}}")
+                   "regenerate={backend: local, shards: 2}", "resources={regenerate: {gpu: 1}}", "cache={mode: offline}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cmds = _shell_commands(r.stdout + r.stderr)
     by = {}
     for c in cmds:
         kind = re.findall(r"-m deepspec ([\w-]+)", c)[-1]  # the job's own command (after claim-gpus)
         by[c] = "shard" if kind == "regenerate" and "--shard" in c else kind
-    assert {"evaluate", "baseline", "train", "shard", "regenerate", "prepare-target"} <= set(by.values())
+    assert {"evaluate", "baseline", "train", "shard", "regenerate", "prepare-target", "build-cache"} <= set(by.values())
     assert "CUDA_VISIBLE_DEVICES" not in " ".join(cmds)
     for c, kind in by.items():
         want = {"evaluate": "claim-gpus 1 -- python -m deepspec evaluate", "baseline": "claim-gpus 1 -- ",
-                "shard": "claim-gpus 1 -- ", "train": "claim-gpus 8 -- accelerate launch"}.get(kind)
+                "shard": "claim-gpus 1 -- ", "build-cache": "claim-gpus 1 -- ",
+                "train": "claim-gpus 8 -- accelerate launch"}.get(kind)
         assert (want in c) if want else ("claim-gpus" not in c), c
     train = [c for c, k in by.items() if k == "train"]
     assert len(train) == 3 and all("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in c for c in train)
