@@ -141,3 +141,10 @@ def test_sharded_optimizer_takes_the_same_steps_and_resumes_under_one_process(ru
     (out / "config.json").unlink()
     assert T.cli_train(_argv(tmp, tiny_cfg, out) + ["--set", "train.shard_optimizer=true"]) == 0  # one process
     _close(_weights(out), _weights(one))
+    out2 = tmp / "zero_resumed_sharded"  # and two sharded processes load the whole state back
+    shutil.copytree(zero, out2)
+    shutil.rmtree(out2 / "checkpoints" / f"step_{STEPS}")
+    (out2 / "config.json").unlink()
+    assert "resumed from" in _two_processes(_argv(tmp, tiny_cfg, out2) + ["--set", "train.shard_optimizer=true"])
+    a = _weights(out2)
+    assert all(torch.equal(a[k], b[k]) for k in b)
