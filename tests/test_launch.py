@@ -73,3 +73,15 @@ def test_cli_sets_cuda_visible_devices_and_the_command_holds_the_lock(tmp_path):
     assert first.wait(timeout=60) == 0
     third = _run_claim(env, 2, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
     assert third.communicate(timeout=60)[0].strip() == "4,5"  # both free again once the holder exited
+
+
+def test_machine_gpus_from_nvidia_smi(monkeypatch):
+    """Without CUDA_VISIBLE_DEVICES the pool is the machine's GPUs (nvidia-smi's indices)."""
+    class R:
+        returncode, stdout = 0, "0\n1\n2\n"
+
+    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: R())
+    assert L.gpu_pool({})[0] == ["0", "1", "2"]
+    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("nvidia-smi")))
+    monkeypatch.setattr(L, "Path", lambda p: type("P", (), {"is_dir": lambda self: False})() if "nvidia" in str(p) else Path(p))
+    assert L.gpu_pool({})[0] == []

@@ -105,16 +105,17 @@ def gpu_env(n: int) -> str:
 
 
 def machine_gpus() -> list[str]:
-    """The GPU ids of this machine (none on a machine without NVIDIA GPUs)."""
-    proc = Path("/proc/driver/nvidia/gpus")
-    if proc.is_dir():
-        return [str(i) for i in range(len(list(proc.iterdir())))]
+    """The GPU ids of this machine: nvidia-smi's (the devices this process can
+    open), else /proc/driver/nvidia/gpus; none on a machine without NVIDIA GPUs."""
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
                            capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            return [x.strip() for x in r.stdout.split() if x.strip().isdigit()]
     except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [x.strip() for x in r.stdout.split() if x.strip().isdigit()] if r.returncode == 0 else []
+        pass
+    proc = Path("/proc/driver/nvidia/gpus")
+    return [str(i) for i in range(len(list(proc.iterdir())))] if proc.is_dir() else []
 
 
 def gpu_pool(env: Mapping[str, str]) -> tuple[list[str], Path]:
