@@ -117,7 +117,7 @@ def test_direct_commands():
                                                                      "--num_processes"]
     with pytest.raises(T.DeepSpecError, match="inside a SLURM allocation: run the Snakemake train rule") as e:
         direct_command(dict(base, gpus=8, nodes=2), {}, args, 123)
-    assert "\n" not in str(e.value) and "srun --nodes 2" in str(e.value)
+    assert "\n" not in str(e.value) and "srun --overlap --nodes 2" in str(e.value)
 
 
 def test_launchers():
