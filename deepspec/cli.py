@@ -25,6 +25,7 @@ COMMANDS = {
     "validate-cache": ("deepspec.pipeline.cache", "check a target cache's manifest and shard checksums"),
     "train": ("deepspec.pipeline.train", "train a drafter (eagle3, dflash, dspark)"),
     "launch-node": ("deepspec.pipeline.launch", "start accelerate on one node of a SLURM allocation (multi-node training)"),
+    "claim-gpus": ("deepspec.pipeline.launch", "run a command on N GPUs of this machine that no other job holds"),
     "evaluate": ("deepspec.pipeline.evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
     "baseline": ("deepspec.pipeline.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
     "schedule": ("deepspec.pipeline.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),

@@ -173,7 +173,7 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
 _TARGET = ["target.spec", "target.revision", "target.dtype"]
 _TOKENS = ["data.max_length", "data.min_loss_tokens", "data.system_prompt"]
 RULE_SETTINGS = {
-    "prepare_target": ["target.spec"],
+    "prepare_target": ["target.spec", "target.revision"],
     "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
     "build_cache": _TARGET + ["target.feature_layers", *_TOKENS, "cache.dtype", "cache.shard_tokens", "cache.batch_size"],
     "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
@@ -190,6 +190,7 @@ RULE_SETTINGS = {
 }
 EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
+                  "train.checkpoint_minutes", "train.shard_optimizer",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
                   "train.main_process_port", "train.start_first", "train.chunk_positions", "eval.gpus",
                   "eval.baseline_jobs"}

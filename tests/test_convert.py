@@ -335,3 +335,32 @@ def test_gemma4_mismatches_are_refused(gemma4_target, gemma4_cfg, tmp_path):
     _fails(src, gemma4_target, tmp_path / "out", "num_key_value_heads is 2 but the target 'tiny-gemma4' has 1")
     src = write_reference(d, gemma4_target, tmp_path / "c", extra={"layers.1.layer_scalar": torch.ones(2)})
     _fails(src, gemma4_target, tmp_path / "out", r"tensor 'layers.1.layer_scalar' has shape \[2\], expected \[1\]")
+
+
+def test_truncated_safetensors_is_one_line(tiny_target, tiny_cfg, tmp_path):
+    d = _original("dflash", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "ref")
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    msg = _fails(src, tiny_target, tmp_path / "out", "not a readable safetensors file")
+    assert msg.startswith(str(weights))
+    weights.write_bytes(b"\x08\x00")  # not even a header length
+    _fails(src, tiny_target, tmp_path / "out", "not a readable safetensors file")
+
+
+def _tree(path):
+    return {p.relative_to(path): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_out_that_is_contains_or_lies_inside_src_is_refused(tiny_target, tiny_cfg, tmp_path, capsys):
+    d = _original("dflash", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "runs" / "ref")
+    before = _tree(tmp_path)
+    sets = ["--preset", "tiny", "--set", f"resources_dir={tiny_cfg['resources_dir']}",
+            "--set", f"data.root={tiny_cfg['data']['root']}"]
+    for out, how in ((src, "is"), (src / "converted", "lies inside"), (tmp_path / "runs", "contains"),
+                     (src / ".." / "ref", "is")):
+        rc = cli_main(["convert-checkpoint", "--src", str(src), "--out", str(out), "--overwrite", *sets])
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert rc == 2 and len(err) == 1 and f" {how} --src " in err[0], err
+        assert _tree(tmp_path) == before

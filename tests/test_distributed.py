@@ -4,10 +4,10 @@ target in online mode follow the same
 trajectory as one process at the same global batch, and a checkpoint resumes
 under either world size. Also the multi-node launch commands."""
 import csv
+import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -16,17 +16,12 @@ import torch
 from safetensors.torch import load_file
 
 from deepspec.pipeline import train as T
-from deepspec.pipeline.launch import launcher, node_command
+from deepspec.pipeline.checkpoints import TRAINER_STATE
+from deepspec.pipeline.launch import direct_command, free_port, launcher, node_command
 from test_train import write_conversations
 
 STEPS = 4
 TOL = dict(rtol=1e-4, atol=1e-5)  # gradients are summed in another order across processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _argv(tmp_path, tiny_cfg, out):
@@ -37,7 +32,7 @@ def _argv(tmp_path, tiny_cfg, out):
 
 
 def _two_processes(argv):
-    prefix = launcher(dict(gpus=0, processes=2, nodes=1, main_process_port=0), port=_free_port())
+    prefix = launcher(dict(gpus=0, processes=2, nodes=1, main_process_port=0), port=free_port())
     cmd = [sys.executable if w == "python" else w for w in shlex.split(prefix)] + ["-m", "deepspec", "train", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -97,14 +92,44 @@ def test_resume_under_the_other_world_size(runs, tiny_cfg, saved_under):
     _close(_weights(out), _weights(one))
 
 
+def test_train_run_by_hand_starts_its_processes(runs, tiny_cfg, monkeypatch):
+    """`python -m deepspec train --set train.processes=2` (not through the rule)
+    trains in two processes: the same trajectory as the rule's launch."""
+    tmp, one, two = runs
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp / "by_hand"
+    assert T.cli_train(_argv(tmp, tiny_cfg, out) + ["--set", "train.processes=2"]) == 0
+    state = json.loads((out / "checkpoints" / "step_2" / TRAINER_STATE).read_text())
+    assert state["world_size"] == 2
+    torch.testing.assert_close(torch.tensor(_losses(out)), torch.tensor(_losses(two)), **TOL)
+    _close(_weights(out), _weights(two))
+
+
+def test_direct_commands():
+    base = dict(gpus=0, processes=1, nodes=1, main_process_port=29500)
+    args = ["--preset", "tiny", "--method", "dspark"]
+    assert direct_command(base, {}, args, 123) is None
+    assert direct_command(dict(base, processes=2), {}, args, 123) == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "123",
+        "-m", "deepspec", "train", *args]
+    assert direct_command(dict(base, processes=2), {"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, args, 123) is None
+    assert direct_command(dict(base, gpus=8), {}, args, 123)[:4] == ["accelerate", "launch", "--multi_gpu",
+                                                                     "--num_processes"]
+    with pytest.raises(T.DeepSpecError, match="inside a SLURM allocation: run the Snakemake train rule") as e:
+        direct_command(dict(base, gpus=8, nodes=2), {}, args, 123)
+    assert "\n" not in str(e.value) and "srun --overlap --nodes 2" in str(e.value)
+
+
 def test_launchers():
     base = dict(gpus=0, processes=1, nodes=1, main_process_port=29500)
     assert launcher(base) == "python"
     assert launcher(dict(base, processes=2)) == "python -m torch.distributed.run --nproc_per_node 2 --master_port 29500"
     assert launcher(dict(base, gpus=8, processes=4)).startswith("accelerate launch --multi_gpu --num_processes 8 ")
     two_nodes = launcher(dict(base, gpus=8, nodes=2), port=29600)
-    assert two_nodes == ("srun --nodes 2 --ntasks-per-node 1 python -m deepspec launch-node --gpus-per-node 8 "
-                         "--port 29600 --")
+    # --overlap: the step runs inside the executor's own job step (which holds the
+    # allocation's CPUs and memory); --gpus-per-node: each node's own 8 GPUs
+    assert two_nodes == ("srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 python -m deepspec "
+                         "launch-node --gpus-per-node 8 --port 29600 --")
 
 
 def test_multi_node_command_from_slurm_environment():
@@ -116,3 +141,33 @@ def test_multi_node_command_from_slurm_environment():
                    "-m", "deepspec", "train", "--preset", "qwen3-4b", "--method", "dspark"]
     with pytest.raises(T.DeepSpecError, match="SLURM_NNODES"):
         node_command({}, 8, 29600, [])
+
+
+def test_sharded_optimizer_takes_the_same_steps_and_resumes_under_one_process(runs, tiny_cfg):
+    """train.shard_optimizer: two processes, each holding the AdamW moments of its
+    share of the parameters, end with the weights of the unsharded two-process run;
+    its checkpoint holds the whole optimizer state, which one process resumes."""
+    tmp, one, two = runs
+    zero = tmp / "zero"
+    _two_processes(_argv(tmp, tiny_cfg, zero) + ["--set", "train.shard_optimizer=true"])
+    a, b = _weights(zero), _weights(two)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    full = torch.load(two / "checkpoints" / "step_2" / "optimizer.pt", weights_only=False)
+    sharded = torch.load(zero / "checkpoints" / "step_2" / "optimizer.pt", weights_only=False)
+    assert sorted(sharded["state"]) == sorted(full["state"])
+    for i in full["state"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sharded["state"][i][k], full["state"][i][k]), (i, k)
+    out = tmp / "zero_resumed"
+    shutil.copytree(zero, out)
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS}")
+    (out / "config.json").unlink()
+    assert T.cli_train(_argv(tmp, tiny_cfg, out) + ["--set", "train.shard_optimizer=true"]) == 0  # one process
+    _close(_weights(out), _weights(one))
+    out2 = tmp / "zero_resumed_sharded"  # and two sharded processes load the whole state back
+    shutil.copytree(zero, out2)
+    shutil.rmtree(out2 / "checkpoints" / f"step_{STEPS}")
+    (out2 / "config.json").unlink()
+    assert "resumed from" in _two_processes(_argv(tmp, tiny_cfg, out2) + ["--set", "train.shard_optimizer=true"])
+    a = _weights(out2)
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -504,3 +504,26 @@ def test_batched_verification_equals_per_row_bit_for_bit(temperature):
         for ga, gb in zip(gens_a, gens_b):  # the same draws were consumed
             assert torch.equal(torch.rand(3, generator=ga, dtype=torch.float64),
                                torch.rand(3, generator=gb, dtype=torch.float64))
+
+
+def test_engine_refuses_bad_prompts_in_one_line(tiny_target, monkeypatch):
+    """An empty prompt was a bare RuntimeError from the target; one longer than
+    the target's context was decoded without a word. Both are refused before
+    any request is decoded."""
+    from deepspec.errors import DeepSpecError
+
+    eng = BatchedEngine(tiny_target, None, feature_layers=LAYERS, max_batch=2)
+    seen = []
+    ok = Request("ok", PROMPT, 2)
+    for bad, match in ((Request("empty", [], 2), "request 'empty': empty prompt"),
+                       (Request("oov", [1, tiny_target.vocab_size], 2), "token id .* outside the target vocabulary")):
+        with pytest.raises(DeepSpecError, match=match) as e:
+            eng.generate([ok, bad], on_finish=seen.append)
+        assert "\n" not in str(e.value) and not seen
+    monkeypatch.setattr(tiny_target.text_config, "max_position_embeddings", len(PROMPT) - 1)
+    assert tiny_target.context_length == len(PROMPT) - 1
+    with pytest.raises(DeepSpecError, match=f"prompt of {len(PROMPT)} tokens is longer than the context") as e:
+        eng.generate([Request("long", PROMPT, 2)], on_finish=seen.append)
+    assert "\n" not in str(e.value) and not seen
+    monkeypatch.setattr(tiny_target.text_config, "max_position_embeddings", len(PROMPT))
+    assert len(eng.generate([Request("fits", PROMPT, 2)])) == 1

@@ -155,6 +155,33 @@ def test_refusals(tiny_target, tiny_cfg, qwen3_target, qwen3_cfg, gemma4_target,
         export.export_drafter(deep, qwen3_target, "medusa", tmp_path / "g")
 
 
+def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
+    """--overwrite must never delete the drafter being exported (its checkpoints, logs, summary)."""
+    from deepspec.cli import main as cli_main
+    from deepspec.pipeline import target as target_mod
+
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    src = tmp_path / "runs" / "dspark"
+    d.save_pretrained(str(src))
+    (src / "checkpoints").mkdir()
+    (src / "checkpoints" / "step-1.pt").write_bytes(b"ckpt")
+    (src / "train_log.csv").write_text("step,loss\n1,2.0\n")
+    (src / "train_summary.json").write_text("{}\n")
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    for out, how in ((src, "is"), (src / "export", "lies inside"), (tmp_path / "runs", "contains"),
+                     (tmp_path / "runs" / "." / "dspark", "is")):
+        rc = cli_main(["export-checkpoint", "--preset", "tiny", "--src", str(src), "--format", "deepspec",
+                       "--out", str(out), "--overwrite"])
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert rc == 2 and len(err) == 1 and f" {how} --src " in err[0], err
+        assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    # an output beside it is fine
+    assert cli_main(["export-checkpoint", "--preset", "tiny", "--src", str(src), "--format", "deepspec",
+                     "--out", str(tmp_path / "runs" / "dspark-export")]) == 0
+    assert (tmp_path / "runs" / "dspark-export" / "model.safetensors").exists()
+
+
 # --------------------------------------------------------------------------- DeepSeek's released Eagle3 layout
 
 

@@ -2,6 +2,7 @@
 the shadowed data-dependent ops, offline planning of every preset."""
 import json
 import logging
+import re
 import socket
 
 import pytest
@@ -139,3 +140,39 @@ def test_plan_json_goes_to_runpaths(no_network, tmp_path, monkeypatch, shared_da
     want = plan["training"]["methods"]["dflash"]["flops_per_step"] * plan["training"]["methods"]["dflash"]["total_steps"]
     assert tot["total_flops_offline"] == want
     assert tot["gpu_hours_offline"] == pytest.approx(want / (plan["hardware"]["gpu_tflops"] * 1e12 * 0.5) / 3600)
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--gpus", "0", "positive whole number"), ("--gpus", "-2", "positive whole number"),
+    ("--mfu", "0", r"in \(0, 1\]"), ("--mfu", "-0.5", r"in \(0, 1\]"), ("--mfu", "5", r"in \(0, 1\]"),
+    ("--mfu", "nan", r"in \(0, 1\]"), ("--gpu-tflops", "-1", "positive number"), ("--gpu-tflops", "inf", "positive"),
+    ("--gpu-tflops", "0", "positive number"), ("--eval-rounds-per-s", "0", "positive number"),
+])
+def test_plan_refuses_absurd_hardware_in_one_line(flag, value, want, no_network, tmp_path, capsys, shared_data,
+                                                  monkeypatch):
+    """Zeros divided by zero, negative MFU gave negative GPU-hours, MFU 5 was taken."""
+    from deepspec.cli import main as cli_main
+
+    monkeypatch.setenv("DEEPSPEC_DATA", str(shared_data))
+    out = tmp_path / "plan.json"
+    rc = cli_main(["plan", "--preset", "tiny", "--methods", "dflash", "--out", str(out), flag, value])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"deepspec plan: error: {flag} ") and re.search(want, err[0])
+    assert not out.exists() and not list(tmp_path.iterdir())
+    P.hardware(load_config("tiny", {}), mfu=1.0)  # the bounds themselves are fine
+def test_training_memory_per_gpu_by_hand():
+    """Qwen3-14B-sized DSpark on 8 GPUs: 14.8 G bf16 target params, 1.86 G trainable
+    fp32 drafter params; sharding the optimizer divides only the AdamW moments."""
+    cfg = load_config("qwen3-14b", {})
+    params = {"trainable": 1_860_000_000, "frozen_own": 10_000_000, "frozen_shared_target": 0}
+    cfg["train"]["shard_optimizer"] = False
+    m = P.training_memory(cfg, 14_800_000_000, params, 9 * 2**30)
+    assert m["target_weights"] == 2 * 14_800_000_000 and m["drafter_weights"] == 4 * 1_870_000_000
+    assert m["gradients"] == 4 * 1_860_000_000 and m["adam_moments"] == 8 * 1_860_000_000
+    assert m["total"] == 29_600_000_000 + 7_480_000_000 + 7_440_000_000 + 14_880_000_000 + 9 * 2**30
+    cfg["train"]["shard_optimizer"] = True
+    s = P.training_memory(cfg, 14_800_000_000, params, 9 * 2**30)
+    assert s["optimizer_shards"] == 8 and s["adam_moments"] == 1_860_000_000
+    assert m["total"] - s["total"] == 7 * 1_860_000_000
+    assert load_config("qwen3-14b", {})["train"]["shard_optimizer"]  # the 14B preset shards (80 GB GPUs)

@@ -102,7 +102,8 @@ def built(tmp_path, monkeypatch, caplog):
     mirror = _mirror(tmp_path)
     cfg = load_config("smollm2-135m", {"data": {"root": str(tmp_path / "data")}})
     with caplog.at_level("INFO", logger="deepspec.prepare_data"):
-        status = prepare_data(cfg, mirror=mirror)
+        # the tiny fixtures differ from the reference copies: accepted by name
+        status = prepare_data(cfg, mirror=mirror, accept=pd_mod.needed_files(cfg))
     return cfg, tmp_path / "data", status, list(caplog.records)
 
 
@@ -138,7 +139,7 @@ def test_builds_every_file_of_the_preset_in_deepspec_format(built):
         assert read_turns_jsonl(root / rel)
 
 
-def test_sha256_recorded_and_reference_mismatch_warns(built):
+def test_sha256_recorded_and_accepted_mismatch_warns(built):
     cfg, root, status, records = built
     sums = read_sums(root)
     assert set(sums) == set(status)
@@ -146,9 +147,10 @@ def test_sha256_recorded_and_reference_mismatch_warns(built):
         assert sha == hashlib.sha256((root / rel).read_bytes()).hexdigest()
     assert (root / SUMS_FILE).read_text().splitlines()[0].split("  ")[1] == sorted(sums)[0]  # sha256sum -c format
     warned = {r.getMessage().split(":")[0] for r in records if r.levelname == "WARNING"}
-    # the tiny fixtures differ from the reference copies; alpaca has no reference sha
+    # the tiny fixtures differ from the reference copies (accepted); alpaca has no reference sha
     assert "eval/gsm8k.jsonl" in warned and "train/chat_alpaca_libre.jsonl" in warned
     assert "eval/alpaca.jsonl" not in warned
+    assert all("accepted (--accept-changed-sources)" in r.getMessage() for r in records if r.levelname == "WARNING")
 
 
 def test_expected_sha_from_the_preset(built, caplog):
@@ -156,13 +158,46 @@ def test_expected_sha_from_the_preset(built, caplog):
     rel = "eval/gsm8k.jsonl"
     sha = read_sums(root)[rel]
     mirror = root.parent / "mirror"
-    for expected, warns in ((sha, False), ("0" * 64, True)):
-        (root / rel).unlink()
-        c = load_config("smollm2-135m", {"data": {"root": str(root), "sources": {rel: {"sha256": expected}}}})
-        caplog.clear()
+    (root / rel).unlink()
+    c = load_config("smollm2-135m", {"data": {"root": str(root), "sources": {rel: {"sha256": sha}}}})
+    caplog.clear()
+    assert prepare_data(c, [rel], mirror=mirror) == {rel: "built"}
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    # a preset pin the source does not give: an error, nothing written, SHA256SUMS untouched
+    (root / rel).unlink()
+    sums_before = (root / SUMS_FILE).read_bytes()
+    c = load_config("smollm2-135m", {"data": {"root": str(root), "sources": {rel: {"sha256": "0" * 64}}}})
+    with pytest.raises(DeepSpecError, match=f"^{rel}: sha256 {sha} differs from the reference copy's") as e:
         prepare_data(c, [rel], mirror=mirror)
-        msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert bool(msgs) == warns and all(m.startswith(rel) for m in msgs)
+    assert "\n" not in str(e.value) and f"--accept-changed-sources {rel}" in str(e.value)
+    assert not (root / rel).exists() and (root / SUMS_FILE).read_bytes() == sums_before
+    assert not [p for p in (root / "eval").iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_wrong_mirror_file_is_refused_unless_accepted_by_name(tmp_path, monkeypatch, capsys):
+    """The hostile case: a mirror whose GSM8K test split is 1 record, not 1319."""
+    import datasets
+
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    mirror, data, rel = _mirror(tmp_path), tmp_path / "data", "eval/gsm8k.jsonl"
+    base = ["prepare-data", "--preset", "tiny", "--set", f"data.root={data}", "--hub-mirror", str(mirror),
+            "--file", rel]
+    for _ in range(2):  # a rerun is refused too: nothing was recorded
+        rc = cli.main(base)
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith(f"deepspec prepare-data: error: {rel}: sha256 ") and "reference copy" in err[0]
+        assert not data.exists() or not [p for p in data.rglob("*") if p.is_file()]  # SHA256SUMS neither
+    # a name that is not checked here is refused (a typo accepts nothing)
+    assert cli.main(base + ["--accept-changed-sources", "eval/gsm8k.json"]) == 2
+    assert "not among the files" in capsys.readouterr().err and not (data / rel).exists()
+    # accepted by name: written and recorded; the next run finds it present, silently
+    assert cli.main(base + ["--accept-changed-sources", rel]) == 0
+    assert len(_records(data / rel)) == 1 and set(read_sums(data)) == {rel}
+    capsys.readouterr()
+    assert cli.main(base) == 0
+    assert "WARNING" not in capsys.readouterr().err
 
 
 def test_present_files_are_not_touched_nor_downloaded(built, monkeypatch, caplog):
@@ -177,11 +212,21 @@ def test_present_files_are_not_touched_nor_downloaded(built, monkeypatch, caplog
     assert set(prepare_data(cfg, offline=True).values()) == {"present"}
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("*") if p.is_file()} == before
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # shas match SHA256SUMS
-    # a file changed after it was built: a warning naming it
+    # a file changed after it was built: an error naming it; SHA256SUMS untouched
     (root / "eval/mbpp.jsonl").write_text('{"turns": ["edited"]}\n')
-    prepare_data(cfg, offline=True)
+    sums = read_sums(root)
+    with pytest.raises(DeepSpecError, match="^eval/mbpp.jsonl: .*changed after it was built") as e:
+        prepare_data(cfg, offline=True)
+    assert "\n" not in str(e.value) and read_sums(root) == sums
+    # accepted by name: a warning, and the new sha is recorded
+    caplog.clear()
+    prepare_data(cfg, offline=True, accept=["eval/mbpp.jsonl"])
     msgs = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(msgs) == 1 and msgs[0].startswith("eval/mbpp.jsonl") and "changed after it was built" in msgs[0]
+    assert read_sums(root)["eval/mbpp.jsonl"] == hashlib.sha256((root / "eval/mbpp.jsonl").read_bytes()).hexdigest()
+    caplog.clear()
+    prepare_data(cfg, offline=True)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_offline_missing_file_is_one_line(tmp_path, monkeypatch, capsys):

@@ -130,3 +130,67 @@ def _planned(cwd, env, override) -> dict:
         return {}
     stats = out.split("Job stats:", 1)[1].split("total", 1)[0]
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", stats, re.M) if m.group(1) != "all"}
+
+
+def _shell_commands(out: str) -> list[str]:
+    return [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]
+
+
+def test_gpu_jobs_claim_their_own_gpus(tmp_path):
+    """On one machine each GPU job takes GPU ids no other job holds (claim-gpus),
+    instead of every evaluation landing on GPU 0; GPU training grows its memory in
+    expandable segments; local regeneration shards take a GPU each."""
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "1", "--config", "preset=qwen3-4b",
+                   "regenerate={backend: local, shards: 2}", "resources={regenerate: {gpu: 1}}", "cache={mode: offline}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cmds = _shell_commands(r.stdout + r.stderr)
+    by = {}
+    for c in cmds:
+        kind = re.findall(r"-m deepspec ([\w-]+)", c)[-1]  # the job's own command (after claim-gpus)
+        by[c] = "shard" if kind == "regenerate" and "--shard" in c else kind
+    assert {"evaluate", "baseline", "train", "shard", "regenerate", "prepare-target", "build-cache"} <= set(by.values())
+    assert "CUDA_VISIBLE_DEVICES" not in " ".join(cmds)
+    for c, kind in by.items():
+        want = {"evaluate": "claim-gpus 1 -- python -m deepspec evaluate", "baseline": "claim-gpus 1 -- ",
+                "shard": "claim-gpus 1 -- ", "build-cache": "claim-gpus 1 -- ",
+                "train": "claim-gpus 8 -- accelerate launch"}.get(kind)
+        assert (want in c) if want else ("claim-gpus" not in c), c
+    train = [c for c, k in by.items() if k == "train"]
+    assert len(train) == 3 and all("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in c for c in train)
+
+
+def test_multi_node_training_plans(tmp_path):
+    """train.nodes 2 x train.gpus 8: a 16-GPU, 2-node job whose srun overlaps the
+    executor's job step and asks each node for its 8 GPUs; resources.train.nodes
+    (the README's spelling) is accepted when it agrees."""
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, str(Path("results/qwen3-4b/drafters/dspark/config.json")), "-n", "-p", "--cores", "1",
+                   "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}", "resources={train: {nodes: 2}}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    train = [c for c in _shell_commands(out) if "deepspec train" in c]
+    assert len(train) == 1 and "srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 " in train[0]
+    assert "claim-gpus" not in train[0]
+    assert re.search(r"gpu=16, nodes=2", out), out[-3000:]
+    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
+                   "resources={train: {nodes: 3}}")
+    assert r.returncode != 0 and "resources.train.nodes (3) differs from train.nodes (2)" in r.stdout + r.stderr
+
+
+def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
+    """The SLURM profile sends the train jobs (only) SIGTERM 15 min ahead of their
+    time limit (their checkpoint-and-stop signal). Planned with the profile minus its
+    executor, as the slurm plugin is not installed here."""
+    import yaml
+
+    _copy_workflow(tmp_path)
+    prof = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
+    prof.pop("executor")
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "config.yaml").write_text(yaml.safe_dump(prof))
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--profile", "prof", "--config", "preset=qwen3-4b")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", r.stdout + r.stderr)
+    signalled = sorted({name for name, res in jobs if "slurm_extra=--signal=TERM@900" in res})
+    assert signalled == ["train"], jobs[:3]

@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from ..errors import DeepSpecError
 from .batch_cache import BatchKV, engine_cache, has_sliding_window
 from .decode import Round, _forward, _sync, round_record, verify_rows
 from .scheduler import SPSCurve, profile_sps
@@ -72,6 +73,21 @@ class _Row:
         return len(self.out) >= self.request.max_new_tokens
 
 
+def check_prompt(target: Target, req: Request) -> None:
+    """A request the target can decode: a non-empty prompt of token ids in its
+    vocabulary that fits its context (max_position_embeddings); one
+    DeepSpecError line naming the request otherwise."""
+    n, ctx, V = len(req.prompt_ids), target.context_length, target.vocab_size
+    if n == 0:
+        raise DeepSpecError(f"request {req.request_id!r}: empty prompt (no token ids to decode from)")
+    if ctx is not None and n > ctx:
+        raise DeepSpecError(f"request {req.request_id!r}: prompt of {n} tokens is longer than the context of "
+                            f"{target.target_id!r} ({ctx} tokens)")
+    bad = next((t for t in req.prompt_ids if not 0 <= int(t) < V), None)
+    if bad is not None:
+        raise DeepSpecError(f"request {req.request_id!r}: token id {bad} outside the target vocabulary (0..{V - 1})")
+
+
 class BatchedEngine:
     """Speculative decoding of many requests at once (module docstring). `drafter`
     None runs plain batched decoding (one target token per request per forward)."""
@@ -92,6 +108,8 @@ class BatchedEngine:
         """Decode every request; continuous batching over at most max_batch rows.
         Returns the Finished requests in the order they finished."""
         queue, rows, kv, done = deque(requests), [], BatchKV(contiguous=has_sliding_window(self.target)), []
+        for req in queue:  # every request before any is decoded
+            check_prompt(self.target, req)
 
         def finish(row):
             f = Finished(row.request, row.out, row.rounds, time.perf_counter() - row.t_join)

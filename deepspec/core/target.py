@@ -49,6 +49,12 @@ class Target:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
+    def context_length(self) -> Optional[int]:
+        """The most positions the target was built for (max_position_embeddings; None if unknown)."""
+        n = getattr(self.text_config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 

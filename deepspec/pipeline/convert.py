@@ -50,6 +50,7 @@ under <resources>/drafters/<target>/), and `python -m deepspec convert-checkpoin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -114,10 +115,31 @@ def read_reference_config(src: Path) -> dict:
     return ref
 
 
+def check_out_apart(src, out) -> None:
+    """Refuse an output directory that is, contains or lies inside the source
+    directory: writing (or --overwrite replacing) it would delete the source."""
+    s, o = Path(src).resolve(), Path(out).resolve()
+    how = "is" if o == s else "lies inside" if s in o.parents else "contains" if o in s.parents else None
+    if how:
+        raise DeepSpecError(f"--out {out} {how} --src {src}: writing it would delete or change the source; "
+                            "give an output directory outside the source")
+
+
+@contextlib.contextmanager
+def _safe_open(path: Path):
+    """safetensors' safe_open, a damaged file (truncated, bad header) a one-line error naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DeepSpecError(f"{path}: not a readable safetensors file (truncated or damaged: {msg})") from None
+
+
 def tensor_files(src: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file (single file, or shards via the index)."""
-    from safetensors import safe_open
-
     index = src / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -132,7 +154,7 @@ def tensor_files(src: Path) -> dict[str, Path]:
     single = src / "model.safetensors"
     if not single.exists():
         raise DeepSpecError(f"{src}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(str(single), framework="pt") as f:
+    with _safe_open(single) as f:
         return {k: single for k in f.keys()}
 
 
@@ -255,13 +277,11 @@ def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | No
     """The drafter's tensors of a reference checkpoint, checked against `want`
     (name -> shape); the target copies are checked, not kept, except the mask row
     of an overwritten embed_tokens (returned second, or None)."""
-    from safetensors import safe_open
-
     files = tensor_files(src)
     state: dict[str, torch.Tensor] = {}
     row = None
     for path in sorted(set(files.values())):
-        with safe_open(str(path), framework="pt") as f:
+        with _safe_open(path) as f:
             present = set(f.keys())
             for name in sorted(k for k, v in files.items() if v == path):
                 if name not in present:
@@ -318,6 +338,7 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     from ..drafters import CLASSES, draft_config
 
     src, out = Path(src), Path(out)
+    check_out_apart(src, out)
     if out.exists() and not overwrite:
         raise DeepSpecError(f"output {out} exists (use --overwrite)")
     ref = read_reference_config(src)

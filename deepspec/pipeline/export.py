@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from .convert import MASK_ROW_FIELD, NOT_IN_CHECKPOINT, embed_scale, to_reference
+from .convert import MASK_ROW_FIELD, NOT_IN_CHECKPOINT, check_out_apart, embed_scale, to_reference
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,7 @@ def cli_export_checkpoint(argv) -> int:
                    help="block drafters with a learned mask embedding: the embed_tokens row to overwrite (default V-1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
+    check_out_apart(args.src, args.out)
     cfg = config_from_args(args)
     from ..drafters import load_drafter
     from .target import target_from_config

@@ -16,9 +16,14 @@ the training files; with the pinned sources each file is byte-identical to the
 reference copy, whose sha256 `KNOWN_SOURCES` holds.
 
 - A file that exists is never rewritten and nothing is downloaded for it.
-- A built file's sha256 is recorded in ``<data.root>/SHA256SUMS`` (the
-  ``sha256sum`` format); a sha that differs from the reference copy's, or from
-  the one recorded when the file was built, is a warning naming the file.
+- A file's sha256 is pinned: by the reference copy's (`Source.sha256`, or
+  ``data.sources[path].sha256``), or, once built, by its line in
+  ``<data.root>/SHA256SUMS`` (the ``sha256sum`` format). A sha that differs
+  from its pin is one DeepSpecError line naming the file: nothing is written
+  and SHA256SUMS is untouched, unless the file is named in
+  ``--accept-changed-sources`` (then it is written and recorded, with a
+  warning). SHA256SUMS holds only files that matched their pin, had none, or
+  were accepted by name.
 - A missing file that cannot be downloaded (offline, ``HF_HUB_OFFLINE=1``, the
   hub unreachable) is one DeepSpecError line naming the file, its source and
   how to get it.
@@ -40,7 +45,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 from ..errors import DeepSpecError
-from ..files import atomic_path, write_text_atomic
+from ..files import atomic_path, sha256_file, write_text_atomic
 from .prompts import data_root
 
 log = logging.getLogger("deepspec.prepare_data")
@@ -125,7 +130,7 @@ _LCB_FILES = ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.
 # The known sources, keyed by the file's path under data.root. The benchmarks
 # are DeepSpec's eval_datasets (deepseek-ai/DeepSpec@afdfa7c eval_datasets/);
 # revision None where no commit could be pinned offline: the recorded sha256
-# then pins the content (a changed upstream is a warning naming the file).
+# then pins the content (a changed upstream is an error naming the file).
 KNOWN_SOURCES: dict[str, Source] = {
     "eval/gsm8k.jsonl": Source("openai/gsm8k", "question_boxed", _GSM8K_REV, "main", "test",
                                sha256="63330a20a17f416fdfca978ebcd5124f8da5546affb3a079b65a6e8daf42b41f"),
@@ -297,27 +302,18 @@ def convert_rows(rows: Iterable[dict], src: Source, where: str) -> list[dict]:
     return out
 
 
-def write_records(path: Path, records: list[dict]) -> str:
-    """Write the JSONL atomically; return its sha256."""
-    h = hashlib.sha256()
+def encode_records(records: list[dict]) -> bytes:
+    """The JSONL bytes of the records (DeepSpec's ``json.dumps(..., ensure_ascii=False)`` lines)."""
+    return "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
+
+
+def write_records(path: Path, data: bytes) -> None:
+    """Write the JSONL bytes atomically."""
     with atomic_path(path, suffix=".jsonl") as tmp:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            for rec in records:
-                line = json.dumps(rec, ensure_ascii=False) + "\n"
-                f.write(line)
-                h.update(line.encode("utf-8"))
-    return h.hexdigest()
+        tmp.write_bytes(data)
 
 
 # ---------------------------------------------------------------- checksums
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_sums(root: Path) -> dict[str, str]:
@@ -344,19 +340,34 @@ def record_sum(root: Path, rel: str, sha: str) -> None:
         write_text_atomic(root / SUMS_FILE, "".join(f"{s}  {r}\n" for r, s in sorted(sums.items())))
 
 
-def check_sha(rel: str, sha: str, src: Optional[Source], recorded: Optional[str] = None) -> bool:
-    """Warn (naming the file) when `sha` differs from the one recorded in
-    SHA256SUMS when the file was built, or (none recorded) from the reference
-    copy's."""
-    if recorded and recorded != sha:
-        log.warning("%s: sha256 %s differs from the one in %s (%s): the file changed after it was built",
-                    rel, sha, SUMS_FILE, recorded)
+def check_sha(rel: str, sha: str, src: Optional[Source], recorded: Optional[str] = None,
+              accept: bool = False, built: bool = False) -> bool:
+    """Check `sha` against its pin. A file present: the sha recorded in
+    SHA256SUMS when it was built (or accepted), else the reference copy's. A
+    file just built: the reference copy's, else (a source without one) the
+    recorded one. A mismatch is one DeepSpecError line naming the file, unless
+    `accept` (the user named the file in --accept-changed-sources): then a
+    warning, and False is returned (the caller records the new sha)."""
+    ref = src.sha256 if src is not None else None
+    upstream = (f"differs from the reference copy's ({ref}): {src.where} may have changed upstream, "
+                "so prompts (and results) would differ from the reference run's") if ref and ref != sha else None
+    if built and ref:
+        why = upstream
+    elif recorded:
+        why = (f"differs from the one in {SUMS_FILE} ({recorded}): "
+               + ("its source changed since the file was built" if built else "the file changed after it was built")
+               ) if recorded != sha else None
+    else:
+        why = upstream
+    if why is None:
+        return True
+    if accept:
+        log.warning("%s: sha256 %s %s; accepted (--accept-changed-sources)", rel, sha, why)
         return False
-    if not recorded and src is not None and src.sha256 and src.sha256 != sha:
-        log.warning("%s: sha256 %s differs from the reference copy's (%s): %s may have changed upstream, "
-                    "so prompts (and results) may differ from the reference run's", rel, sha, src.sha256, src.where)
-        return False
-    return True
+    hint = f" (or give its sha256 under data.sources['{rel}'] in the preset)" if why is upstream else ""
+    raise DeepSpecError(
+        f"{rel}: sha256 {sha} {why}; " + ("nothing written" if built else "file left as it is")
+        + f": to use it anyway run prepare-data with --accept-changed-sources {rel}{hint}")
 
 
 # ---------------------------------------------------------------- the command
@@ -370,8 +381,11 @@ def _missing(path: Path, src: Source, preset: str, reason: str) -> DeepSpecError
         f"(or set DEEPSPEC_DATA to a directory that has it)")
 
 
-def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool = False) -> str:
-    """Build data.root/rel from its source; record and check its sha256; return it."""
+def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool = False,
+               accept: bool = False) -> str:
+    """Build data.root/rel from its source, check its sha256 against the pin
+    before anything is written (a mismatch raises unless `accept`), write and
+    record it; return the sha256."""
     root = data_root(cfg)
     path = root / rel
     src = source_for(cfg, rel)
@@ -390,29 +404,40 @@ def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool
     records = convert_rows(rows, src, str(path))
     if skipped:
         log.info("%s: skipped %d malformed source lines (%s)", rel, len(skipped), ", ".join(skipped[:5]))
-    sha = write_records(path, records)
+    data = encode_records(records)
+    sha = hashlib.sha256(data).hexdigest()
+    check_sha(rel, sha, src, read_sums(root).get(rel), accept=accept, built=True)
+    write_records(path, data)
     record_sum(root, rel, sha)
     log.info("%s: %d records from %s -> %s (sha256 %s)", rel, len(records), src.where, path, sha)
-    check_sha(rel, sha, src)
     return sha
 
 
 def prepare_data(cfg: dict, files: Optional[list] = None, mirror: Optional[Path] = None,
-                 offline: bool = False) -> dict[str, str]:
+                 offline: bool = False, accept: Iterable[str] = ()) -> dict[str, str]:
     """Build the missing files among `files` (default: every file the preset
-    reads); check the sha256 of those present. Returns {file: "built" | "present"}."""
+    reads); check the sha256 of those present. A sha256 that differs from its
+    pin is an error unless the file is in `accept` (paths under data.root).
+    Returns {file: "built" | "present"}."""
     root = data_root(cfg)
     files = list(files) if files else needed_files(cfg)
+    accept = set(accept)
+    unknown = sorted(accept - set(files))
+    if unknown:
+        raise DeepSpecError(f"--accept-changed-sources: {', '.join(unknown)} is not among the files checked here "
+                            f"({', '.join(files)})")
     sums = read_sums(root)
     status = {}
     for rel in files:
         path = root / rel
         if path.exists():
-            check_sha(rel, sha256_file(path), source_for(cfg, rel), sums.get(rel))
+            sha = sha256_file(path)
+            if not check_sha(rel, sha, source_for(cfg, rel), sums.get(rel), accept=rel in accept):
+                record_sum(root, rel, sha)
             status[rel] = "present"
         else:
             log.info("%s: missing under %s, building it", rel, root)
-            build_file(cfg, rel, mirror, offline)
+            build_file(cfg, rel, mirror, offline, accept=rel in accept)
             status[rel] = "built"
     return status
 
@@ -430,9 +455,13 @@ def cli_prepare_data(argv) -> int:
     p.add_argument("--hub-mirror", type=Path, default=None, metavar="DIR",
                    help="read sources from DIR/<hub id> (GitHub ones from DIR/github.com/<owner>/<repo>)")
     p.add_argument("--offline", action="store_true", help="never download: a missing file is an error")
+    p.add_argument("--accept-changed-sources", dest="accept", action="append", default=[], metavar="PATH[,PATH]",
+                   help="files (paths under data.root, repeatable) whose sha256 may differ from the pinned one: "
+                        "written and recorded in SHA256SUMS anyway; default: such a file is an error")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    status = prepare_data(cfg, args.files, args.hub_mirror, args.offline)
+    accept = [a.strip() for arg in args.accept for a in arg.split(",") if a.strip()]
+    status = prepare_data(cfg, args.files, args.hub_mirror, args.offline, accept)
     built = [f for f, s in status.items() if s == "built"]
     log.info("data under %s: %d files present, %d built%s", data_root(cfg), len(status) - len(built), len(built),
              f" ({', '.join(built)})" if built else "")

@@ -2,8 +2,8 @@
 # deepspec/pipeline/evaluate.py): one job per (target, method) decoding every
 # benchmark with the batched engine (the first eval.speed_prompts prompts of each
 # timed benchmark alone), the drafter-free baselines, and DSpark's
-# verify-smarter analysis (threshold sweep, STS calibration, Algorithm 1). GPU
-# presets expose GPU 0 unless CUDA_VISIBLE_DEVICES is already set (e.g. by SLURM).
+# verify-smarter analysis (threshold sweep, STS calibration, Algorithm 1). On GPU
+# presets each job takes a GPU no other job holds (gpu_env: claim-gpus).
 EVAL_GPUS = int(CFG["eval"]["gpus"])
 EVAL_ENV = gpu_env(min(EVAL_GPUS, 1))
 EVAL_RESOURCES = dict(

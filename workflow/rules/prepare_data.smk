@@ -3,7 +3,10 @@
 # failed download never touches the files that are there. A file that exists
 # is up to date (no inputs) and is never rebuilt; hence no params.settings:
 # prompt files are data, and a changed source (data.sources) is rebuilt only
-# after the file is deleted. Local rule: compute nodes may lack internet.
+# after the file is deleted. A built file whose sha256 differs from its pin
+# fails the job (the log names the file and the prepare-data command that
+# accepts it); the rule never accepts one itself. Local rule: compute nodes
+# may lack internet.
 localrules:
     prepare_data,
 

@@ -15,6 +15,7 @@ REGEN_RESOURCES = dict(
     runtime=res("regenerate", "runtime", 60),
     gpu=res("regenerate", "gpu", 0),
 )
+REGEN_ENV = gpu_env(REGEN_RESOURCES["gpu"])  # each job (shard) its own GPUs on one machine
 
 if REGEN_SHARDS == 1:
 
@@ -35,7 +36,7 @@ if REGEN_SHARDS == 1:
         resources:
             **REGEN_RESOURCES,
         shell:
-            "OMP_NUM_THREADS={threads} python -m deepspec regenerate {CONFIG_ARGS} --out {output:q} > {log:q} 2>&1"
+            "OMP_NUM_THREADS={threads} {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} --out {output:q} > {log:q} 2>&1"
 
 else:
 
@@ -59,7 +60,7 @@ else:
         resources:
             **REGEN_RESOURCES,
         shell:
-            "OMP_NUM_THREADS={threads} python -m deepspec regenerate {CONFIG_ARGS} "
+            "OMP_NUM_THREADS={threads} {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
             "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
 
     rule regenerate:
