@@ -179,3 +179,64 @@ def test_over_long_prompts_are_skipped_and_named(setup, shared_data, tiny_cfg, t
     skipped_ids = {x["sample_id"] for x in s["skipped_prompts"]}
     assert not skipped_ids & set(pd.read_csv(tmp_path / "dspark.csv")["sample_id"])
     assert base["sample_ids"] == [x["sample_id"] for x in s["samples"] if x.get("batch1", True)]
+
+
+def _decoded(path):
+    """A records CSV without what differs between runs: wall times, and R (which requests shared a round)."""
+    return pd.read_csv(path).drop(columns=["draft_time_s", "verify_time_s", "batch_size"])
+
+
+def test_interrupted_evaluate_resumes_to_the_same_records(setup, shared_data, tmp_path, monkeypatch):
+    """Every finished request is appended (fsync'd) to a partial file as it finishes; an evaluate job
+    killed after k requests, rerun, decodes only the others and writes the same records as a run that was
+    never interrupted; the partial file is gone at the end."""
+    from deepspec.pipeline import evaluate as E
+
+    ev, args = setup
+    run = args + ["--method", "dspark", "--set", "eval.batch_size=2", "--set", "data.benchmarks.mt-bench.cap=3"]
+    assert cli_evaluate(run + ["--out-dir", str(tmp_path / "whole")]) == 0
+    partial = tmp_path / "cut" / ".dspark.partial.jsonl"
+    real_add, calls = E.Progress.add, []
+
+    def add_then_die(self, *a):
+        real_add(self, *a)
+        calls.append(a[:2])
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # a kill after the 4th finished request (batch-1 ones and batched ones)
+
+    monkeypatch.setattr(E.Progress, "add", add_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cli_evaluate(run + ["--out-dir", str(tmp_path / "cut")])
+    assert partial.exists() and len(partial.read_text().splitlines()) == 1 + 4
+    with open(partial, "a") as f:
+        f.write('{"id": "gsm8k#9", "benchm')  # a torn last line, as a kill mid-write leaves
+    monkeypatch.setattr(E.Progress, "add", real_add)
+    resumed = []
+    monkeypatch.setattr(E.Progress, "add", lambda self, *a: (resumed.append(a[:2]), real_add(self, *a)))
+    assert cli_evaluate(run + ["--out-dir", str(tmp_path / "cut")]) == 0
+    assert not partial.exists() and not set(resumed) & set(calls)  # the 4 finished ones were not decoded again
+    for bench in ("gsm8k", "humaneval", "mt-bench"):
+        pd.testing.assert_frame_equal(_decoded(tmp_path / "cut" / f"{bench}.csv"),
+                                      _decoded(tmp_path / "whole" / f"{bench}.csv"))
+        a, b = (json.loads((tmp_path / d / f"{bench}.json").read_text()) for d in ("cut", "whole"))
+        assert a["tau"] == b["tau"] and [x["new_tokens"] for x in a["samples"]] == [x["new_tokens"] for x in b["samples"]]
+    # other settings never reuse a partial file
+    E.Progress(partial, {"fingerprint": "x"}).add("gsm8k", 0, [], {})
+    assert E.Progress(partial, {"fingerprint": "y"}).done == {}
+
+
+def test_kv_budget_caps_the_engine_rows(tiny_cfg, tiny_target):
+    from deepspec.pipeline.evaluate import kv_bytes_per_token, kv_rows
+
+    c = tiny_target.model.config
+    per_token = kv_bytes_per_token(tiny_target.model)
+    assert per_token == 2 * c.num_hidden_layers * c.num_key_value_heads * getattr(c, "head_dim", c.hidden_size //
+                                                                                   c.num_attention_heads) * 4
+    cfg = {"eval": {"batch_size": 32, "max_new_tokens": 100, "kv_budget_gb": None}}
+    prompts = [[1] * 20, [1] * 60]
+    assert kv_rows(cfg, tiny_target, prompts) == 32
+    per_row = per_token * (60 + 100) * 1.25
+    cfg["eval"]["kv_budget_gb"] = 5.5 * per_row / 2**30
+    assert kv_rows(cfg, tiny_target, prompts) == 5
+    cfg["eval"]["kv_budget_gb"] = 1e-9
+    assert kv_rows(cfg, tiny_target, prompts) == 1

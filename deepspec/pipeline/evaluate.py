@@ -30,7 +30,8 @@ import torch
 
 from ..cli import add_config_args, config_from_args
 from ..errors import DeepSpecError
-from ..files import json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
+from ..config import settings_fingerprint
+from ..files import iter_jsonl, json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from .methods import resolve_method
 from .prompts import benchmark_prompt_set, speed_benchmarks
@@ -71,31 +72,85 @@ def speed_sample(cfg: dict, prompts: list, benchmark: str) -> list:
 
 
 # --------------------------------------------------------------------------- evaluate
+class Progress:
+    """Every finished request's records, appended (one line, fsync'd) to an
+    append-only partial file as it finishes, so that a killed evaluate job
+    resumes where it stopped: a rerun with the same settings (the evaluate
+    fingerprint, method, drafter, benchmarks) skips the requests in the file and
+    reads their records from it; other settings discard it. Removed once every
+    output is written. `Progress(None)` keeps nothing."""
+
+    def __init__(self, path: Path | None, header: dict | None = None):
+        from .regenerate import _Appender, _recover_partial
+
+        self.path, self.done, self._out = path, {}, None
+        if path is None:
+            return
+        header = {"id": "header", **(header or {})}
+        if path.exists():
+            _recover_partial(path)  # a torn last line (a kill mid-write) is cut off
+            recs = [r for _, _, r in iter_jsonl(path, "evaluation progress")]
+            if recs and recs[0] == header:
+                self.done = {(r["benchmark"], r["index"]): r for r in recs[1:]}
+                log.info("%s: resuming, %d finished requests kept", path, len(self.done))
+            else:
+                log.warning("%s was made with other settings: starting afresh", path)
+                path.unlink()
+        self._out = _Appender(path)
+        if not self.done:
+            self._out.write([header])
+
+    def get(self, benchmark: str, index: int):
+        return self.done.get((benchmark, index))
+
+    def add(self, benchmark: str, index: int, rows: list, sample: dict) -> None:
+        rec = {"id": f"{benchmark}#{index}", "benchmark": benchmark, "index": index, "rows": rows, "sample": sample}
+        self.done[(benchmark, index)] = rec
+        if self._out is not None:
+            self._out.write([rec])
+
+    def finish(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self.path.unlink()
+
+
 def _warmup(fn) -> None:
     """One short untimed run (kernel selection, allocator, lazy init) before timing."""
     fn()
 
 
-def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str):
-    """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list)."""
+def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
+                   progress: Progress | None = None):
+    """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list).
+    Requests already in `progress` are read from it, the others appended to it."""
     from tqdm import tqdm
 
     from ..core.decode import speculative_generate
 
     ev = cfg["eval"]
+    progress = progress or Progress(None)
     layers = list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
     rows, samples = [], []
-    _warmup(lambda: speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
-                                         temperature=ev["temperature"], generator=_generator(cfg, target, 0)))
+    if any(progress.get(benchmark, i) is None for i in range(len(prompts))):
+        _warmup(lambda: speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
+                                             temperature=ev["temperature"], generator=_generator(cfg, target, 0)))
     for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"{method}/{benchmark}", unit="prompt")):
+        if (rec := progress.get(benchmark, idx)) is not None:
+            rows += rec["rows"]
+            samples.append(rec["sample"])
+            continue
         gen = speculative_generate(
             target, drafter, ids, feature_layers=layers, max_new_tokens=ev["max_new_tokens"],
             temperature=ev["temperature"], generator=_generator(cfg, target, idx),
             confidence_threshold=ev["confidence_threshold"],
         )
-        rows += [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
-        samples.append({"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
-                        "rounds": len(gen.rounds), "time_s": gen.time_s})
+        mine = [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
+        sample = {"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
+                  "rounds": len(gen.rounds), "time_s": gen.time_s}
+        progress.add(benchmark, idx, mine, sample)
+        rows += mine
+        samples.append(sample)
         log.info("%s: %d tokens in %d rounds, %.2f s", p.id, len(gen.tokens), len(gen.rounds), gen.time_s)
     if not rows:
         raise DeepSpecError(f"{method}/{benchmark}: no speculative rounds: every sample ended on its first token "
@@ -140,7 +195,31 @@ def _layers(cfg: dict, drafter) -> list:
     return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
 
 
-def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict):
+def kv_bytes_per_token(model) -> int:
+    """Bytes of target KV cache per token: K and V of every layer's KV heads, in the model's dtype."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
+def kv_rows(cfg: dict, target, prompts: list) -> int:
+    """The engine's rows: eval.batch_size, capped so that that many of the longest
+    requests (prompt + eval.max_new_tokens, + a quarter for the padding the batch
+    cache allows before it compacts) fit in eval.kv_budget_gb of target KV cache."""
+    ev = cfg["eval"]
+    if ev.get("kv_budget_gb") is None or not prompts:
+        return ev["batch_size"]
+    per_row = kv_bytes_per_token(target.model) * (max(map(len, prompts)) + ev["max_new_tokens"]) * 1.25
+    rows = max(1, min(ev["batch_size"], int(ev["kv_budget_gb"] * 2**30 // per_row)))
+    if rows < ev["batch_size"]:
+        log.info("eval.kv_budget_gb=%s: %d rows instead of eval.batch_size=%d (%.0f MiB of KV per row)",
+                 ev["kv_budget_gb"], rows, ev["batch_size"], per_row / 2**20)
+    return rows
+
+
+def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict,
+                progress: Progress | None = None):
     """Every prompt of every benchmark b but its first skip[b] through one
     BatchedEngine at eval.batch_size (fixed gamma, or the static threshold when
     eval.confidence_threshold > 0). Returns ({benchmark: (records, samples)}, engine info)."""
@@ -148,25 +227,44 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     from ..core.policies import FixedGamma, StaticThreshold
 
     ev = cfg["eval"]
+    progress = progress or Progress(None)
     thr = ev["confidence_threshold"]
+    todo = [(b, i, p, ids) for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
+    max_batch = kv_rows(cfg, target, [ids for *_, ids in todo])
     engine = BatchedEngine(target, drafter, feature_layers=_layers(cfg, drafter), temperature=ev["temperature"],
-                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"])
-    reqs = [Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i)
-            for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
-    reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
+                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=max_batch)
     out = {b: ([], []) for b in bench_prompts}
-    t0 = time.perf_counter()
-    for f in engine.generate(reqs):
+
+    def keep(b, i, rows, sample):
+        out[b][0].extend({**r, "_i": i} for r in rows)
+        out[b][1].append({**sample, "_i": i})
+
+    reqs = []
+    for b, i, p, ids in todo:
+        if (rec := progress.get(b, i)) is not None:  # finished by an earlier, interrupted run
+            keep(b, i, rec["rows"], rec["sample"])
+        else:
+            reqs.append(Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i))
+    reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
+
+    def finished(f):
         b, i, pid = f.request.request_id
         domain = cfg["data"]["benchmarks"][b]["domain"]
-        rows, samples = out[b]
-        rows += [{"sample_id": pid, **r, "method": method, "benchmark": b, "domain": domain, "_i": i} for r in f.rounds]
-        samples.append({"sample_id": pid, "prompt_tokens": len(f.request.prompt_ids), "new_tokens": len(f.tokens),
-                        "rounds": len(f.rounds), "time_s": f.time_s, "batch1": False, "_i": i})
+        rows = [{"sample_id": pid, **r, "method": method, "benchmark": b, "domain": domain} for r in f.rounds]
+        sample = {"sample_id": pid, "prompt_tokens": len(f.request.prompt_ids), "new_tokens": len(f.tokens),
+                  "rounds": len(f.rounds), "time_s": f.time_s, "batch1": False}
+        progress.add(b, i, rows, sample)
+        keep(b, i, rows, sample)
+        new_tokens[0] += len(f.tokens)
+
+    new_tokens = [0]
+    t0 = time.perf_counter()
+    engine.generate(reqs, on_finish=finished)
     wall = time.perf_counter() - t0
-    info = {"batch_size": ev["batch_size"], "requests": len(reqs), "wall_s": wall, **engine.stats,
+    info = {"batch_size": ev["batch_size"], "max_batch": max_batch, "requests": len(todo),
+            "resumed_requests": len(todo) - len(reqs), "wall_s": wall, **engine.stats,
             "padding_share": padding_share(engine.stats)}
-    info["tokens_per_s"] = sum(s["new_tokens"] for _, ss in out.values() for s in ss) / wall if reqs else None
+    info["tokens_per_s"] = new_tokens[0] / wall if reqs else None
     log.info("engine: %d requests at batch %d in %.1f s, %d rounds", len(reqs), ev["batch_size"], wall, engine.stats["rounds"])
     res = {}
     for b, (rows, samples) in out.items():  # batch-1 order: by sample index, then round
@@ -177,7 +275,7 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     return res, info
 
 
-def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
+def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
     """All benchmarks of a method: the speed sample of each at batch size 1
     (`run_evaluation`, timed), the rest batched (`run_batched`). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
@@ -185,10 +283,10 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
     for b, prompts in bench_prompts.items():
         domain = cfg["data"]["benchmarks"][b]["domain"]
         speed = speed_sample(cfg, prompts, b)
-        out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain) if speed \
-            else (pd.DataFrame(), [])
+        out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
+                                progress=progress) if speed else (pd.DataFrame(), [])
     batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
-                                skip={b: n_speed(cfg, b) for b in bench_prompts})
+                                skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
         df0, s0 = out[b]
         df = pd.concat([d for d in (df0, df) if len(d)], ignore_index=True) if len(df0) or len(df) else df0
@@ -256,9 +354,14 @@ def cli_evaluate(argv) -> int:
     base, _ = resolve_method(cfg, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
-    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method)
+    # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
+    progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
+                        {"fingerprint": settings_fingerprint(cfg, "evaluate"), "method": args.method,
+                         "drafter": str(path), "benchmarks": benches})
+    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
     for b, (df, samples) in results.items():
         _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1])
+    progress.finish()
     return 0
 
 
