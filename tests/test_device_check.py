@@ -12,7 +12,9 @@ def test_device_check_cpu_small(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
     assert r.returncode == 0 and not failed, (failed, r.stdout[-2000:], r.stderr[-2000:])
-    assert set(report["checks"]) == {"bf16_training", "flex_attention", "verify_chi2", "greedy_equal", "paper_dims", "plan"}
+    assert set(report["checks"]) == {"bf16_training", "flex_attention", "verify_chi2", "greedy_equal", "varying_flex",
+                                     "online_batch", "engine_batch32", "gemma4", "paper_dims", "plan"}
+    assert report["checks"]["varying_flex"]["shapes"] >= 3 and report["checks"]["engine_batch32"]["rows"] == 32
     assert report["checks"]["plan"]["plan_total_steps"] > 0 and report["checks"]["paper_dims"]["dspark_step_s"] > 0
     assert (tmp_path / "device_check.md").read_text().startswith("# Device check")
 
