@@ -29,7 +29,7 @@ import torch
 
 from deepspec.core import decode, verify
 from deepspec.core.decode import plain_generate, speculative_generate
-from deepspec.core.batch_cache import BatchKV
+from deepspec.core.batch_cache import BatchKV, row_slots
 from deepspec.core.engine import BatchedEngine, Request, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
@@ -527,3 +527,58 @@ def test_engine_refuses_bad_prompts_in_one_line(tiny_target, monkeypatch):
     assert "\n" not in str(e.value) and not seen
     monkeypatch.setattr(tiny_target.text_config, "max_position_embeddings", len(PROMPT))
     assert len(eng.generate([Request("fits", PROMPT, 2)])) == 1
+
+
+def test_kv_budget_arithmetic_and_measured_bytes_per_token(tiny_target, gemma4_target):
+    """A row's slot bound: its tokens, two chunks, the share compaction leaves, the buffers' room on both
+    sides. The KV bytes per position are measured on the first prefill's cache as stored: Gemma4's
+    full-attention layers have a wider head and one K/V head (reading the config's global
+    num_key_value_heads raised on Gemma4, and head_dim alone would have counted half their bytes)."""
+    from deepspec.pipeline.target import TINY_CONFIG, TINY_GEMMA4_CONFIG
+
+    assert row_slots(100, 8) == 155 + 2 * 77  # ceil(116 / 0.75) slots, room min(155 // 2, 512) each side
+    assert row_slots(6000, 8) == 8022 + 2 * 512 and row_slots(1, 1) == 4 + 2 * 64
+    c, g = TINY_CONFIG, TINY_GEMMA4_CONFIG
+    hd = c["hidden_size"] // c["num_attention_heads"]
+    heads = [(c["num_key_value_heads"], hd)] * c["num_hidden_layers"]
+    g_heads = [(g["num_global_key_value_heads"], g["global_head_dim"]) if t == "full_attention"
+               else (g["num_key_value_heads"], g["head_dim"]) for t in g["layer_types"]]
+    for target, per_layer in ((tiny_target, heads), (gemma4_target, g_heads)):
+        eng = BatchedEngine(target, None, feature_layers=LAYERS, max_batch=2)
+        assert eng.kv_per_token is None and eng.row_bytes(Request(0, [5] * 7, 2)) is None
+        eng.generate([Request(0, [5] * 7, 2)])
+        assert eng.kv_per_token == sum(2 * h * d * 4 for h, d in per_layer)  # K and V, fp32
+        assert eng.row_bytes(Request(0, [5] * 30, 10)) == row_slots(40, 1) * eng.kv_per_token
+
+
+def test_engine_keeps_the_batch_within_the_kv_budget(tiny_target, monkeypatch):
+    """With eval.kv_budget_gb's bytes, a queued request joins only while every row padded to the
+    longest request among them fits: short requests share 4 rows, the long ones run alone, the
+    cache's buffers never hold more than the budget while rows share it, and every output is the
+    unbudgeted engine's (greedy: plain decoding)."""
+    short, long_ = [Request(i, PROMPTS[i % 4], 6) for i in range(6)], [Request(6 + i, PROMPT * 40, 6) for i in range(2)]
+    reqs = short + long_
+    drafter = DistortedTargetDrafter(tiny_target, LAYERS, gamma=2)
+    free = BatchedEngine(tiny_target, drafter, feature_layers=LAYERS, temperature=0.0, max_batch=8)
+    want = {f.request.request_id: f.tokens for f in free.generate(reqs)}
+    assert free.stats["max_rows"] == 8
+    per_token = free.kv_per_token
+    short_row = max(free.row_bytes(r) for r in short)
+    budget = 4.5 * short_row
+    assert 2 * free.row_bytes(long_[0]) > budget  # a long request fits alone only
+    held, forward = [], BatchKV.forward
+
+    def spy(kv, target, ids, widths, layers):
+        out = forward(kv, target, ids, widths, layers)
+        bufs = [getattr(layer, name) for layer in kv.cache.layers for name in ("_kbuf", "_vbuf") if hasattr(layer, name)]
+        held.append((ids.shape[0], sum(b.numel() * b.element_size() for b in bufs)))
+        return out
+
+    monkeypatch.setattr(BatchKV, "forward", spy)
+    eng = BatchedEngine(tiny_target, drafter, feature_layers=LAYERS, temperature=0.0, max_batch=8,
+                        kv_budget_bytes=budget)
+    got = _by_id(eng.generate(reqs))
+    assert {i: f.tokens for i, f in got.items()} == want and eng.kv_per_token == per_token
+    assert eng.stats["max_rows"] == 4
+    assert all(r["batch_size"] == 1 for f in long_ for r in got[f.request_id].rounds)
+    assert all(b <= budget for R, b in held if R > 1) and held

@@ -223,20 +223,20 @@ def test_interrupted_evaluate_resumes_to_the_same_records(setup, shared_data, tm
     # other settings never reuse a partial file
     E.Progress(partial, {"fingerprint": "x"}).add("gsm8k", 0, [], {})
     assert E.Progress(partial, {"fingerprint": "y"}).done == {}
+    for _ in range(2):  # reopened with nothing finished: still one header, nothing kept
+        assert E.Progress(partial, {"fingerprint": "y"}).done == {} and len(partial.read_text().splitlines()) == 1
 
 
-def test_kv_budget_caps_the_engine_rows(tiny_cfg, tiny_target):
-    from deepspec.pipeline.evaluate import kv_bytes_per_token, kv_rows
-
-    c = tiny_target.model.config
-    per_token = kv_bytes_per_token(tiny_target.model)
-    assert per_token == 2 * c.num_hidden_layers * c.num_key_value_heads * getattr(c, "head_dim", c.hidden_size //
-                                                                                   c.num_attention_heads) * 4
-    cfg = {"eval": {"batch_size": 32, "max_new_tokens": 100, "kv_budget_gb": None}}
-    prompts = [[1] * 20, [1] * 60]
-    assert kv_rows(cfg, tiny_target, prompts) == 32
-    per_row = per_token * (60 + 100) * 1.25
-    cfg["eval"]["kv_budget_gb"] = 5.5 * per_row / 2**30
-    assert kv_rows(cfg, tiny_target, prompts) == 5
-    cfg["eval"]["kv_budget_gb"] = 1e-9
-    assert kv_rows(cfg, tiny_target, prompts) == 1
+def test_kv_budget_caps_the_engine_rows(setup, shared_data, tmp_path):
+    """eval.kv_budget_gb reaches the engine: a budget below two rows decodes one request at a time,
+    with the records of the unbudgeted run; the summary says how many rows ran at once."""
+    ev, args = setup
+    run = args + ["--method", "dspark", "--benchmark", "gsm8k"]
+    for name, extra in (("free", []), ("capped", ["--set", "eval.kv_budget_gb=1e-6"])):
+        assert cli_evaluate(run + extra + ["--out-dir", str(tmp_path / name)]) == 0
+    free, capped = (json.loads((tmp_path / d / "gsm8k.json").read_text())["engine"] for d in ("free", "capped"))
+    assert free["kv_budget_gb"] is None and free["max_rows"] == N_PROMPTS - SPEED
+    assert capped["kv_budget_gb"] == 1e-6 and capped["max_rows"] == 1
+    # the same decisions (integer columns exactly); confidences and probabilities within float noise of the batch
+    pd.testing.assert_frame_equal(_decoded(tmp_path / "capped" / "gsm8k.csv"), _decoded(tmp_path / "free" / "gsm8k.csv"),
+                                  check_exact=False, rtol=1e-4, atol=1e-5)

@@ -86,18 +86,19 @@ class Progress:
         self.path, self.done, self._out = path, {}, None
         if path is None:
             return
-        header = {"id": "header", **(header or {})}
+        header, resumed = {"id": "header", **(header or {})}, False
         if path.exists():
             _recover_partial(path)  # a torn last line (a kill mid-write) is cut off
             recs = [r for _, _, r in iter_jsonl(path, "evaluation progress")]
-            if recs and recs[0] == header:
+            resumed = bool(recs) and recs[0] == header
+            if resumed:
                 self.done = {(r["benchmark"], r["index"]): r for r in recs[1:]}
                 log.info("%s: resuming, %d finished requests kept", path, len(self.done))
             else:
                 log.warning("%s was made with other settings: starting afresh", path)
                 path.unlink()
         self._out = _Appender(path)
-        if not self.done:
+        if not resumed:
             self._out.write([header])
 
     def get(self, benchmark: str, index: int):
@@ -195,29 +196,6 @@ def _layers(cfg: dict, drafter) -> list:
     return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of target KV cache per token: K and V of every layer's KV heads, in the model's dtype."""
-    c = model.config.get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
-
-
-def kv_rows(cfg: dict, target, prompts: list) -> int:
-    """The engine's rows: eval.batch_size, capped so that that many of the longest
-    requests (prompt + eval.max_new_tokens, + a quarter for the padding the batch
-    cache allows before it compacts) fit in eval.kv_budget_gb of target KV cache."""
-    ev = cfg["eval"]
-    if ev.get("kv_budget_gb") is None or not prompts:
-        return ev["batch_size"]
-    per_row = kv_bytes_per_token(target.model) * (max(map(len, prompts)) + ev["max_new_tokens"]) * 1.25
-    rows = max(1, min(ev["batch_size"], int(ev["kv_budget_gb"] * 2**30 // per_row)))
-    if rows < ev["batch_size"]:
-        log.info("eval.kv_budget_gb=%s: %d rows instead of eval.batch_size=%d (%.0f MiB of KV per row)",
-                 ev["kv_budget_gb"], rows, ev["batch_size"], per_row / 2**20)
-    return rows
-
-
 def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict,
                 progress: Progress | None = None):
     """Every prompt of every benchmark b but its first skip[b] through one
@@ -230,9 +208,10 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     progress = progress or Progress(None)
     thr = ev["confidence_threshold"]
     todo = [(b, i, p, ids) for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
-    max_batch = kv_rows(cfg, target, [ids for *_, ids in todo])
+    budget = None if ev["kv_budget_gb"] is None else ev["kv_budget_gb"] * 2**30
     engine = BatchedEngine(target, drafter, feature_layers=_layers(cfg, drafter), temperature=ev["temperature"],
-                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=max_batch)
+                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"],
+                           kv_budget_bytes=budget)
     out = {b: ([], []) for b in bench_prompts}
 
     def keep(b, i, rows, sample):
@@ -261,11 +240,12 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     t0 = time.perf_counter()
     engine.generate(reqs, on_finish=finished)
     wall = time.perf_counter() - t0
-    info = {"batch_size": ev["batch_size"], "max_batch": max_batch, "requests": len(todo),
+    info = {"batch_size": ev["batch_size"], "kv_budget_gb": ev["kv_budget_gb"], "requests": len(todo),
             "resumed_requests": len(todo) - len(reqs), "wall_s": wall, **engine.stats,
             "padding_share": padding_share(engine.stats)}
     info["tokens_per_s"] = new_tokens[0] / wall if reqs else None
-    log.info("engine: %d requests at batch %d in %.1f s, %d rounds", len(reqs), ev["batch_size"], wall, engine.stats["rounds"])
+    log.info("engine: %d requests at batch %d (at most %d rows at once) in %.1f s, %d rounds", len(reqs),
+             ev["batch_size"], engine.stats["max_rows"], wall, engine.stats["rounds"])
     res = {}
     for b, (rows, samples) in out.items():  # batch-1 order: by sample index, then round
         rows.sort(key=lambda r: (r["_i"], r["round"]))
