@@ -19,11 +19,16 @@ Checks, each timed and recorded (a failing check is recorded, the others run):
                   (config/targets/, pipeline/plan.py): DSpark training step
                   (5 layers, 512 anchors, length 4096, micro batch 1, online
                   features) time and peak memory, Eagle3 step time (TTT 7), the
-                  target's SPS(B), plain decode tokens/s at batch 1; with --small
-                  the tiny Llama target at small sizes instead
+                  target's SPS(B), plain decode tokens/s at batch 1, the batched
+                  engine at 32 rows of 1k-token prompts (rounds/s, peak memory
+                  against the KV bound of eval.kv_budget_gb); with --small the
+                  tiny Qwen3 target at small sizes instead
   plan            measured step time against plan's FLOPs at the measured rate,
                   and the projected wall time of the preset on 8 such GPUs
-Writes OUTDIR/device_check.json and OUTDIR/device_check.md.
+Writes OUTDIR/device_check.json and OUTDIR/device_check.md after every check;
+checks not started within --budget-s (390 s: the pytest part of device_check.sh
+follows, 8 minutes in all) are recorded as skipped. --gemma4-arch names the tiny
+Gemma4 architecture of the gemma4 check (gemma4_unified once build_tiny has it).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from deepspec.core.decode import plain_generate, profile_target_sps, speculative
 from deepspec.core.target import Target, eos_ids_of  # noqa: E402
 from deepspec.core.verify import sample, verify_chain  # noqa: E402
 from deepspec.drafters import build_drafter  # noqa: E402
+from deepspec.files import write_text_atomic  # noqa: E402
 from deepspec.pipeline.train import step_spec  # noqa: E402
 
 METHODS = ("eagle3", "dflash", "dspark")
@@ -234,16 +240,17 @@ def check_online_batch(dev, small):
     return {"loss": float(loss.detach()), "features_shape": list(feats.shape)}
 
 
-def _engine_round(target, cfg, dev, rows, n_new):
-    """`rows` greedy requests of different prompt lengths through one BatchedEngine of
-    `rows` rows (continuous batching, batched verification): every output equals plain
-    greedy decoding; the rounds' time and the peak memory."""
+def _engine_round(target, cfg, dev, rows, n_new, prompt_len=8, check=True):
+    """`rows` greedy requests of different prompt lengths (prompt_len + 3 i) through one
+    BatchedEngine of `rows` rows (continuous batching, batched verification): with
+    `check`, the first and last outputs equal plain greedy decoding; the rounds' time,
+    the peak memory and the engine's KV bound per row (eval.kv_budget_gb's arithmetic)."""
     from deepspec.core.engine import BatchedEngine, Request
 
     torch.manual_seed(0)
     d = build_drafter("dspark", target, cfg).to(dev).eval()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, target.vocab_size, (8 + 3 * i,), generator=g).tolist() for i in range(rows)]
+    prompts = [torch.randint(5, target.vocab_size, (prompt_len + 3 * i,), generator=g).tolist() for i in range(rows)]
     eng = BatchedEngine(target, d, feature_layers=cfg["target"]["feature_layers"], temperature=0.0, max_batch=rows)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -252,10 +259,13 @@ def _engine_round(target, cfg, dev, rows, n_new):
     done = {f.request.request_id: f.tokens for f in eng.generate([Request(i, p, n_new) for i, p in enumerate(prompts)])}
     _sync(dev)
     wall = time.perf_counter() - t0
-    for i in (0, rows - 1):
+    for i in (0, rows - 1) if check else ():
         plain = plain_generate(target, prompts[i], max_new_tokens=n_new, temperature=0.0).tokens
         assert done[i] == plain, f"request {i}: batched greedy output differs from plain decoding"
-    out = {"rows": rows, "rounds": eng.stats["rounds"], "wall_s": wall, "rounds_per_s": eng.stats["rounds"] / wall}
+    last = Request(rows - 1, prompts[-1], n_new)
+    out = {"rows": rows, "prompt_tokens": [len(prompts[0]), len(prompts[-1])], "rounds": eng.stats["rounds"],
+           "max_rows": eng.stats["max_rows"], "wall_s": wall, "rounds_per_s": eng.stats["rounds"] / wall,
+           "kv_bytes_per_token": eng.kv_per_token, "kv_bound_gib": rows * eng.row_bytes(last) / 2**30}
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return out
@@ -266,16 +276,20 @@ def check_engine_batch32(dev, small):
     return _engine_round(tiny_target(dev, "qwen3"), tiny_cfg(), dev, 32, 6 if small else 16)
 
 
-def gemma4_target(dev):
-    """The tiny Gemma4 target (pipeline/target.build_tiny). The released gemma-4-12B-it is
-    gemma4_unified (audit C7): once drafters/blocks.py supports it, build that tiny model here."""
-    return tiny_target(dev, "gemma4")
+# The tiny Gemma4 architecture of the gemma4 check (pipeline/target.build_tiny): the
+# released gemma-4-12B-it is gemma4_unified (audit C7); once build_tiny offers it, run
+# the check with --gemma4-arch gemma4_unified (or make it the default here).
+GEMMA4_ARCH = "gemma4"
 
 
-def check_gemma4(dev, small):
+def gemma4_target(dev, arch=GEMMA4_ARCH):
+    return tiny_target(dev, arch)
+
+
+def check_gemma4(dev, small, arch=GEMMA4_ARCH):
     """The Gemma4 target (sliding + full attention, the contiguous batch cache): greedy
     speculative decoding equals plain decoding for every drafter, and an engine run."""
-    target = gemma4_target(dev)
+    target = gemma4_target(dev, arch)
     cfg = tiny_cfg(layers=(0, 1, 2))  # sliding, full, sliding
     prompt = list(range(5, 25))
     plain = plain_generate(target, prompt, max_new_tokens=16, temperature=0.0).tokens
@@ -341,6 +355,10 @@ def check_paper_dims(dev, small, preset):
     n_new = 16 if small else 64
     gen = plain_generate(target, ids[0, :64].tolist(), max_new_tokens=n_new, temperature=0.0)
     out["decode_tokens_per_s"] = len(gen.tokens) / gen.time_s
+    # the engine at 32 rows on this target with a random DSpark (R7's cost per round, R8's memory);
+    # random bf16 weights: batched and alone may break argmax ties differently, so no equality check
+    out["engine_32_rows"] = _engine_round(target, cfg, dev, 32, 4 if small else 16, prompt_len=16 if small else 1024,
+                                          check=False)
     return out
 
 
@@ -373,8 +391,16 @@ def compare_with_plan(preset, measured, small):
 # --------------------------------------------------------------------------- driver
 
 
-def run(name, fn, results):
+def run(name, fn, results, deadline=None, save=None):
+    """Run one check and record it; past `deadline` (perf_counter) it is recorded as skipped
+    instead of run. `save` writes the results so far (a run killed later keeps them)."""
     t0 = time.perf_counter()
+    if deadline is not None and t0 > deadline:
+        results[name] = {"ok": False, "skipped": True, "error": "skipped: past the time budget (--budget-s)", "seconds": 0}
+        print(f"{name}: SKIPPED (time budget)", flush=True)
+        if save:
+            save()
+        return
     try:
         results[name] = {"ok": True, **fn()}
     except Exception as e:  # noqa: BLE001 - a failed check is recorded, the others still run
@@ -382,13 +408,16 @@ def run(name, fn, results):
     results[name]["seconds"] = round(time.perf_counter() - t0, 2)
     print(f"{name}: {'ok' if results[name]['ok'] else 'FAILED ' + results[name]['error']} "
           f"({results[name]['seconds']} s)", flush=True)
+    if save:
+        save()
 
 
 def summary(results) -> str:
     lines = ["# Device check", "", f"- device: {results['device']}", f"- torch {results['torch']}, "
              f"transformers {results['transformers']}", ""]
     for name, r in results["checks"].items():
-        lines.append(f"## {name}: {'ok' if r['ok'] else 'FAILED'} ({r['seconds']} s)")
+        state = "ok" if r["ok"] else "SKIPPED" if r.get("skipped") else "FAILED"
+        lines.append(f"## {name}: {state} ({r['seconds']} s)")
         lines += [f"- {k}: {v}" for k, v in r.items() if k not in ("ok", "seconds", "traceback")] + [""]
     return "\n".join(lines)
 
@@ -399,28 +428,39 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI)")
     p.add_argument("--small", action="store_true", help="tiny sizes instead of the paper's dimensions")
     p.add_argument("--preset", default="qwen3-4b")
+    p.add_argument("--gemma4-arch", default=GEMMA4_ARCH, help="tiny architecture of the gemma4 check (build_tiny)")
+    p.add_argument("--budget-s", type=float, default=390.0,
+                   help="checks not started within this many seconds are recorded as skipped (the pytest part "
+                        "of device_check.sh follows: the whole check fits in 8 minutes)")
     a = p.parse_args(argv)
+    t_start = time.perf_counter()
     dev = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
     import transformers
 
     results = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
                "torch": torch.__version__, "transformers": transformers.__version__, "small": a.small, "checks": {}}
     checks = results["checks"]
-    run("bf16_training", lambda: check_bf16_training(dev, a.small), checks)
-    run("flex_attention", lambda: check_flex_attention(dev, a.small), checks)
-    run("verify_chi2", lambda: check_verify_chi2(dev, a.small), checks)
-    run("greedy_equal", lambda: check_greedy_equal(dev, a.small), checks)
-    run("varying_flex", lambda: check_varying_flex(dev, a.small), checks)
-    run("online_batch", lambda: check_online_batch(dev, a.small), checks)
-    run("engine_batch32", lambda: check_engine_batch32(dev, a.small), checks)
-    run("gemma4", lambda: check_gemma4(dev, a.small), checks)
-    run("paper_dims", lambda: check_paper_dims(dev, a.small, a.preset), checks)
-    run("plan", lambda: compare_with_plan(a.preset, checks["paper_dims"], a.small), checks)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    clean = json.loads(json.dumps(results, default=str), parse_constant=lambda c: None)
-    (out / "device_check.json").write_text(json.dumps(clean, indent=2) + "\n")
-    (out / "device_check.md").write_text(summary(results) + "\n")
+
+    def save():
+        clean = json.loads(json.dumps(results, default=str), parse_constant=lambda c: None)
+        write_text_atomic(out / "device_check.json", json.dumps(clean, indent=2) + "\n")
+        write_text_atomic(out / "device_check.md", summary(results) + "\n")
+
+    deadline = t_start + a.budget_s
+    for name, fn in (("bf16_training", lambda: check_bf16_training(dev, a.small)),
+                     ("flex_attention", lambda: check_flex_attention(dev, a.small)),
+                     ("verify_chi2", lambda: check_verify_chi2(dev, a.small)),
+                     ("greedy_equal", lambda: check_greedy_equal(dev, a.small)),
+                     ("varying_flex", lambda: check_varying_flex(dev, a.small)),
+                     ("online_batch", lambda: check_online_batch(dev, a.small)),
+                     ("engine_batch32", lambda: check_engine_batch32(dev, a.small)),
+                     ("gemma4", lambda: check_gemma4(dev, a.small, a.gemma4_arch)),
+                     ("paper_dims", lambda: check_paper_dims(dev, a.small, a.preset)),
+                     ("plan", lambda: compare_with_plan(a.preset, checks["paper_dims"], a.small))):
+        run(name, fn, checks, deadline, save)
+    save()
     return 0 if all(r["ok"] for r in checks.values()) else 1
 
 

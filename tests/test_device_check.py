@@ -1,7 +1,11 @@
 """The prepared GPU check runs in its CPU mode (how CI keeps it from rotting)."""
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
+
+import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -15,6 +19,8 @@ def test_device_check_cpu_small(tmp_path):
     assert set(report["checks"]) == {"bf16_training", "flex_attention", "verify_chi2", "greedy_equal", "varying_flex",
                                      "online_batch", "engine_batch32", "gemma4", "paper_dims", "plan"}
     assert report["checks"]["varying_flex"]["shapes"] >= 3 and report["checks"]["engine_batch32"]["rows"] == 32
+    eng = report["checks"]["paper_dims"]["engine_32_rows"]  # the engine on the paper-dims target (tiny with --small)
+    assert eng["max_rows"] == 32 and eng["rounds"] > 0 and eng["kv_bytes_per_token"] > 0 and eng["kv_bound_gib"] > 0
     assert report["checks"]["plan"]["plan_total_steps"] > 0 and report["checks"]["paper_dims"]["dspark_step_s"] > 0
     assert (tmp_path / "device_check.md").read_text().startswith("# Device check")
 
@@ -37,3 +43,30 @@ def test_prepare_downloads_cp312_wheels_of_what_the_gpu_image_lacks(tmp_path):
     assert "manylinux2014_x86_64" in args
     pinned = {a.split("==")[0] for a in args if "==" in a}
     assert pinned == {"jsonschema", "jsonschema-specifications", "referencing", "rpds-py"}
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location("device_check", REPO / "benchmarks" / "device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_checks_past_the_time_budget_are_skipped_and_recorded(tmp_path):
+    """Checks not started within --budget-s are recorded as skipped (not passed), and the report is on
+    disk: it is written after every check, so a run killed at the device's limit keeps what it measured."""
+    assert _device_check().main([str(tmp_path), "--cpu", "--small", "--budget-s", "0"]) == 1
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert len(report["checks"]) == 10
+    assert all(c["skipped"] and not c["ok"] for c in report["checks"].values())
+    assert "## plan: SKIPPED" in (tmp_path / "device_check.md").read_text()
+
+
+def test_gemma4_check_builds_the_architecture_it_is_given():
+    """--gemma4-arch is the switch to gemma4_unified: the check builds whatever tiny architecture it names."""
+    from deepspec.errors import DeepSpecError
+
+    dc = _device_check()
+    assert dc.GEMMA4_ARCH == "gemma4"
+    with pytest.raises(DeepSpecError, match="unknown tiny architecture 'gemma4_nope'"):
+        dc.check_gemma4(torch.device("cpu"), True, arch="gemma4_nope")
