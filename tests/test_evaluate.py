@@ -240,3 +240,24 @@ def test_kv_budget_caps_the_engine_rows(setup, shared_data, tmp_path):
     # the same decisions (integer columns exactly); confidences and probabilities within float noise of the batch
     pd.testing.assert_frame_equal(_decoded(tmp_path / "capped" / "gsm8k.csv"), _decoded(tmp_path / "free" / "gsm8k.csv"),
                                   check_exact=False, rtol=1e-4, atol=1e-5)
+
+
+def test_progress_survives_a_change_of_rows_and_keeps_each_prompts_own_record(tiny_cfg, tmp_path):
+    """A job stopped by an out-of-memory error is rerun at a smaller eval.batch_size or
+    eval.kv_budget_gb: its partial file still applies (a request's records do not depend on how many
+    rows decode at once); any other evaluate setting starts afresh. A kept record is used only for the
+    prompt it was made from."""
+    from deepspec.pipeline import evaluate as E
+
+    def header(**ev):
+        return E.progress_header({**tiny_cfg, "eval": {**tiny_cfg["eval"], **ev}}, "dspark", "d", ["gsm8k"])
+
+    h = header()
+    assert header(batch_size=3) == h and header(kv_budget_gb=2.5) == h
+    assert header(temperature=0.5) != h and header(max_new_tokens=7) != h
+    assert E.progress_header(tiny_cfg, "dflash", "d", ["gsm8k"]) != h
+    path = tmp_path / ".dspark.partial.jsonl"
+    E.Progress(path, h).add("gsm8k", 0, [{"round": 0}], {"sample_id": "gsm8k-a"})
+    again = E.Progress(path, header(batch_size=3))
+    assert again.get("gsm8k", 0, "gsm8k-a")["rows"] == [{"round": 0}]
+    assert again.get("gsm8k", 0, "gsm8k-b") is None and again.get("gsm8k", 1, "gsm8k-a") is None

@@ -101,8 +101,10 @@ class Progress:
         if not resumed:
             self._out.write([header])
 
-    def get(self, benchmark: str, index: int):
-        return self.done.get((benchmark, index))
+    def get(self, benchmark: str, index: int, sample_id: str):
+        """The finished request's record, if it was this prompt's."""
+        rec = self.done.get((benchmark, index))
+        return rec if rec is not None and rec["sample"]["sample_id"] == sample_id else None
 
     def add(self, benchmark: str, index: int, rows: list, sample: dict) -> None:
         rec = {"id": f"{benchmark}#{index}", "benchmark": benchmark, "index": index, "rows": rows, "sample": sample}
@@ -114,6 +116,20 @@ class Progress:
         if self._out is not None:
             self._out.close()
             self.path.unlink()
+
+
+# How many rows decode at once: a request's records do not depend on it (fixed gamma or a static
+# threshold, each request with its own seed), so progress survives a change of these.
+ROWS_KEYS = ("batch_size", "kv_budget_gb")
+
+
+def progress_header(cfg: dict, method: str, drafter, benchmarks: list) -> dict:
+    """What the records in a partial file depend on: the evaluate rule's settings less
+    ROWS_KEYS (a job stopped by an out-of-memory error resumes at a smaller
+    eval.batch_size or eval.kv_budget_gb), the method, the drafter, the benchmarks."""
+    kept = {**cfg, "eval": {k: v for k, v in cfg["eval"].items() if k not in ROWS_KEYS}}
+    return {"fingerprint": settings_fingerprint(kept, "evaluate"), "method": method, "drafter": str(drafter),
+            "benchmarks": list(benchmarks)}
 
 
 def _warmup(fn) -> None:
@@ -133,11 +149,11 @@ def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmar
     progress = progress or Progress(None)
     layers = list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
     rows, samples = [], []
-    if any(progress.get(benchmark, i) is None for i in range(len(prompts))):
+    if any(progress.get(benchmark, i, p.id) is None for i, (p, _) in enumerate(prompts)):
         _warmup(lambda: speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
                                              temperature=ev["temperature"], generator=_generator(cfg, target, 0)))
     for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"{method}/{benchmark}", unit="prompt")):
-        if (rec := progress.get(benchmark, idx)) is not None:
+        if (rec := progress.get(benchmark, idx, p.id)) is not None:
             rows += rec["rows"]
             samples.append(rec["sample"])
             continue
@@ -220,7 +236,7 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
 
     reqs = []
     for b, i, p, ids in todo:
-        if (rec := progress.get(b, i)) is not None:  # finished by an earlier, interrupted run
+        if (rec := progress.get(b, i, p.id)) is not None:  # finished by an earlier, interrupted run
             keep(b, i, rec["rows"], rec["sample"])
         else:
             reqs.append(Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i))
@@ -336,8 +352,7 @@ def cli_evaluate(argv) -> int:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
     # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
     progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
-                        {"fingerprint": settings_fingerprint(cfg, "evaluate"), "method": args.method,
-                         "drafter": str(path), "benchmarks": benches})
+                        progress_header(cfg, args.method, path, benches))
     results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
     for b, (df, samples) in results.items():
         _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1])
