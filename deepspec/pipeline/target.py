@@ -35,7 +35,10 @@ from ..runtime import keep_large_allocations_on_heap
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN = ("smollm2-135m", "tiny")
+# Tiny random targets with SmolLM2's tokenizer, by spec: their architecture for
+# `build_tiny` (``tiny-qwen3`` stands in for the Qwen3 paper targets on CPU).
+TINY_SPECS = {"tiny": "llama", "tiny-qwen3": "qwen3"}
+BUILTIN = ("smollm2-135m", *TINY_SPECS)
 DEFAULT_RESOURCES = os.environ.get("DEEPSPEC_RESOURCES", "resources")  # without a preset
 
 # Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
@@ -217,7 +220,7 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
                 tok = AutoTokenizer.from_pretrained(str(smol))
             else:
                 tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-            model = build_tiny("llama", tok)
+            model = build_tiny(TINY_SPECS[spec], tok)
         model.config.deepspec_target_id = spec
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
