@@ -75,7 +75,7 @@ def regeneration_done(wc):
     running regeneration server (baseline, evaluate of released checkpoints);
     nothing without regenerate.server or when no method is trained here."""
     trained = [m for m in ALL_METHODS if m not in CFG["eval"]["released_checkpoints"]]
-    return [str(RunPaths.of(CFG, target=wc.target).conversations())] if REGEN_SERVER and trained else []
+    return [str(PATHS.conversations())] if REGEN_SERVER and trained else []
 
 
 if REGEN_SHARDS == 1 and not REGEN_SERVER:
@@ -118,14 +118,14 @@ else:
             settings=settings("regenerate"),
         group:
             "regenerate" if REGEN_SERVER else None
-        # beside a server a shard only sends requests: one thread
-        threads: 1 if REGEN_SERVER else res("regenerate", "threads", 2)
+        # beside a server a shard only sends requests: no core of its own
+        threads: 0 if REGEN_SERVER else res("regenerate", "threads", 2)
         # the critical path: the shards start before the baselines, which fill the cores later
         priority: 1
         resources:
             **REGEN_RESOURCES,
         shell:
-            "OMP_NUM_THREADS={threads} python -m deepspec regenerate {CONFIG_ARGS} "
+            "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " python -m deepspec regenerate {CONFIG_ARGS} "
             "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
 
     rule regenerate:
