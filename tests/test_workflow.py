@@ -156,6 +156,10 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny")
     jobs = re.split(r"\n\s*(?:local)?rule ", r.stdout + r.stderr)
     assert r.returncode == 0 and not any(conv in j.split("\n")[1] for j in jobs if j.startswith("baseline"))
+    # Table 1 from released drafters on a paper preset (a server preset) regenerates nothing
+    released = "{released_checkpoints: {eagle3: a/e, dflash: a/f, dspark: a/s}}"
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "8", "--config", "preset=qwen3-4b", f"eval={released}")
+    assert r.returncode == 0 and "baseline" in r.stdout and "regenerate" not in r.stdout, (r.stdout + r.stderr)[-3000:]
 
 
 def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_data):

@@ -20,6 +20,12 @@
 # is done; the merge, outside the group, then waits for the server process to
 # be gone (regen/server.pid), and baseline/evaluate wait for the merge
 # (regeneration_done), so no GPU job shares GPUs with a running server.
+# Snakemake docs: service rules and group-local service jobs,
+# https://snakemake.readthedocs.io/en/stable/snakefiles/rules.html#service-rules-jobs ;
+# group jobs (one connected component per group job, resources summed over the
+# jobs that run in parallel), https://snakemake.readthedocs.io/en/stable/executing/grouping.html
+# The service connects every shard into one group job, which is what we want
+# here (one server, one node); --group-components is not needed.
 REGEN_SHARDS = int(CFG["regenerate"]["shards"])
 REGEN_SERVER = CFG["regenerate"]["server"]
 REGEN_RESOURCES = dict(
@@ -73,8 +79,10 @@ def regen_server_input(wc):
 def regeneration_done(wc):
     """The merged conversations, for the GPU jobs that must not start beside a
     running regeneration server (baseline, evaluate of released checkpoints);
-    nothing without regenerate.server or when no method is trained here."""
-    trained = [m for m in ALL_METHODS if m not in CFG["eval"]["released_checkpoints"]]
+    nothing without regenerate.server or when every method of train.methods is
+    a released checkpoint (Table 1 from the released drafters needs no
+    regeneration; the ablations' extra methods do not count)."""
+    trained = [m for m in METHODS if m not in CFG["eval"]["released_checkpoints"]]
     return [str(PATHS.conversations())] if REGEN_SERVER and trained else []
 
 
