@@ -147,3 +147,40 @@ def test_wait_for_exit_waits_for_the_server_process(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_server_that_goes_away_stops_the_job_in_one_line(tiny_cfg, tmp_path):
+    """The server dies mid-run (its first answer is a 500, then it is gone):
+    the job stops with one line naming its URL after connect_timeout_s, keeping
+    what was done, instead of failing every record after its retries."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from deepspec.pipeline.regenerate import regenerate
+
+    class Dying(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            threading.Thread(target=lambda: (srv.shutdown(), srv.server_close()), daemon=True).start()
+
+        def log_message(self, *args):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}/v1"
+    cfg = {**tiny_cfg, "results_dir": str(tmp_path),
+           "regenerate": {**tiny_cfg["regenerate"], "backend": "server", "urls": [url], "concurrency": 1,
+                          "max_retries": 2, "retry_backoff_s": 0.2, "connect_timeout_s": 1}}
+    prompts = [Prompt(id=f"d:{i}", turns=[f"Question {i}?"], source="d") for i in range(50)]
+    t0 = time.monotonic()
+    with pytest.raises(DeepSpecError, match=f"no OpenAI-compatible server answered at {url}/models within 1 s"):
+        regenerate(cfg, tmp_path / "c.jsonl", prompts=prompts)
+    assert time.monotonic() - t0 < 20 and (tmp_path / "c.jsonl.partial").exists()

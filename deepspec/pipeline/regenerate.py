@@ -33,7 +33,9 @@ kept in ``<out stem>.settings.json``, and a change starts over.
 Failures: server requests are retried with exponential backoff
 (regenerate.max_retries, retry_backoff_s) on transient errors (connection
 refused or reset, timeouts, HTTP 5xx / 408 / 429, malformed or short bodies),
-each request bounded by regenerate.request_timeout_s. A record that still fails
+each request bounded by regenerate.request_timeout_s; a record that fails
+with "connection refused" makes the job check its server, and a server gone for
+regenerate.connect_timeout_s stops the job in one line. A record that still fails
 (or an over-long prompt) goes to ``<out stem>.errors.jsonl`` with its reason.
 More failed records than regenerate.max_failed_fraction of the total (default
 0: any) fail the job with a one-line summary; the records done are kept in
@@ -404,6 +406,10 @@ def _chat(url: str, body: dict, rc: dict) -> tuple[str, bool, int]:
     raise AssertionError("unreachable")
 
 
+def _refused(e: Exception) -> bool:
+    return isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "reason", None), ConnectionRefusedError)
+
+
 def _reason(e: Exception) -> str:
     return f"HTTP {e.code}: {e.reason}" if isinstance(e, urllib.error.HTTPError) else f"{type(e).__name__}: {e}"
 
@@ -443,12 +449,19 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
     wait_for_servers(urls, rc["server"]["health_timeout_s"] if rc.get("server") else rc["connect_timeout_s"])
     n_tokens = 0
     with ThreadPoolExecutor(max_workers=rc["concurrency"] * len(urls)) as pool:
-        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg): p for k, p in enumerate(prompts)}
+        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg): (p, urls[k % len(urls)])
+                for k, p in enumerate(prompts)}
         for fut in as_completed(futs):
-            p = futs[fut]
+            p, url = futs[fut]
             try:
                 msgs, n = fut.result()
             except RECORD_ERRORS as e:
+                if _refused(e):  # the server is gone (e.g. it crashed): stop in one line, not record by record
+                    try:
+                        wait_for_servers([url], rc["connect_timeout_s"])
+                    except DeepSpecError:
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        raise
                 fail(p, _reason(e))
             else:
                 write([{"id": p.id, "source": p.source, "messages": msgs}])
