@@ -189,3 +189,13 @@ def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_
     assert not (conv.parent / "server.pid").exists() and not (conv.parent / "server.service").exists()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
+
+
+@pytest.mark.parametrize("regen, says", [
+    ("{backend: server, server: {command: 'serve {modl}'}}", "cannot fill in 'modl'"),
+    ("{backend: local, server: {command: 'serve {model}'}}", "regenerate.server is set but regenerate.backend is 'local'"),
+])
+def test_bad_regeneration_server_stops_the_plan(tmp_path, regen, says):
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "-n", "--cores", "3", "--config", "preset=tiny", f"regenerate={regen}")
+    assert r.returncode != 0 and says in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]

@@ -25,7 +25,8 @@
 # group jobs (one connected component per group job, resources summed over the
 # jobs that run in parallel), https://snakemake.readthedocs.io/en/stable/executing/grouping.html
 # The service connects every shard into one group job, which is what we want
-# here (one server, one node); --group-components is not needed.
+# here (one server, one node; on SLURM the shards then share its job instead
+# of being jobs of their own); --group-components is not needed.
 REGEN_SHARDS = int(CFG["regenerate"]["shards"])
 REGEN_SERVER = CFG["regenerate"]["server"]
 REGEN_RESOURCES = dict(
@@ -41,12 +42,16 @@ if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
 
 if REGEN_SERVER:
     _srv = REGEN_SERVER
-    SERVER_COMMAND = _srv["command"].format(
-        model=shlex.quote(str(PATHS.target_checkpoint())),
-        port=_srv["port"],
-        host=_srv["host"] or "127.0.0.1",
-        name=shlex.quote(CFG["regenerate"]["model_name"] or CFG["target"]["spec"]),
-    )
+    try:
+        SERVER_COMMAND = _srv["command"].format(
+            model=shlex.quote(str(PATHS.target_checkpoint())),
+            port=_srv["port"],
+            host=_srv["host"] or "127.0.0.1",
+            name=shlex.quote(CFG["regenerate"]["model_name"] or CFG["target"]["spec"]),
+        )
+    except (KeyError, IndexError, ValueError) as e:
+        raise WorkflowError(f"config error: regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, "
+                            "{port}, {host}, {name}; write literal braces as {{ and }})")
 
     rule regenerate_server:
         input:
