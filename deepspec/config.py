@@ -85,7 +85,8 @@ def deep_merge(base: Mapping, over: Mapping) -> dict:
 
 def _fill_defaults(node: Any, schema: Mapping) -> Any:
     """Recursively insert schema defaults for missing object properties."""
-    if isinstance(node, dict) and schema.get("type") == "object":
+    kind = schema.get("type")
+    if isinstance(node, dict) and (kind == "object" or isinstance(kind, list) and "object" in kind):
         for key, sub in schema.get("properties", {}).items():
             if key not in node and "default" in sub:
                 node[key] = copy.deepcopy(sub["default"])
@@ -218,7 +219,7 @@ RULE_SETTINGS = {
                              "eval.temperature", "eval.seed", "eval.released_checkpoints", "throughput"],
     "fig7": ["target.name"],
 }
-EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
+EXECUTION_KEYS = {"regenerate.urls", "regenerate.server", "regenerate.connect_timeout_s", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
                   "train.checkpoint_minutes", "train.shard_optimizer",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
