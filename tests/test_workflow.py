@@ -143,7 +143,7 @@ def test_gpu_jobs_claim_their_own_gpus(tmp_path):
     expandable segments; local regeneration shards take a GPU each."""
     _copy_workflow(tmp_path)
     r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "1", "--config", "preset=qwen3-4b",
-                   "regenerate={backend: local, shards: 2}", "resources={regenerate: {gpu: 1}}", "cache={mode: offline}")
+                   "regenerate={backend: local, shards: 2, server: null}", "resources={regenerate: {gpu: 1}}", "cache={mode: offline}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cmds = _shell_commands(r.stdout + r.stderr)
     by = {}
