@@ -21,9 +21,11 @@ Determinism: samples are ordered by id; shard boundaries depend only on sample
 lengths (a shard closes once it holds cache.shard_tokens tokens); inside a
 shard, forward batches are the samples sorted by length, cache.batch_size at a
 time (padded for the forward, stored unpadded). A forward's numbers depend on
-the batch it ran in (padding changes the kernels' blocking), so online mode
-(`deepspec.pipeline.train_data.OnlineDataset`) runs the *same* batches and rounds through the same dtype: both modes give
-bit-identical samples.
+the batch it ran in (padding changes the kernels' blocking). Online mode
+(`deepspec.pipeline.train_data.OnlineFeatures`) runs one forward per training
+micro batch instead and rounds through the same dtype: at train.micro_batch 1
+its features are bit-identical to a cache built at cache.batch_size 1 (and
+share its fingerprint); otherwise they agree up to that rounding.
 
 Resumability: each finished shard is written atomically and recorded with its
 sha256 in ``progress.json``; a rerun with the same inputs keeps the shards
@@ -90,17 +92,25 @@ def forward_plan(lengths: Sequence[int], cfg: dict) -> list[list[int]]:
     return [b for s, e in plan_shards(lengths, c["shard_tokens"]) for b in plan_batches(lengths, s, e, c["batch_size"])]
 
 
-def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype):
-    """One padded forward; per sample (features [L, m*d], last_hidden [L, d]) rounded to `dtype`."""
-    L = max(len(s.input_ids) for s in samples)
+def forward_features(target, layers: Sequence[int], rows: Sequence, dtype: torch.dtype):
+    """One right-padded target forward over `rows` (token id sequences), on the
+    target's device: (features [N, Lmax, m*d], last_hidden [N, Lmax, d]) rounded
+    to `dtype`, padded positions included (callers drop or zero them)."""
+    L = max(len(r) for r in rows)
     pad = target.tokenizer.pad_token_id or 0
-    ids = torch.full((len(samples), L), pad, dtype=torch.long)
-    am = torch.zeros((len(samples), L), dtype=torch.long)
-    for r, s in enumerate(samples):
-        ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        am[r, : len(s.input_ids)] = 1
-    feats, last = target.features(ids, layers, attention_mask=am)
-    return [(feats[r, : len(s.input_ids)].to(dtype).cpu(), last[r, : len(s.input_ids)].to(dtype).cpu()) for r, s in enumerate(samples)]
+    ids = torch.full((len(rows), L), pad, dtype=torch.long)
+    am = torch.zeros((len(rows), L), dtype=torch.long)
+    for r, x in enumerate(rows):
+        ids[r, : len(x)] = torch.as_tensor(x)
+        am[r, : len(x)] = 1
+    feats, last = target.features(ids, layers, attention_mask=am)  # no_grad
+    return feats.to(dtype), last.to(dtype)
+
+
+def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype):
+    """One padded forward; per sample (features [L, m*d], last_hidden [L, d]) rounded to `dtype`, on the CPU."""
+    feats, last = forward_features(target, layers, [s.input_ids for s in samples], dtype)
+    return [(feats[r, : len(s.input_ids)].cpu(), last[r, : len(s.input_ids)].cpu()) for r, s in enumerate(samples)]
 
 
 def data_fingerprint(cfg: dict, target_id: str, samples: Sequence[TokenizedSample]) -> str:
