@@ -16,13 +16,14 @@ import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import DeepSpecError
 from ..paths import RunPaths
 from ..files import sha256_file
 from .cache import DTYPES, data_fingerprint, forward_features, validate_cache
-from .conversations import TokenizedSample, tokenized_samples
+from .conversations import TokenArrays, tokenized_samples
 
 
 def _sample_dict(ids, mask, feats, last) -> dict:
@@ -81,9 +82,9 @@ class OnlineDataset(torch.utils.data.Dataset):
     online mode the features come from the target, one forward per training
     micro batch, computed by `OnlineFeatures` (the collate function)."""
 
-    def __init__(self, cfg: dict, target, samples: Sequence[TokenizedSample]):
-        self.samples = list(samples)
-        self.ids = [s.id for s in self.samples]
+    def __init__(self, cfg: dict, target, samples: TokenArrays):
+        self.samples = samples  # memory-mapped, shared by the processes of a machine
+        self.ids = list(samples.sample_ids)
         self.features = OnlineFeatures(cfg, target)
         # At micro batch 1 the features equal those of a cache built at
         # cache.batch_size 1, and so does the fingerprint; else the forward
@@ -97,7 +98,8 @@ class OnlineDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         s = self.samples[i]
-        return {"input_ids": torch.as_tensor(s.input_ids).long(), "loss_mask": torch.as_tensor(s.loss_mask).bool()}
+        return {"input_ids": torch.from_numpy(np.array(s.input_ids, dtype=np.int64)),
+                "loss_mask": torch.from_numpy(np.array(s.loss_mask, dtype=bool))}
 
 
 class OnlineFeatures:
@@ -187,9 +189,10 @@ def token_counts(dataset, vocab_size: int) -> torch.Tensor:
     over the samples."""
     from ..drafters import count_tokens
 
-    if all(hasattr(s, "input_ids") and hasattr(s, "loss_mask") for s in getattr(dataset, "samples", [None])):
-        pairs = [(s.input_ids, s.loss_mask) for s in dataset.samples]
-    else:
-        pairs = [(s["input_ids"], s["loss_mask"]) for s in (dataset[i] for i in range(len(dataset)))]
+    samples = getattr(dataset, "samples", None)
+    if isinstance(samples, TokenArrays):  # the assistant tokens of the whole mapped array at once
+        ids = torch.from_numpy(np.asarray(samples.input_ids)[np.asarray(samples.loss_mask)].astype(np.int64))
+        return count_tokens([ids], vocab_size)
+    pairs = [(s["input_ids"], s["loss_mask"]) for s in (dataset[i] for i in range(len(dataset)))]
     ids, masks = zip(*pairs)
     return count_tokens(ids, vocab_size, list(masks))
