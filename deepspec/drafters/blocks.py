@@ -66,6 +66,18 @@ def attention(attn: nn.Module, q, k, v, mask) -> torch.Tensor:
 
 
 _COMPILED_FLEX: dict = {}
+# flex_attention's fused kernels hold a head_dim-wide tile in shared memory; past 256
+# they run out of it (pytorch#133254, #143832), e.g. Gemma4's 512-wide full-attention heads
+FLEX_MAX_HEAD_DIM = 256
+
+
+def uses_flex(backend: str, device_type: str, head_dim: int) -> bool:
+    """Whether a training pass with attention `backend` ("auto", "flex", "sdpa")
+    runs flex_attention: forced by "flex"; under "auto" on CUDA for head_dim up to
+    FLEX_MAX_HEAD_DIM, else sdpa with the dense mask."""
+    if backend == "auto":
+        return device_type == "cuda" and head_dim <= FLEX_MAX_HEAD_DIM
+    return backend == "flex"
 
 
 def flex_attend(q, k, v, block_mask: BlockMask, scale: float) -> torch.Tensor:
