@@ -90,3 +90,14 @@ def test_tiny_specs_are_known_at_plan_time():
     pf.preflight(cfg)
     facts, _ = target_facts.load_facts(cfg)
     assert facts["model_type"] == "gemma4_unified_text" and facts["vocab_size"] == 49152
+
+
+def test_tiny_unified_spec_prepares_and_loads(tmp_path):
+    """`target.spec: tiny-gemma4-unified` is prepared like `tiny` (SmolLM2's tokenizer)."""
+    from deepspec.pipeline.target import load_target, prepare_target
+
+    out = prepare_target("tiny-gemma4-unified", tmp_path / "t")
+    t = load_target("tiny-gemma4-unified", path=out)
+    assert isinstance(t.model, transformers.Gemma4UnifiedForCausalLM) and t.tokenizer is not None
+    assert (t.num_layers, t.vocab_size) == (4, len(t.tokenizer))
+    t.check_feature_layers([0, 1, 2])

@@ -231,7 +231,7 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
                 tok = AutoTokenizer.from_pretrained(str(smol))
             else:
                 tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-            model = build_tiny("llama", tok)
+            model = build_tiny(TINY_SPECS[spec], tok)
         model.config.deepspec_target_id = spec
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
