@@ -101,3 +101,21 @@ def test_tiny_unified_spec_prepares_and_loads(tmp_path):
     assert isinstance(t.model, transformers.Gemma4UnifiedForCausalLM) and t.tokenizer is not None
     assert (t.num_layers, t.vocab_size) == (4, len(t.tokenizer))
     t.check_feature_layers([0, 1, 2])
+
+
+def test_export_for_vllm_and_convert_back(unified_target, unified_cfg, tmp_path):
+    from deepspec.drafters import load_drafter
+    from deepspec.pipeline import export
+
+    c = copy.deepcopy(unified_cfg)
+    c["drafter"]["mask_token_id"] = 4
+    torch.manual_seed(0)
+    d = build_drafter("dspark", unified_target, c).eval()
+    out = export.export_drafter(d, unified_target, "deepspec", tmp_path / "ref", engine="vllm")
+    import json
+
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma4DSparkModel"] and cfg["attention_k_eq_v"] is True
+    e = load_drafter(convert.convert_reference_checkpoint(out, unified_target, tmp_path / "back"), unified_target)
+    sd0, sd1 = d.state_dict(), e.state_dict()
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)

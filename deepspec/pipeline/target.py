@@ -340,7 +340,7 @@ def load_tokenizer(cfg: dict):
 
 def cli_prepare_target(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec prepare-target", description="convert or download a target into a plain HF checkpoint")
-    p.add_argument("spec", help="smollm2-135m | tiny | hub id | local path")
+    p.add_argument("spec", help="smollm2-135m | tiny | tiny-gemma4-unified | hub id | local path")
     p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub target")
     args = p.parse_args(argv)
