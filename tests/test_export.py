@@ -203,6 +203,36 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
     _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_cfg, method, tmp_path, caplog):
+    """M5: vLLM's Gemma4 DSpark loader skips unknown names and leaves missing ones at
+    their initial value, silently: a Gemma4 export for vLLM holds exactly its names
+    (layer_scalar included, no v_proj with keys as values), else it is refused."""
+    d, _ = _drafter(method, gemma4_target, gemma4_cfg, mask_token_id=4)
+    with caplog.at_level("WARNING", logger="deepspec.pipeline.export"):
+        out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    want = {"embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight"}
+    want |= {f"layers.{i}.{name}" for i in range(n) for name in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+        "post_feedforward_layernorm.weight", "layer_scalar")}
+    if method == "dspark":
+        want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    assert {k for k in sd if not k.startswith("confidence_head.")} == want
+    has_conf = any(k.startswith("confidence_head.") for k in sd)
+    assert has_conf == (method == "dspark" and gemma4_cfg["drafter"]["confidence_head"])
+    assert ("skips the confidence head" in caplog.text) == has_conf
+    lacking = {k: v for k, v in sd.items() if k != "layers.1.layer_scalar"}
+    with pytest.raises(DeepSpecError, match="lacks layers.1.layer_scalar, which vLLM's Gemma4 DSpark loader would"):
+        export.check_vllm_gemma4_names(cfg, lacking)
+    extra = dict(sd, **{"layers.0.self_attn.v_proj.weight": sd["layers.0.self_attn.k_proj.weight"]})
+    with pytest.raises(DeepSpecError, match="has layers.0.self_attn.v_proj.weight, which vLLM's Gemma4 DSpark loader skips"):
+        export.check_vllm_gemma4_names(cfg, extra)
+
+
 def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
     """--overwrite must never delete the drafter being exported (its checkpoints, logs, summary)."""
     from deepspec.cli import main as cli_main

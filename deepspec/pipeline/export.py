@@ -94,6 +94,39 @@ def _check_for_vllm(d) -> None:
         _refuse("a Gemma4 drafter for vLLM", "vLLM's Gemma4 DSpark requires attention_k_eq_v in every draft layer")
 
 
+# vLLM's Gemma4DSparkForCausalLM (gemma4_dspark.py @054f072, its decoder layer from gemma4_mtp.py)
+# loads a checkpoint name only when its model has that parameter or buffer and skips the
+# rest silently: the names it has, per draft layer (k_eq_v: no v_proj; v_norm has no weight)
+# and at the top; its Markov head's two tensors have zero width at markov_rank 0.
+VLLM_GEMMA4_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
+                     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                     "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                     "post_feedforward_layernorm.weight", "layer_scalar")
+VLLM_GEMMA4_TOP = ("embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight")
+VLLM_GEMMA4_MARKOV = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+
+
+def check_vllm_gemma4_names(cfg: dict, sd: dict) -> None:
+    """Refuse a Gemma4 DSpark/DFlash export whose tensor names differ from what vLLM's
+    Gemma4 DSpark loader has: an extra name would be dropped, a missing one left at
+    its initial value, both silently. The confidence head is the one name it skips by
+    design (no adaptive verification there): a warning."""
+    want = set(VLLM_GEMMA4_TOP) | {f"layers.{i}.{n}" for i in range(int(cfg["num_hidden_layers"]))
+                                    for n in VLLM_GEMMA4_LAYER}
+    if int(cfg.get("markov_rank") or 0) > 0:
+        want |= set(VLLM_GEMMA4_MARKOV)
+    have = {k for k in sd if "confidence_head" not in k}
+    for what, names in (("has", sorted(have - want)), ("lacks", sorted(want - have))):
+        if names:
+            _refuse("a Gemma4 drafter for vLLM", f"the export {what} {', '.join(names[:3])}"
+                    f"{' ...' if len(names) > 3 else ''}, which vLLM's Gemma4 DSpark loader "
+                    f"{'skips' if what == 'has' else 'would leave at initialisation'} silently")
+    if len(have) < len(sd):
+        log.warning("vLLM's Gemma4 DSpark skips the confidence head: it serves fixed-length blocks "
+                    "(no adaptive verification)")
+
+
 def deepspec_layout(d, target, mask_token_id=None, engine=None):
     """(config dict, tensors) of drafter d in DeepSeek's layout; engine "vllm": the
     fields vLLM's DSpark loaders read, refusing what they would load wrongly."""
@@ -239,6 +272,8 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         raise DeepSpecError(f"output {out} exists (use --overwrite)")
     if fmt == "deepspec":
         cfg, sd = deepspec_layout(d, target, mask_token_id, engine)
+        if engine == "vllm" and cfg["architectures"] == ["Gemma4DSparkModel"]:
+            check_vllm_gemma4_names(cfg, sd)
     else:
         cfg, sd = eagle3_layout(d, target)
         if engine == "sglang" and cfg["architectures"] != [EAGLE3_ARCH["llama"]]:
