@@ -377,7 +377,7 @@ def compare_with_plan(preset, measured, small):
     batch = P.synthetic_batch(1, length, 512, target.vocab_size, len(layers), target.hidden_size)
     flops = P.measure_step(drafter, target, batch, step_spec(mcfg))["flops"] + P.measure_target_forward(target, batch, layers)
     plan = P.build_plan(cfg, P.hardware(cfg, gpus=8), offline=True, methods=["dspark"])
-    m, fwd = plan["training"]["methods"]["dspark"], plan["training"]["target_forward_flops_per_sequence"]
+    m, fwd = plan["training"]["methods"]["dspark"], plan["training"]["target_forward_flops_per_micro_batch"]
     step_flops = m["flops_per_step"] + fwd * int(cfg["train"]["global_batch"]) // int(cfg["train"]["micro_batch"])
     out = {"flops_at_measured_shape": flops, "plan_flops_per_step": step_flops, "plan_total_steps": m["total_steps"],
            "plan_totals": plan["training"]["totals"]}

@@ -21,6 +21,7 @@ COMMANDS = {
     "prepare-data": ("deepspec.pipeline.prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
     "prepare-target": ("deepspec.pipeline.target", "convert or download a target into a plain HF checkpoint"),
     "regenerate": ("deepspec.pipeline.regenerate", "answer training prompts with the target itself"),
+    "serve": ("deepspec.pipeline.serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
     "build-cache": ("deepspec.pipeline.cache", "cache the target's feature-layer and final hidden states"),
     "validate-cache": ("deepspec.pipeline.cache", "check a target cache's manifest and shard checksums"),
     "train": ("deepspec.pipeline.train", "train a drafter (eagle3, dflash, dspark)"),

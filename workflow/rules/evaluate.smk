@@ -16,6 +16,7 @@ EVAL_RESOURCES = dict(
 rule evaluate:
     input:
         unpack(eval_inputs),
+        regenerated=regeneration_done,  # no GPU job beside the regeneration server (regenerate.smk)
     output:
         csv=[str(P.records("{method}", b)) for b in BENCHMARKS],
         json=[str(P.summary("{method}", b)) for b in BENCHMARKS],
@@ -52,6 +53,7 @@ for _i, _benches in enumerate(BASELINE_PARTS):
         input:
             target=target_checkpoint,
             prompts=BENCHMARK_FILES,
+            regenerated=regeneration_done,
         output:
             json=[str(P.baseline(b)) for b in _benches],
             csv=[str(P.baseline(b).with_suffix(".csv")) for b in _benches],
