@@ -15,6 +15,7 @@ Checks, each timed and recorded (a failing check is recorded, the others run):
   online_batch    a padded online micro batch: target forward -> DSpark step + backward
   engine_batch32  the batched engine at 32 rows (greedy == plain decoding), rounds/s
   gemma4          the tiny Gemma4 target: greedy == plain for every drafter, an engine run
+  gemma4_unified  the same on the tiny gemma4_unified target (gemma-4-12B-it's decoder)
   paper_dims      a random-weight target of the preset's architecture
                   (config/targets/, pipeline/plan.py): DSpark training step
                   (5 layers, 512 anchors, length 4096, micro batch 1, online
@@ -27,8 +28,8 @@ Checks, each timed and recorded (a failing check is recorded, the others run):
                   and the projected wall time of the preset on 8 such GPUs
 Writes OUTDIR/device_check.json and OUTDIR/device_check.md after every check;
 checks not started within --budget-s (390 s: the pytest part of device_check.sh
-follows, 8 minutes in all) are recorded as skipped. --gemma4-arch names the tiny
-Gemma4 architecture of the gemma4 check (gemma4_unified once build_tiny has it).
+follows, 8 minutes in all) are recorded as skipped. --gemma4-archs names the tiny
+Gemma4 architectures checked (default gemma4,gemma4_unified).
 """
 from __future__ import annotations
 
@@ -276,17 +277,17 @@ def check_engine_batch32(dev, small):
     return _engine_round(tiny_target(dev, "qwen3"), tiny_cfg(), dev, 32, 6 if small else 16)
 
 
-# The tiny Gemma4 architecture of the gemma4 check (pipeline/target.build_tiny): the
-# released gemma-4-12B-it is gemma4_unified (audit C7); once build_tiny offers it, run
-# the check with --gemma4-arch gemma4_unified (or make it the default here).
-GEMMA4_ARCH = "gemma4"
+# The tiny Gemma4 architectures checked, one check each (pipeline/target.build_tiny):
+# gemma4, and gemma4_unified, the released gemma-4-12B-it's (audit C7; transformers
+# releases without it fail that check alone). --gemma4-archs picks others.
+GEMMA4_ARCHS = ("gemma4", "gemma4_unified")
 
 
-def gemma4_target(dev, arch=GEMMA4_ARCH):
+def gemma4_target(dev, arch="gemma4"):
     return tiny_target(dev, arch)
 
 
-def check_gemma4(dev, small, arch=GEMMA4_ARCH):
+def check_gemma4(dev, small, arch="gemma4"):
     """The Gemma4 target (sliding + full attention, the contiguous batch cache): greedy
     speculative decoding equals plain decoding for every drafter, and an engine run."""
     target = gemma4_target(dev, arch)
@@ -428,7 +429,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (CI)")
     p.add_argument("--small", action="store_true", help="tiny sizes instead of the paper's dimensions")
     p.add_argument("--preset", default="qwen3-4b")
-    p.add_argument("--gemma4-arch", default=GEMMA4_ARCH, help="tiny architecture of the gemma4 check (build_tiny)")
+    p.add_argument("--gemma4-archs", default=",".join(GEMMA4_ARCHS),
+                   help="comma-separated tiny Gemma4 architectures (build_tiny), one check each")
     p.add_argument("--budget-s", type=float, default=390.0,
                    help="checks not started within this many seconds are recorded as skipped (the pytest part "
                         "of device_check.sh follows: the whole check fits in 8 minutes)")
@@ -456,7 +458,7 @@ def main(argv=None) -> int:
                      ("varying_flex", lambda: check_varying_flex(dev, a.small)),
                      ("online_batch", lambda: check_online_batch(dev, a.small)),
                      ("engine_batch32", lambda: check_engine_batch32(dev, a.small)),
-                     ("gemma4", lambda: check_gemma4(dev, a.small, a.gemma4_arch)),
+                     *((arch, lambda arch=arch: check_gemma4(dev, a.small, arch)) for arch in a.gemma4_archs.split(",")),
                      ("paper_dims", lambda: check_paper_dims(dev, a.small, a.preset)),
                      ("plan", lambda: compare_with_plan(a.preset, checks["paper_dims"], a.small))):
         run(name, fn, checks, deadline, save)

@@ -17,7 +17,8 @@ def test_device_check_cpu_small(tmp_path):
     failed = {k: v.get("error") for k, v in report["checks"].items() if not v["ok"]}
     assert r.returncode == 0 and not failed, (failed, r.stdout[-2000:], r.stderr[-2000:])
     assert set(report["checks"]) == {"bf16_training", "flex_attention", "verify_chi2", "greedy_equal", "varying_flex",
-                                     "online_batch", "engine_batch32", "gemma4", "paper_dims", "plan"}
+                                     "online_batch", "engine_batch32", "gemma4", "gemma4_unified", "paper_dims",
+                                     "plan"}
     assert report["checks"]["varying_flex"]["shapes"] >= 3 and report["checks"]["engine_batch32"]["rows"] == 32
     eng = report["checks"]["paper_dims"]["engine_32_rows"]  # the engine on the paper-dims target (tiny with --small)
     assert eng["max_rows"] == 32 and eng["rounds"] > 0 and eng["kv_bytes_per_token"] > 0 and eng["kv_bound_gib"] > 0
@@ -57,16 +58,16 @@ def test_checks_past_the_time_budget_are_skipped_and_recorded(tmp_path):
     disk: it is written after every check, so a run killed at the device's limit keeps what it measured."""
     assert _device_check().main([str(tmp_path), "--cpu", "--small", "--budget-s", "0"]) == 1
     report = json.loads((tmp_path / "device_check.json").read_text())
-    assert len(report["checks"]) == 10
+    assert len(report["checks"]) == 11
     assert all(c["skipped"] and not c["ok"] for c in report["checks"].values())
     assert "## plan: SKIPPED" in (tmp_path / "device_check.md").read_text()
 
 
 def test_gemma4_check_builds_the_architecture_it_is_given():
-    """--gemma4-arch is the switch to gemma4_unified: the check builds whatever tiny architecture it names."""
+    """The gemma4 checks build the tiny architecture they name (--gemma4-archs: gemma4 and gemma4_unified)."""
     from deepspec.errors import DeepSpecError
 
     dc = _device_check()
-    assert dc.GEMMA4_ARCH == "gemma4"
+    assert dc.GEMMA4_ARCHS == ("gemma4", "gemma4_unified")
     with pytest.raises(DeepSpecError, match="unknown tiny architecture 'gemma4_nope'"):
         dc.check_gemma4(torch.device("cpu"), True, arch="gemma4_nope")
