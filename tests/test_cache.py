@@ -66,7 +66,11 @@ def test_online_features_equal_a_cache_built_the_same_way(setup, tiny_target, tm
 
     calls = []
     features = tiny_target.features
-    monkeypatch.setattr(tiny_target, "features", lambda ids, *a, **k: calls.append(tuple(ids.shape)) or features(ids, *a, **k))
+    # patched on the class: an instance attribute would outlive the test (monkeypatch
+    # restores it as an attribute bound to tiny_target, which copies of it then share)
+    unbound = type(tiny_target).features
+    monkeypatch.setattr(type(tiny_target), "features",
+                        lambda self, ids, *a, **k: calls.append(tuple(ids.shape)) or unbound(self, ids, *a, **k))
     source = train_collate(online)
     for i in torch.randperm(len(online), generator=torch.Generator().manual_seed(0)).tolist():
         a, b = collate([cached1[i]]), source([online[i]])
