@@ -154,13 +154,42 @@ def parse_set(items: Iterable[str]) -> dict:
     return out
 
 
-def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) -> dict:
-    path = preset_path(preset)
+def _read_preset(path: Path, chain: tuple = ()) -> dict:
+    """A preset file's mapping with its `base:` chain resolved: the base preset
+    (a name under config/presets, or a path relative to this file), itself resolved, deep-merged under
+    this file's keys. An unknown or cyclic base is a one-line error."""
     try:
         raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise DeepSpecError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise DeepSpecError(f"{path}: a preset must be a mapping of keys, not {type(raw).__name__}")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise DeepSpecError(f"{path}: invalid value for 'base': a preset name or path, not {base!r}")
+    beside = path.parent / base  # a path is read relative to the preset that names it
+    try:
+        base_path = beside if beside.suffix in (".yaml", ".yml") and beside.exists() else preset_path(base)
+    except DeepSpecError as e:
+        raise DeepSpecError(f"{path}: base: {e}") from None
+    here = path.resolve()
+    if base_path.resolve() in (*chain, here):
+        cycle = " -> ".join(p.stem for p in (*chain, here, base_path.resolve()))
+        raise DeepSpecError(f"{path}: base: presets that are their own base ({cycle})")
+    inherited = _read_preset(base_path, (*chain, here))
+    inherited.pop("preset", None)  # the name is this file's
+    return deep_merge(inherited, raw)
+
+
+def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) -> dict:
+    """The preset (its `base:` chain merged in), the overrides, validated with defaults."""
+    path = preset_path(preset)
+    raw = _read_preset(path)
     raw.setdefault("preset", path.stem)
+    if overrides and "base" in overrides:
+        raise DeepSpecError(f"override 'base': a preset's base is set in the preset file ({path}), not by an override")
     if overrides:
         raw = deep_merge(raw, overrides)
     return validate(raw, source=str(path))

@@ -7,6 +7,10 @@ A target spec is one of
   * ``tiny`` - a randomly initialised 2-layer Llama-style model with the real
     SmolLM2 tokenizer, for tests (``build_tiny`` also makes a tiny Gemma4 model,
     held in memory by the tests);
+  * ``tiny-qwen3`` - the tiny random Qwen3 model (q/k norms, untied head) with
+    the SmolLM2 tokenizer (its ChatML template is Qwen3's without the thinking
+    block), the paper presets' architecture for the CPU dress rehearsal
+    (config/presets/rehearsal-qwen3.yaml);
   * a hub id or local path loadable by ``AutoModelForCausalLM`` (Qwen3, Llama,
     Gemma, ...).
 
@@ -34,7 +38,8 @@ from ..runtime import keep_large_allocations_on_heap
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN = ("smollm2-135m", "tiny")
+BUILTIN = ("smollm2-135m", "tiny", "tiny-qwen3")
+TINY_ARCH = {"tiny": "llama", "tiny-qwen3": "qwen3"}  # builtin random targets -> build_tiny architecture
 DEFAULT_RESOURCES = os.environ.get("DEEPSPEC_RESOURCES", "resources")  # without a preset
 
 # Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
@@ -167,13 +172,13 @@ def prepare_target(spec: str, out_dir: str | os.PathLike) -> Path:
         shutil.rmtree(tmp)
     if spec == "smollm2-135m":
         model, tok = _load_smollm2_gguf()
-    elif spec == "tiny":
+    elif spec in TINY_ARCH:
         smol = target_dir("smollm2-135m")
         if (smol / "tokenizer.json").exists():
             tok = AutoTokenizer.from_pretrained(str(smol))
         else:
             tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-        model = build_tiny("llama", tok)
+        model = build_tiny(TINY_ARCH[spec], tok)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto")
         tok = AutoTokenizer.from_pretrained(spec)
@@ -272,7 +277,7 @@ def load_tokenizer(cfg: dict):
 
 def cli_prepare_target(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec prepare-target", description="convert or download a target into a plain HF checkpoint")
-    p.add_argument("spec", help="smollm2-135m | tiny | hub id | local path")
+    p.add_argument("spec", help="smollm2-135m | tiny | tiny-qwen3 | hub id | local path")
     p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()

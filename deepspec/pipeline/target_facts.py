@@ -43,13 +43,14 @@ def load_facts(cfg: dict) -> tuple[dict, str]:
     for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
-    if t["spec"] == "tiny":
-        from .target import tiny_config
+    from .target import TINY_ARCH, tiny_config
 
-        base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny target uses SmolLM2's tokenizer
-        c = tiny_config("llama", vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
+    if t["spec"] in TINY_ARCH:
+        arch = TINY_ARCH[t["spec"]]
+        base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
+        c = tiny_config(arch, vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
-        return c.to_dict(), "deepspec/pipeline/target.py:tiny_config (vocabulary of SmolLM2)"
+        return c.to_dict(), f"deepspec/pipeline/target.py:tiny_config({arch!r}) (vocabulary of SmolLM2)"
     raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add {shipped.relative_to(REPO_ROOT)} "
                         f"(the fields of {t['spec']}'s config.json) or prepare the target first")
 
