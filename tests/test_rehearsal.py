@@ -68,6 +68,35 @@ def test_rehearsal_differs_from_its_paper_preset_only_where_allowed(rehearsal):
     assert cfg["cache"]["mode"] == "online" and cfg["train"]["processes"] == 2 and cfg["train"]["gpus"] == 0
 
 
+def test_tiny_qwen3_spec(tmp_path):
+    """The rehearsal's target: a Qwen3 model (q/k norms, untied head) with the real
+    SmolLM2 tokenizer and its ChatML template, known to preflight and plan before
+    it is prepared, and deterministic."""
+    import torch
+
+    from deepspec.pipeline.preflight import target_num_layers
+    from deepspec.pipeline.target import build_tiny, load_target, prepare_target
+    from deepspec.pipeline.target_facts import load_facts
+
+    cfg = load_config("rehearsal-qwen3", {"resources_dir": str(tmp_path / "resources")})
+    facts, _ = load_facts(cfg)  # not prepared yet: from tiny_config
+    assert target_num_layers(cfg) == 3
+    t = load_target("tiny-qwen3", path=prepare_target("tiny-qwen3", tmp_path / "a"))
+    assert t.model.config.model_type == "qwen3" and not t.model.config.tie_word_embeddings
+    assert any(k.endswith("self_attn.q_norm.weight") for k in t.model.state_dict())
+    real = t.model.config.to_dict()
+    assert {k: facts[k] for k in ("vocab_size", "num_hidden_layers", "hidden_size", "head_dim", "eos_token_id")} == \
+        {k: real[k] for k in ("vocab_size", "num_hidden_layers", "hidden_size", "head_dim", "eos_token_id")}
+    assert t.model.config.vocab_size == len(t.tokenizer) == 49152
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]
+    text = t.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
+                   "<|im_start|>assistant\n"
+    assert t.tokenizer.convert_ids_to_tokens(cfg["drafter"]["mask_token_id"]) == "<empty_output>"
+    again = build_tiny("qwen3", t.tokenizer).state_dict()  # the same weights again (the tests' synthetic checkpoint)
+    assert all(torch.equal(v, again[k]) for k, v in t.model.state_dict().items())
+
+
 def _released_checkpoint(cfg, method: str, out: Path) -> Path:
     """A synthetic checkpoint in DeepSeek's released layout for the preset's target
     (the prepared tiny target is deterministic: the DAG prepares the same one)."""
