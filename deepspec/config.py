@@ -85,7 +85,8 @@ def deep_merge(base: Mapping, over: Mapping) -> dict:
 
 def _fill_defaults(node: Any, schema: Mapping) -> Any:
     """Recursively insert schema defaults for missing object properties."""
-    if isinstance(node, dict) and schema.get("type") == "object":
+    kind = schema.get("type")
+    if isinstance(node, dict) and (kind == "object" or isinstance(kind, list) and "object" in kind):
         for key, sub in schema.get("properties", {}).items():
             if key not in node and "default" in sub:
                 node[key] = copy.deepcopy(sub["default"])
@@ -154,39 +155,42 @@ def parse_set(items: Iterable[str]) -> dict:
     return out
 
 
-def _read_preset(path: Path, chain: tuple = ()) -> dict:
-    """A preset file's mapping with its `base:` chain resolved: the base preset
-    (a name under config/presets, or a path relative to this file), itself resolved, deep-merged under
-    this file's keys. An unknown or cyclic base is a one-line error."""
+def _read_preset(path: Path) -> dict:
     try:
         raw = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise DeepSpecError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise DeepSpecError(f"{path}: a preset must be a mapping of keys, not {type(raw).__name__}")
+        raise DeepSpecError(f"{path}: a preset is a mapping of keys, not {type(raw).__name__}")
+    return raw
+
+
+def resolve_base(path: Path, raw: dict, seen: tuple = ()) -> dict:
+    """A preset with `base: NAME` is NAME's preset (itself resolved) deep-merged
+    with its own keys; lists and scalars replace the base's. The result has no
+    `base` key. A cycle or an unknown base is one line naming the preset."""
+    raw = dict(raw)
     base = raw.pop("base", None)
     if base is None:
         return raw
     if not isinstance(base, str):
-        raise DeepSpecError(f"{path}: invalid value for 'base': a preset name or path, not {base!r}")
-    beside = path.parent / base  # a path is read relative to the preset that names it
+        raise DeepSpecError(f"{path}: invalid value for 'base': a preset name, not {base!r}")
     try:
-        base_path = beside if beside.suffix in (".yaml", ".yml") and beside.exists() else preset_path(base)
+        base_path = preset_path(base)
     except DeepSpecError as e:
         raise DeepSpecError(f"{path}: base: {e}") from None
-    here = path.resolve()
-    if base_path.resolve() in (*chain, here):
-        cycle = " -> ".join(p.stem for p in (*chain, here, base_path.resolve()))
-        raise DeepSpecError(f"{path}: base: presets that are their own base ({cycle})")
-    inherited = _read_preset(base_path, (*chain, here))
-    inherited.pop("preset", None)  # the name is this file's
+    chain = (*seen, path.resolve())
+    if base_path.resolve() in chain:
+        names = " -> ".join(p.stem for p in (*chain, base_path))
+        raise DeepSpecError(f"{path}: base presets form a cycle ({names})")
+    inherited = resolve_base(base_path, _read_preset(base_path), chain)
+    inherited.pop("preset", None)  # the preset's own name, never its base's
     return deep_merge(inherited, raw)
 
 
 def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) -> dict:
-    """The preset (its `base:` chain merged in), the overrides, validated with defaults."""
     path = preset_path(preset)
-    raw = _read_preset(path)
+    raw = resolve_base(path, _read_preset(path))
     raw.setdefault("preset", path.stem)
     if overrides and "base" in overrides:
         raise DeepSpecError(f"override 'base': a preset's base is set in the preset file ({path}), not by an override")
@@ -202,7 +206,7 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
 _TARGET = ["target.spec", "target.revision", "target.dtype"]
 _TOKENS = ["data.max_length", "data.min_loss_tokens", "data.system_prompt"]
 RULE_SETTINGS = {
-    "prepare_target": ["target.spec"],
+    "prepare_target": ["target.spec", "target.revision"],
     "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
     "build_cache": _TARGET + ["target.feature_layers", *_TOKENS, "cache.dtype", "cache.shard_tokens", "cache.batch_size"],
     "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
@@ -217,8 +221,9 @@ RULE_SETTINGS = {
                              "eval.temperature", "eval.seed", "eval.released_checkpoints", "throughput"],
     "fig7": ["target.name"],
 }
-EXECUTION_KEYS = {"regenerate.urls", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
+EXECUTION_KEYS = {"regenerate.urls", "regenerate.server", "regenerate.connect_timeout_s", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
+                  "train.checkpoint_minutes", "train.shard_optimizer",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
                   "train.main_process_port", "train.start_first", "train.chunk_positions", "eval.gpus",
                   "eval.baseline_jobs"}

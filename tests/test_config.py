@@ -50,11 +50,11 @@ def _preset(d, name, text):
 
 
 def test_base_preset_is_deep_merged_under_the_file(tmp_path):
-    """`base:` (a name under config/presets, or a path beside the file): the base's
-    keys under this file's, nested mappings merged key by key, lists and nulls replaced."""
+    """`base:` (a preset name or path): the base's keys under this file's, nested
+    mappings merged key by key, lists and nulls replaced."""
     paper = load_config("qwen3-4b")
     mid = _preset(tmp_path, "mid", "base: qwen3-4b\ntrain: {epochs: 1}\ndata: {benchmarks: {gsm8k: {cap: 3}}}\n")
-    top = _preset(tmp_path, "top", "base: mid.yaml\ntarget: {feature_layers: [0, 1]}\nplan: {train_prompts: null}\n")
+    top = _preset(tmp_path, "top", f"base: {tmp_path / 'mid.yaml'}\n" "target: {feature_layers: [0, 1]}\nplan: {train_prompts: null}\n")
     cfg = load_config(top, {"train": {"lr": 1e-3}})
     assert cfg["preset"] == "top" and "base" not in cfg
     assert cfg["train"]["epochs"] == 1 and cfg["train"]["global_batch"] == paper["train"]["global_batch"]
@@ -69,9 +69,9 @@ def test_base_preset_is_deep_merged_under_the_file(tmp_path):
 def test_bad_base_is_one_line(tmp_path):
     cases = {
         "unknown": ("base: qwen3-4bb\n", r"unknown\.yaml: base: unknown preset 'qwen3-4bb' \(known: .*qwen3-4b"),
-        "self": ("base: self.yaml\n", r"base: presets that are their own base \(self -> self\)"),
-        "a": ("base: b.yaml\n", r"base: presets that are their own base \(a -> b -> a\)"),
-        "b": ("base: a.yaml\n", None),
+        "self": (f"base: {tmp_path / 'self.yaml'}\n", r"base presets form a cycle \(self -> self\)"),
+        "a": (f"base: {tmp_path / 'b.yaml'}\n", r"base presets form a cycle \(a -> b -> a\)"),
+        "b": (f"base: {tmp_path / 'a.yaml'}\n", None),
         "notname": ("base: [qwen3-4b]\n", r"invalid value for 'base'"),
     }
     paths = {name: _preset(tmp_path, name, text) for name, (text, _) in cases.items()}

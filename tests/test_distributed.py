@@ -117,7 +117,7 @@ def test_direct_commands():
                                                                      "--num_processes"]
     with pytest.raises(T.DeepSpecError, match="inside a SLURM allocation: run the Snakemake train rule") as e:
         direct_command(dict(base, gpus=8, nodes=2), {}, args, 123)
-    assert "\n" not in str(e.value) and "srun --nodes 2" in str(e.value)
+    assert "\n" not in str(e.value) and "srun --overlap --nodes 2" in str(e.value)
 
 
 def test_launchers():
@@ -126,8 +126,10 @@ def test_launchers():
     assert launcher(dict(base, processes=2)) == "python -m torch.distributed.run --nproc_per_node 2 --master_port 29500"
     assert launcher(dict(base, gpus=8, processes=4)).startswith("accelerate launch --multi_gpu --num_processes 8 ")
     two_nodes = launcher(dict(base, gpus=8, nodes=2), port=29600)
-    assert two_nodes == ("srun --nodes 2 --ntasks-per-node 1 python -m deepspec launch-node --gpus-per-node 8 "
-                         "--port 29600 --")
+    # --overlap: the step runs inside the executor's own job step (which holds the
+    # allocation's CPUs and memory); --gpus-per-node: each node's own 8 GPUs
+    assert two_nodes == ("srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 python -m deepspec "
+                         "launch-node --gpus-per-node 8 --port 29600 --")
 
 
 def test_multi_node_command_from_slurm_environment():
@@ -139,3 +141,33 @@ def test_multi_node_command_from_slurm_environment():
                    "-m", "deepspec", "train", "--preset", "qwen3-4b", "--method", "dspark"]
     with pytest.raises(T.DeepSpecError, match="SLURM_NNODES"):
         node_command({}, 8, 29600, [])
+
+
+def test_sharded_optimizer_takes_the_same_steps_and_resumes_under_one_process(runs, tiny_cfg):
+    """train.shard_optimizer: two processes, each holding the AdamW moments of its
+    share of the parameters, end with the weights of the unsharded two-process run;
+    its checkpoint holds the whole optimizer state, which one process resumes."""
+    tmp, one, two = runs
+    zero = tmp / "zero"
+    _two_processes(_argv(tmp, tiny_cfg, zero) + ["--set", "train.shard_optimizer=true"])
+    a, b = _weights(zero), _weights(two)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    full = torch.load(two / "checkpoints" / "step_2" / "optimizer.pt", weights_only=False)
+    sharded = torch.load(zero / "checkpoints" / "step_2" / "optimizer.pt", weights_only=False)
+    assert sorted(sharded["state"]) == sorted(full["state"])
+    for i in full["state"]:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sharded["state"][i][k], full["state"][i][k]), (i, k)
+    out = tmp / "zero_resumed"
+    shutil.copytree(zero, out)
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS}")
+    (out / "config.json").unlink()
+    assert T.cli_train(_argv(tmp, tiny_cfg, out) + ["--set", "train.shard_optimizer=true"]) == 0  # one process
+    _close(_weights(out), _weights(one))
+    out2 = tmp / "zero_resumed_sharded"  # and two sharded processes load the whole state back
+    shutil.copytree(zero, out2)
+    shutil.rmtree(out2 / "checkpoints" / f"step_{STEPS}")
+    (out2 / "config.json").unlink()
+    assert "resumed from" in _two_processes(_argv(tmp, tiny_cfg, out2) + ["--set", "train.shard_optimizer=true"])
+    a = _weights(out2)
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -161,3 +161,18 @@ def test_plan_refuses_absurd_hardware_in_one_line(flag, value, want, no_network,
     assert err[0].startswith(f"deepspec plan: error: {flag} ") and re.search(want, err[0])
     assert not out.exists() and not list(tmp_path.iterdir())
     P.hardware(load_config("tiny", {}), mfu=1.0)  # the bounds themselves are fine
+def test_training_memory_per_gpu_by_hand():
+    """Qwen3-14B-sized DSpark on 8 GPUs: 14.8 G bf16 target params, 1.86 G trainable
+    fp32 drafter params; sharding the optimizer divides only the AdamW moments."""
+    cfg = load_config("qwen3-14b", {})
+    params = {"trainable": 1_860_000_000, "frozen_own": 10_000_000, "frozen_shared_target": 0}
+    cfg["train"]["shard_optimizer"] = False
+    m = P.training_memory(cfg, 14_800_000_000, params, 9 * 2**30)
+    assert m["target_weights"] == 2 * 14_800_000_000 and m["drafter_weights"] == 4 * 1_870_000_000
+    assert m["gradients"] == 4 * 1_860_000_000 and m["adam_moments"] == 8 * 1_860_000_000
+    assert m["total"] == 29_600_000_000 + 7_480_000_000 + 7_440_000_000 + 14_880_000_000 + 9 * 2**30
+    cfg["train"]["shard_optimizer"] = True
+    s = P.training_memory(cfg, 14_800_000_000, params, 9 * 2**30)
+    assert s["optimizer_shards"] == 8 and s["adam_moments"] == 1_860_000_000
+    assert m["total"] - s["total"] == 7 * 1_860_000_000
+    assert load_config("qwen3-14b", {})["train"]["shard_optimizer"]  # the 14B preset shards (80 GB GPUs)

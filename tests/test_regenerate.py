@@ -130,6 +130,12 @@ class _FakeServer(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def do_GET(self):  # /v1/models, which the job polls before it starts
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
     def log_message(self, *args):
         pass
 

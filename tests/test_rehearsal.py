@@ -8,6 +8,7 @@ needed, fails the test."""
 import copy
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -32,10 +33,10 @@ REHEARSALS = {
                                                              "livecodebench", "mt-bench", "alpaca", "arena-hard")),
         "plan.train_prompts", "plan.prompt_tokens", "plan.answer_tokens",
         # sizes: sequence and answer lengths, steps, batches
-        "data.max_length", "regenerate.max_new_tokens", "regenerate.batch_size", "regenerate.shards",
-        "train.epochs", "train.global_batch", "train.num_anchors", "eval.max_new_tokens", "eval.speed_prompts",
-        # no server is started by the DAG yet: the local backend
-        "regenerate.backend", "regenerate.urls",
+        "data.max_length", "regenerate.max_new_tokens", "train.epochs", "train.global_batch",
+        "train.num_anchors", "eval.max_new_tokens", "eval.speed_benchmarks",
+        # the regeneration server: deepspec serve on CPU in place of vLLM on 8 GPUs
+        *(f"regenerate.server.{k}" for k in ("command", "gpus", "port", "threads", "mem_mb")),
         # CPU: two training processes, no GPUs, small scheduler resources
         "train.gpus", "train.processes", "eval.gpus", *(f"resources.{r}.{k}" for r, ks in {
             "regenerate": ("threads", "mem_mb", "runtime"), "build_cache": ("gpu", "mem_mb", "runtime"),
@@ -126,12 +127,24 @@ def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
     _copy_workflow(tmp_path)
     env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", f"preset={rehearsal}", env=env, timeout=900)
+    with socket.socket() as s:  # a free port for the regeneration server (execution only: plan ignores it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", f"preset={rehearsal}",
+                   f"regenerate={{server: {{port: {port}}}}}", env=env, timeout=900)
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(f"{rehearsal}: DAG in {wall:.0f} s")
     res = tmp_path / "results"
     name = cfg["target"]["name"]
+    # regenerated through the server the DAG started and stopped
+    served = (tmp_path / "logs" / name / "regenerate_server.log").read_text()
+    recs = (res / name / "regen" / "conversations.jsonl").read_text().splitlines()
+    assert len(recs) == sum(e["cap"] for e in cfg["data"]["train"]) and "Terminating service job" in r.stdout + r.stderr
+    assert served.count('"POST /v1/chat/completions HTTP/1.1" 200') >= len(recs)
+    # two training processes (torchrun, gloo) for each trained method
+    for method in set(cfg["train"]["methods"]) - set(released):
+        assert "= 2 processes x" in (tmp_path / "logs" / name / f"train_{method}.log").read_text()
     t1 = pd.read_csv(res / "tables" / "table1.csv")
     drafts = t1[t1.method.isin(cfg["train"]["methods"])]
     assert set(drafts.method) == set(cfg["train"]["methods"]) and set(drafts.benchmark) == set(cfg["data"]["benchmarks"])

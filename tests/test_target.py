@@ -1,6 +1,8 @@
+import json
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +96,88 @@ def test_cpu_runs_keep_large_tensors_on_the_heap():
     pages = (64 << 20) // resource.getpagesize()
     assert int(before) >= 4 * pages  # every tensor a fresh mapping
     assert int(after) <= 1.5 * pages
+
+
+def _tiny_checkpoint(tmp_path, tiny_target):
+    src = tmp_path / "hub-snapshot"
+    tiny_target.model.save_pretrained(str(src))
+    tiny_target.tokenizer.save_pretrained(str(src))
+    (src / "pytorch_model.bin").write_bytes(b"not a checkpoint file deepspec keeps")
+    return src
+
+
+def test_hub_target_is_linked_at_its_revision_without_loading_the_weights(tmp_path, tiny_target, monkeypatch):
+    """prepare-target of a hub id: the snapshot at target.revision, its files hard
+    linked (no second copy of the weights, no load and re-save in RAM); config.json
+    is a new file naming the spec; the result loads like the original."""
+    import huggingface_hub
+    import transformers
+
+    from deepspec.pipeline import target as TG
+
+    src, seen = _tiny_checkpoint(tmp_path, tiny_target), {}
+
+    def fake_snapshot(repo_id, revision=None, allow_patterns=None, **kw):
+        seen.update(repo_id=repo_id, revision=revision, patterns=allow_patterns)
+        return str(src)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("prepare_target must not load the weights"))
+    out = TG.prepare_target("org/model", tmp_path / "out", revision="abc123")
+    assert seen["repo_id"] == "org/model" and seen["revision"] == "abc123" and "*.safetensors" in seen["patterns"]
+    assert (out / "model.safetensors").stat().st_ino == (src / "model.safetensors").stat().st_ino
+    assert not (out / "pytorch_model.bin").exists()
+    assert json.loads((out / "config.json").read_text())["deepspec_target_id"] == "org/model"
+    assert json.loads((src / "config.json").read_text()).get("deepspec_target_id") != "org/model"  # cache untouched
+    monkeypatch.undo()
+    again = load_target("org/model", path=out)
+    for a, b in zip(tiny_target.model.state_dict().values(), again.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_hub_errors_are_one_line(tmp_path, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    from deepspec.pipeline import target as TG
+
+    def gated(**kw):
+        e = GatedRepoError.__new__(GatedRepoError)  # as the hub raises it, without an HTTP response
+        OSError.__init__(e, "403 Client Error.\n\nCannot access gated repo for url https://huggingface.co/x.\nmore")
+        raise e
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
+    with pytest.raises(DeepSpecError, match=r"cannot download target 'google/x' at revision 'v1': GatedRepoError: "
+                                            r"403 Client Error\. \(a gated model: .*hf auth login") as e:
+        TG.prepare_target("google/x", tmp_path / "out", revision="v1")
+    assert "\n" not in str(e.value) and not (tmp_path / "out.partial").exists()
+    with pytest.raises(DeepSpecError, match="applies to hub targets"):
+        TG.prepare_target("tiny", tmp_path / "tiny", revision="v1")
+
+
+def test_prepare_target_rule_is_local_and_passes_the_revision(tmp_path):
+    """prepare_target runs where Snakemake runs (a login node has the internet that
+    compute nodes may lack; it needs no GPU) and pins target.revision."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    for name in ["Snakefile", "workflow", "config"]:
+        (shutil.copytree if (repo / name).is_dir() else shutil.copy)(repo / name, tmp_path / name)
+    code = ("from pathlib import Path\n"
+            "from snakemake.api import SnakemakeApi\n"
+            "from snakemake.settings.types import OutputSettings, ConfigSettings, ResourceSettings, StorageSettings\n"
+            "with SnakemakeApi(OutputSettings()) as api:\n"
+            "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
+            "                      config_settings=ConfigSettings(config={'preset': 'qwen3-4b'}),\n"
+            "                      snakefile=Path('Snakefile'), workdir=Path('.'))\n"
+            "    print('LOCAL', sorted(wf._workflow._localrules))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "'prepare_target'" in next((ln for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), ""), \
+        r.stdout[-2000:] + r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1",
+                        "resources/targets/qwen3-4b/config.json", "--config", "preset=qwen3-4b",
+                        "target={revision: 1cfa9a7}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-2000:]
+    assert "prepare-target Qwen/Qwen3-4B --revision 1cfa9a7 --out" in out

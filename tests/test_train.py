@@ -368,3 +368,53 @@ def test_cli_train_variant_with_reduced_vocab(tmp_path, tiny_cfg, tiny_target):
     assert not torch.equal(drafter.d2t, torch.arange(64))  # chosen from the token counts
     header = read_log(out / T.LOG_NAME)[0]
     assert "c_star_2" in header and "c_star_3" not in header and float(header["positions_per_s"]) > 0
+
+
+def test_sigterm_checkpoints_stops_and_resumes_bit_identical(tmp_path):
+    """SIGTERM mid-step (SLURM's warning before the time limit): the step finishes,
+    a checkpoint of it is written, training stops with one line, and the rerun ends
+    with the same weights as an uninterrupted run."""
+    import os
+    import signal
+
+    data = toy_dataset()
+    cfg = train_cfg(checkpoint_every=1000, epochs=2, lr=1e-2)  # no step checkpoint before the end
+    step_fn = make_step_fn(True)
+    ref = toy_model()
+    T.train(ref, data, step_fn, cfg, tmp_path / "ref", collate_fn=collate)
+
+    out, calls = tmp_path / "term", []
+    micro_per_step = cfg["global_batch"] // cfg["micro_batch"]
+
+    def term_in_step_5(model, batch, generator, log_step=True):
+        calls.append(1)
+        if len(calls) == 4 * micro_per_step + 2:  # inside step 5
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # repeats (the launcher's copy) change nothing
+        return step_fn(model, batch, generator, log_step=log_step)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(T.TrainingStopped, match="stopped by SIGTERM after step 5/12"):
+        T.train(toy_model(), data, term_in_step_5, cfg, out, collate_fn=collate)
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is only active while training
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"
+    assert len(calls) == 5 * micro_per_step and not (out / "config.json").exists()
+
+    resumed = toy_model(seed=7)
+    res = T.train(resumed, data, step_fn, cfg, out, collate_fn=collate)
+    assert res.steps_this_process == 7
+    for (n, p), (_, q) in zip(ref.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_checkpoint_minutes_writes_timed_checkpoints(tmp_path, monkeypatch):
+    """train.checkpoint_minutes: a checkpoint whenever that much training time has
+    passed since the last one, whatever checkpoint_every says."""
+    clock = iter(range(0, 10_000, 50))  # every reading of the clock is 50 s later
+    monkeypatch.setattr(T.time, "monotonic", lambda: float(next(clock)))
+    out = tmp_path / "timed"
+    T.train(toy_model(), toy_dataset(), make_step_fn(False), train_cfg(checkpoint_every=1000, checkpoint_minutes=1.5),
+            out, collate_fn=collate)
+    # the clock moves 50 s per reading, one reading per step and one per checkpoint: 90 s pass every 2 steps
+    steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    assert steps == [2, 4, 6]

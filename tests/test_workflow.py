@@ -1,4 +1,5 @@
 """The DAG itself: the tiny preset end to end, and dry runs of every preset."""
+import json
 import os
 import re
 import shlex
@@ -130,3 +131,136 @@ def _planned(cwd, env, override) -> dict:
         return {}
     stats = out.split("Job stats:", 1)[1].split("total", 1)[0]
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", stats, re.M) if m.group(1) != "all"}
+
+
+def _shell_commands(out: str) -> list[str]:
+    return [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]
+
+
+def test_gpu_jobs_claim_their_own_gpus(tmp_path):
+    """On one machine each GPU job takes GPU ids no other job holds (claim-gpus),
+    instead of every evaluation landing on GPU 0; GPU training grows its memory in
+    expandable segments; local regeneration shards take a GPU each."""
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "1", "--config", "preset=qwen3-4b",
+                   "regenerate={backend: local, shards: 2, server: null}", "resources={regenerate: {gpu: 1}}", "cache={mode: offline}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    cmds = _shell_commands(r.stdout + r.stderr)
+    by = {}
+    for c in cmds:
+        kind = re.findall(r"-m deepspec ([\w-]+)", c)[-1]  # the job's own command (after claim-gpus)
+        by[c] = "shard" if kind == "regenerate" and "--shard" in c else kind
+    assert {"evaluate", "baseline", "train", "shard", "regenerate", "prepare-target", "build-cache"} <= set(by.values())
+    assert "CUDA_VISIBLE_DEVICES" not in " ".join(cmds)
+    for c, kind in by.items():
+        want = {"evaluate": "claim-gpus 1 -- python -m deepspec evaluate", "baseline": "claim-gpus 1 -- ",
+                "shard": "claim-gpus 1 -- ", "build-cache": "claim-gpus 1 -- ",
+                "train": "claim-gpus 8 -- accelerate launch"}.get(kind)
+        assert (want in c) if want else ("claim-gpus" not in c), c
+    train = [c for c, k in by.items() if k == "train"]
+    assert len(train) == 3 and all("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in c for c in train)
+
+
+def test_multi_node_training_plans(tmp_path):
+    """train.nodes 2 x train.gpus 8: a 16-GPU, 2-node job whose srun overlaps the
+    executor's job step and asks each node for its 8 GPUs; resources.train.nodes
+    (the README's spelling) is accepted when it agrees."""
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, str(Path("results/qwen3-4b/drafters/dspark/config.json")), "-n", "-p", "--cores", "1",
+                   "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}", "resources={train: {nodes: 2}}")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    train = [c for c in _shell_commands(out) if "deepspec train" in c]
+    assert len(train) == 1 and "srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 " in train[0]
+    assert "claim-gpus" not in train[0]
+    assert re.search(r"gpu=16, nodes=2", out), out[-3000:]
+    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
+                   "resources={train: {nodes: 3}}")
+    assert r.returncode != 0 and "resources.train.nodes (3) differs from train.nodes (2)" in r.stdout + r.stderr
+
+
+def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
+    """The SLURM profile sends the train jobs (only) SIGTERM 15 min ahead of their
+    time limit (their checkpoint-and-stop signal). Planned with the profile minus its
+    executor, as the slurm plugin is not installed here."""
+    import yaml
+
+    _copy_workflow(tmp_path)
+    prof = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
+    prof.pop("executor")
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "config.yaml").write_text(yaml.safe_dump(prof))
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--profile", "prof", "--config", "preset=qwen3-4b")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", r.stdout + r.stderr)
+    signalled = sorted({name for name, res in jobs if "slurm_extra=--signal=TERM@900" in res})
+    assert signalled == ["train"], jobs[:3]
+def _server_config(port: int) -> str:
+    return ("regenerate={backend: server, server: {command: 'python -m deepspec serve {model} --host {host} "
+            f"--port {{port}} --served-model-name {{name}} --max-tokens 64', port: {port}, threads: 1}}}}")
+
+
+def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
+    """With regenerate.server the server is a service job grouped with the
+    shards, and the baselines and evaluations wait for the merged conversations
+    (so for the server to be gone); without it they do not."""
+    _copy_workflow(tmp_path)
+    conv = "results/tiny/regen/conversations.jsonl"
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "3", "--config", "preset=tiny", _server_config(30999))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Group job regenerate" in out and "results/tiny/regen/server.service (service)" in out
+    assert "exec python -m deepspec serve resources/targets/tiny --host 127.0.0.1 --port 30999" in out
+    jobs = re.split(r"\n\s*(?:local)?rule ", out)
+    for name in ("baseline_0:", "baseline_1:", "evaluate:"):
+        blocks = [j for j in jobs if j.startswith(name)]
+        assert blocks and all(conv in j.split("\n")[1] for j in blocks), name
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny")
+    jobs = re.split(r"\n\s*(?:local)?rule ", r.stdout + r.stderr)
+    assert r.returncode == 0 and not any(conv in j.split("\n")[1] for j in jobs if j.startswith("baseline"))
+    # Table 1 from released drafters on a paper preset (a server preset) regenerates nothing
+    released = "{released_checkpoints: {eagle3: a/e, dflash: a/f, dspark: a/s}}"
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "8", "--config", "preset=qwen3-4b", f"eval={released}")
+    assert r.returncode == 0 and "baseline" in r.stdout and "regenerate" not in r.stdout, (r.stdout + r.stderr)[-3000:]
+    # a GPU server claims its GPUs inside the exec'd command (claim-gpus then execs vLLM: the same pid)
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "16", "--config", "preset=qwen3-4b")
+    assert r.returncode == 0 and "; exec python -m deepspec claim-gpus 8 -- vllm serve " in r.stdout + r.stderr
+
+
+def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_data):
+    """The tiny preset regenerates through `deepspec serve` started by the
+    regenerate_server rule: the shards wait for it, it answers every request,
+    Snakemake terminates it once they are done, and nothing listens afterwards."""
+    import socket
+
+    _copy_workflow(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
+    conv = tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl"
+    r = _snakemake(tmp_path, str(conv.relative_to(tmp_path)), "--cores", "3", "--config", "preset=tiny",
+                   _server_config(port), env=env, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Terminating service job" in out
+    log = (tmp_path / "logs" / "tiny" / "regenerate_server.log").read_text()
+    recs = [json.loads(l) for l in conv.read_text().splitlines()]
+    turns = sum(sum(m["role"] == "assistant" for m in rec["messages"]) for rec in recs)
+    assert len(recs) == 12 and turns >= 12
+    assert log.count('"POST /v1/chat/completions HTTP/1.1" 200') == turns and f"stopped after {turns} requests" in log
+    for i in range(2):
+        assert "server(s) up after" in (tmp_path / "logs" / "tiny" / f"regenerate_{i}.log").read_text()
+    assert not (conv.parent / "server.pid").exists() and not (conv.parent / "server.service").exists()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
+
+
+@pytest.mark.parametrize("regen, says", [
+    ("{backend: server, server: {command: 'serve {modl}'}}", "cannot fill in 'modl'"),
+    ("{backend: local, server: {command: 'serve {model}'}}", "regenerate.server is set but regenerate.backend is 'local'"),
+])
+def test_bad_regeneration_server_stops_the_plan(tmp_path, regen, says):
+    _copy_workflow(tmp_path)
+    r = _snakemake(tmp_path, "-n", "--cores", "3", "--config", "preset=tiny", f"regenerate={regen}")
+    assert r.returncode != 0 and says in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]

@@ -154,6 +154,8 @@ def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: in
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     torch.save(rng_state(gen), tmp / f"rng_{acc.process_index}.pt")
+    if hasattr(opt, "consolidate_state_dict"):  # a sharded optimizer: its whole state on process 0
+        opt.consolidate_state_dict(to=0)
     if acc.is_main_process:
         model.save_pretrained(str(tmp))
         torch.save(opt.state_dict(), tmp / "optimizer.pt")

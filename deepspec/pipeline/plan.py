@@ -224,6 +224,24 @@ def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: 
     }
 
 
+def training_memory(cfg: dict, target_params: int, params: dict, peak_activation_bytes: int) -> dict:
+    """Bytes one training process holds on its GPU, by arithmetic: the frozen target
+    in target.dtype, the drafter's own parameters in fp32, the trainable ones'
+    fp32 gradients and AdamW's two fp32 moments (divided over the processes with
+    train.shard_optimizer), and a micro batch's peak activations at max length. Not
+    counted: online features, CUDA context, allocator slack, NCCL buffers."""
+    t = cfg["train"]
+    procs = (int(t["gpus"]) * int(t["nodes"])) if int(t["gpus"]) else int(t["processes"])
+    shards = procs if t.get("shard_optimizer") and procs > 1 else 1
+    dtype_bytes = torch.empty(0, dtype=getattr(torch, cfg["target"]["dtype"])).element_size()
+    parts = {"target_weights": target_params * dtype_bytes,
+             "drafter_weights": 4 * (params["trainable"] + params["frozen_own"]),
+             "gradients": 4 * params["trainable"],
+             "adam_moments": -(-8 * params["trainable"] // shards),
+             "activations": int(peak_activation_bytes)}
+    return {**parts, "total": sum(parts.values()), "optimizer_shards": shards}
+
+
 def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     """Parameters, measured FLOPs per step and activation memory of one method."""
     drafter, mcfg = build_meta_drafter(method, target, cfg)
@@ -236,8 +254,11 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     worst = measure_step(drafter, target, synthetic_batch(mb, L, min(prompt, L // 2), V, n_feat, d), spec)
     per_epoch, total = plan_steps(data["train_prompts"], t)
     micro_batches = int(t["global_batch"]) // mb
+    params = param_counts(drafter, target)
     return {
-        "params": param_counts(drafter, target),
+        "params": params,
+        "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
+                                          worst["peak_activation_bytes"]),
         "micro_batch": mb, "micro_batches_per_step": micro_batches,
         "flops_per_micro_batch": typical["flops"], "flops_forward_per_micro_batch": typical["flops_forward"],
         "flops_per_step": typical["flops"] * micro_batches,
@@ -389,6 +410,13 @@ def format_plan(plan: dict) -> str:
                  (f"{m}: steps", f"{r['steps_per_epoch']:,} per epoch, {r['total_steps']:,} in total"),
                  (f"{m}: activations/micro-batch", f"{_human(mem['peak_activation_bytes'])} at length {d['max_length']} "
                                                    f"(saved {_human(mem['saved_bytes'])} + largest tensor {_human(mem['largest_tensor_bytes'])})"),
+                 (f"{m}: memory per GPU", "{} = target {} + drafter {} + gradients {} + Adam {}{} + activations {} "
+                                          "(arithmetic; without online features and allocator slack)".format(
+                                              *(_human(r["memory_per_gpu"][k]) for k in ("total", "target_weights",
+                                                "drafter_weights", "gradients", "adam_moments")),
+                                              f" (sharded / {r['memory_per_gpu']['optimizer_shards']})"
+                                              if r["memory_per_gpu"]["optimizer_shards"] > 1 else "",
+                                              _human(r["memory_per_gpu"]["activations"]))),
                  (f"{m}: GPU-hours", f"{_h(tot['gpu_hours_offline'])} offline / {_h(tot['gpu_hours_online'])} online "
                                      f"({_h(tot['wall_hours_offline'])} / {_h(tot['wall_hours_online'])} h on {hw['gpus']} GPUs)")]
     for m, r in ev["methods"].items():

@@ -24,10 +24,10 @@ def target_num_layers(cfg: dict):
     if prepared.exists():
         c = json.loads(prepared.read_text())
         return (c.get("text_config") or c).get("num_hidden_layers")
-    from .target import TINY_ARCH, tiny_config
+    from .target import TINY_SPECS, tiny_config
 
-    if spec in TINY_ARCH:
-        return tiny_config(TINY_ARCH[spec]).num_hidden_layers
+    if spec in TINY_SPECS:
+        return tiny_config(TINY_SPECS[spec]).num_hidden_layers
     if spec in BUILTIN_LAYERS:
         return BUILTIN_LAYERS[spec]
     try:

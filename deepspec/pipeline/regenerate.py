@@ -16,6 +16,10 @@ Back ends
     on whether the run was resumed.
   * ``server``: an OpenAI-compatible chat endpoint (SGLang or vLLM), several
     URLs, a thread pool of ``concurrency`` requests per URL, plain urllib.
+    With regenerate.server the workflow starts the server itself (a service
+    job, regenerate.smk); either way the job first waits for every URL's
+    ``/models`` (`wait_for_servers`: server.health_timeout_s, or
+    connect_timeout_s for regenerate.urls) and fails in one line if one never answers.
     top_k / min_p go in the request body (both servers accept them there) and
     ``chat_template_kwargs.enable_thinking = false``.
 
@@ -29,7 +33,9 @@ kept in ``<out stem>.settings.json``, and a change starts over.
 Failures: server requests are retried with exponential backoff
 (regenerate.max_retries, retry_backoff_s) on transient errors (connection
 refused or reset, timeouts, HTTP 5xx / 408 / 429, malformed or short bodies),
-each request bounded by regenerate.request_timeout_s. A record that still fails
+each request bounded by regenerate.request_timeout_s; a record that fails
+with "connection refused" makes the job check its server, and a server gone for
+regenerate.connect_timeout_s stops the job in one line. A record that still fails
 (or an over-long prompt) goes to ``<out stem>.errors.jsonl`` with its reason.
 More failed records than regenerate.max_failed_fraction of the total (default
 0: any) fail the job with a one-line summary; the records done are kept in
@@ -296,6 +302,80 @@ def _chat_url(url: str) -> str:
     return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
 
 
+def server_urls(rc: dict) -> list[str]:
+    """The chat-completions URLs of regeneration: the server the workflow
+    starts (regenerate.server; its consumers run on its node, so 127.0.0.1
+    unless server.host says otherwise), else regenerate.urls."""
+    srv = rc.get("server")
+    if srv:
+        return [_chat_url(f"http://{srv['host'] or '127.0.0.1'}:{srv['port']}/v1")]
+    return [_chat_url(u) for u in rc["urls"]]
+
+
+def _models_url(chat_url: str) -> str:
+    return chat_url[: -len("/chat/completions")] + "/models"
+
+
+def wait_for_servers(urls: Sequence[str], timeout_s: float, *, poll_s: float = 1.0) -> float:
+    """Wait until every chat URL's server answers ``GET .../models`` (any HTTP
+    answer but a 5xx counts: it is listening), at most `timeout_s` in all;
+    returns the seconds waited. A server that never answers fails the job in
+    one line naming its URL, instead of every record failing its retries."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    for url in urls:
+        probe = _models_url(url)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                with urllib.request.urlopen(probe, timeout=max(0.1, min(5.0, left))):
+                    break
+            except urllib.error.HTTPError as e:
+                if e.code < 500:
+                    break
+                why = f"HTTP {e.code}"
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                why = str(getattr(e, "reason", e))
+            if time.monotonic() + poll_s > deadline:
+                raise DeepSpecError(f"no OpenAI-compatible server answered at {probe} within {timeout_s:g} s ({why}): "
+                                    "start one there or fix regenerate.urls / regenerate.server")
+            time.sleep(poll_s)
+    waited = time.monotonic() - t0
+    log.info("%d server(s) up after %.1f s", len(urls), waited)
+    return waited
+
+
+def wait_for_exit(pid_file: str | os.PathLike, timeout_s: float = 300.0, *, poll_s: float = 0.2) -> None:
+    """Wait until the server process named in `pid_file` ("<host> <pid>", as
+    the regenerate_server rule writes it) has exited, then remove the file.
+    Snakemake only signals a service job; this makes the GPU jobs after the
+    merge start once the server has let go of its GPUs. A process on another
+    host (a SLURM group job, whose end frees its GPUs) is not waited for."""
+    import socket
+
+    path = Path(pid_file)
+    if not path.exists():
+        return
+    try:
+        host, pid = path.read_text().split()
+        pid = int(pid)
+    except ValueError:
+        raise DeepSpecError(f"{path}: expected '<host> <pid>', got {path.read_text()[:80]!r}") from None
+    deadline = time.monotonic() + timeout_s
+    while host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:  # a process of another user took the pid: ours is gone
+            break
+        if time.monotonic() > deadline:
+            raise DeepSpecError(f"the regeneration server (pid {pid}, {path}) is still running {timeout_s:g} s after "
+                                "its shards finished: stop it before the GPU jobs start")
+        time.sleep(poll_s)
+    path.unlink()
+
+
 def _post_json(url: str, body: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -324,6 +404,10 @@ def _chat(url: str, body: dict, rc: dict) -> tuple[str, bool, int]:
             log.info("%s: %s; retrying in %.1f s (%d/%d)", url, _reason(e), wait, attempt + 1, rc["max_retries"])
             time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+def _refused(e: Exception) -> bool:
+    return isinstance(e, ConnectionRefusedError) or isinstance(getattr(e, "reason", None), ConnectionRefusedError)
 
 
 def _reason(e: Exception) -> str:
@@ -358,17 +442,26 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict]
 
 def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
     rc = cfg["regenerate"]
-    urls = [_chat_url(u) for u in rc["urls"]]
+    urls = server_urls(rc)
     if not urls:
-        raise DeepSpecError("regenerate.backend is 'server' but regenerate.urls is empty (e.g. --set regenerate.urls=[http://localhost:30000])")
+        raise DeepSpecError("regenerate.backend is 'server' but neither regenerate.server nor regenerate.urls is set "
+                            "(e.g. --set regenerate.urls=[http://localhost:30000])")
+    wait_for_servers(urls, rc["server"]["health_timeout_s"] if rc.get("server") else rc["connect_timeout_s"])
     n_tokens = 0
     with ThreadPoolExecutor(max_workers=rc["concurrency"] * len(urls)) as pool:
-        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg): p for k, p in enumerate(prompts)}
+        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg): (p, urls[k % len(urls)])
+                for k, p in enumerate(prompts)}
         for fut in as_completed(futs):
-            p = futs[fut]
+            p, url = futs[fut]
             try:
                 msgs, n = fut.result()
             except RECORD_ERRORS as e:
+                if _refused(e):  # the server is gone (e.g. it crashed): stop in one line, not record by record
+                    try:
+                        wait_for_servers([url], rc["connect_timeout_s"])
+                    except DeepSpecError:
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        raise
                 fail(p, _reason(e))
             else:
                 write([{"id": p.id, "source": p.source, "messages": msgs}])
@@ -482,6 +575,8 @@ def cli_regenerate(argv) -> int:
     one = p.add_mutually_exclusive_group()
     one.add_argument("--shard", metavar="I/N", help="only shard I of N (regen_shards.py); --out defaults to regen/shards/")
     one.add_argument("--merge", nargs="+", metavar="SHARD", help="merge these shard files into --out instead")
+    p.add_argument("--wait-server-exit", metavar="PIDFILE",
+                   help="with --merge: first wait until the server process in PIDFILE has exited")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     prompts = load_train_prompts(cfg)
@@ -489,6 +584,8 @@ def cli_regenerate(argv) -> int:
         prompts = prompts[: args.limit]
     from .regen_shards import merge_shards, parse_shard, shard_of
     if args.merge:
+        if args.wait_server_exit:
+            wait_for_exit(args.wait_server_exit)
         merge_shards(cfg, args.merge, args.out, prompts=prompts)
         return 0
     out = args.out

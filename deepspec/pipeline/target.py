@@ -9,7 +9,7 @@ A target spec is one of
     held in memory by the tests);
   * ``tiny-qwen3`` - the tiny random Qwen3 model (q/k norms, untied head) with
     the SmolLM2 tokenizer (its ChatML template is Qwen3's without the thinking
-    block), the paper presets' architecture for the CPU dress rehearsal
+    block), for the CPU dress rehearsal of the Qwen3 paper presets
     (config/presets/rehearsal-qwen3.yaml);
   * a hub id or local path loadable by ``AutoModelForCausalLM`` (Qwen3, Llama,
     Gemma, ...).
@@ -33,13 +33,16 @@ import torch
 from .. import paths
 from ..core.target import Target, eos_ids_of
 from ..errors import DeepSpecError
+from ..files import read_json, write_json_atomic
 from ..runtime import keep_large_allocations_on_heap
 
 log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTIN = ("smollm2-135m", "tiny", "tiny-qwen3")
-TINY_ARCH = {"tiny": "llama", "tiny-qwen3": "qwen3"}  # builtin random targets -> build_tiny architecture
+# Tiny random targets with SmolLM2's tokenizer, by spec: their architecture for
+# `build_tiny` (``tiny-qwen3`` stands in for the Qwen3 paper targets on CPU).
+TINY_SPECS = {"tiny": "llama", "tiny-qwen3": "qwen3"}
+BUILTIN = ("smollm2-135m", *TINY_SPECS)
 DEFAULT_RESOURCES = os.environ.get("DEEPSPEC_RESOURCES", "resources")  # without a preset
 
 # Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
@@ -160,34 +163,87 @@ def build_tiny(arch: str = "llama", tokenizer=None, *, multimodal: bool = False,
     return model
 
 
-def prepare_target(spec: str, out_dir: str | os.PathLike) -> Path:
-    """Write a plain HF checkpoint (model + tokenizer) for `spec` to out_dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+# The files of a hub or local checkpoint that a plain from_pretrained needs
+CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def _hub_snapshot(spec: str, revision: Optional[str]) -> Path:
+    """The hub cache's snapshot of hub id `spec` at `revision` (downloaded when
+    missing; offline it must be cached), checkpoint files only; hub errors (gated
+    or missing repo, no network) as one line."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=spec, revision=revision, allow_patterns=CHECKPOINT_FILES))
+    except (OSError, ValueError) as e:  # huggingface_hub's errors (GatedRepoError, ...) derive from OSError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = " (a gated model: accept its licence on the hub and run `hf auth login`)" if "gated" in str(e).lower() else ""
+        raise DeepSpecError(f"cannot download target {spec!r}{f' at revision {revision!r}' if revision else ''}: "
+                            f"{type(e).__name__}: {first}{hint}") from None
+
+
+def _link_checkpoint(src: Path, dst: Path) -> None:
+    """The checkpoint files of directory src in dst: hard links where the file
+    system allows (no second copy of the weights), copies otherwise."""
+    import fnmatch
+    import shutil
+
+    dst.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and any(fnmatch.fnmatch(f.name, pat) for pat in CHECKPOINT_FILES):
+            real = f.resolve()  # the hub cache's snapshot files are symlinks to its blobs
+            try:
+                os.link(real, dst / f.name)
+            except OSError:
+                shutil.copy2(real, dst / f.name)
+
+
+def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str] = None) -> Path:
+    """Write a plain HF checkpoint (model + tokenizer) for `spec` to out_dir.
+
+    Builtin specs are converted. A hub id (at `revision`) is fetched into the hub
+    cache and a local checkpoint directory taken as it is: their files are linked
+    (or copied) into out_dir without loading the weights, and config.json (a new
+    file) gains deepspec_target_id."""
+    import shutil
+
+    from transformers import AutoTokenizer
 
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
-    if spec == "smollm2-135m":
-        model, tok = _load_smollm2_gguf()
-    elif spec in TINY_ARCH:
-        smol = target_dir("smollm2-135m")
-        if (smol / "tokenizer.json").exists():
-            tok = AutoTokenizer.from_pretrained(str(smol))
+    if spec in BUILTIN:
+        if revision:
+            raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the builtin {spec!r}")
+        if spec == "smollm2-135m":
+            model, tok = _load_smollm2_gguf()
         else:
-            tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-        model = build_tiny(TINY_ARCH[spec], tok)
+            smol = target_dir("smollm2-135m")
+            if (smol / "tokenizer.json").exists():
+                tok = AutoTokenizer.from_pretrained(str(smol))
+            else:
+                tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
+            model = build_tiny(TINY_SPECS[spec], tok)
+        model.config.deepspec_target_id = spec
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype="auto")
-        tok = AutoTokenizer.from_pretrained(spec)
-    model.config.deepspec_target_id = spec
-    model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
+        if Path(spec).is_dir():
+            if revision:
+                raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the local path {spec!r}")
+            src = Path(spec)
+        else:
+            src = _hub_snapshot(spec, revision)
+        _link_checkpoint(src, tmp)
+        cfg_file = tmp / "config.json"
+        if not cfg_file.exists() or not any(tmp.glob("*.safetensors")):
+            shutil.rmtree(tmp)
+            raise DeepSpecError(f"target {spec!r} has no config.json or no safetensors weights")
+        cfg = read_json(cfg_file)
+        cfg["deepspec_target_id"] = spec
+        write_json_atomic(cfg_file, cfg)  # a new file: the linked original stays as it was
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     os.replace(tmp, out)  # config.json appears only once everything is written
     return out
@@ -279,13 +335,19 @@ def cli_prepare_target(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec prepare-target", description="convert or download a target into a plain HF checkpoint")
     p.add_argument("spec", help="smollm2-135m | tiny | tiny-qwen3 | hub id | local path")
     p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
+    p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub target")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    out = prepare_target(args.spec, args.out)
+    out = prepare_target(args.spec, args.out, revision=args.revision)
     log.info("prepared %s in %s (%.1f s)", args.spec, out, time.perf_counter() - t0)
-    # Reload once as a check: a plain from_pretrained must work offline.
-    from transformers import AutoModelForCausalLM
+    # Check that config and tokenizer load offline (the weights are not loaded again).
+    from transformers import AutoConfig, AutoTokenizer
 
-    m = AutoModelForCausalLM.from_pretrained(str(out))
-    log.info("reloaded: %d layers, hidden %d, vocab %d", m.config.num_hidden_layers, m.config.hidden_size, m.config.vocab_size)
+    try:
+        c = AutoConfig.from_pretrained(str(out))
+        AutoTokenizer.from_pretrained(str(out))
+    except (OSError, ValueError) as e:
+        raise DeepSpecError(f"prepared target {out} does not load: {str(e).splitlines()[0]}") from None
+    c = getattr(c, "text_config", None) or c
+    log.info("prepared: %d layers, hidden %d, vocab %d", c.num_hidden_layers, c.hidden_size, c.vocab_size)
     return 0

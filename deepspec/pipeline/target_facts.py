@@ -43,14 +43,13 @@ def load_facts(cfg: dict) -> tuple[dict, str]:
     for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
-    from .target import TINY_ARCH, tiny_config
+    from .target import TINY_SPECS, tiny_config
 
-    if t["spec"] in TINY_ARCH:
-        arch = TINY_ARCH[t["spec"]]
+    if t["spec"] in TINY_SPECS:
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
-        c = tiny_config(arch, vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
+        c = tiny_config(TINY_SPECS[t["spec"]], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
-        return c.to_dict(), f"deepspec/pipeline/target.py:tiny_config({arch!r}) (vocabulary of SmolLM2)"
+        return c.to_dict(), "deepspec/pipeline/target.py:tiny_config (vocabulary of SmolLM2)"
     raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add {shipped.relative_to(REPO_ROOT)} "
                         f"(the fields of {t['spec']}'s config.json) or prepare the target first")
 

@@ -23,13 +23,17 @@ metrics)``, and implements the paper's recipe (paper-notes §3):
   ``[s*G, (s+1)*G)`` of its epoch's order, so the sampler position is the step
   number. The seed is ``train.seed`` for every method (the reference uses 0 for
   Eagle3 and 42 for DFlash/DSpark; one seed keeps the comparison clean);
-* checkpoints every ``train.checkpoint_every`` steps and at the end under
+* checkpoints every ``train.checkpoint_every`` steps, every
+  ``train.checkpoint_minutes`` of training (when set) and at the end under
   ``<out>/checkpoints/step_N/`` (``save_pretrained`` model, optimiser,
   scheduler, trainer state, the log so far, and per-process RNG states:
   python, numpy, torch, CUDA and the anchor generator handed to ``step_fn``),
   plus a ``latest`` pointer written atomically (`deepspec.pipeline.checkpoints`).
   Resuming restores all of it, so
-  a killed run ends with bit-identical weights to an uninterrupted one;
+  a killed run ends with bit-identical weights to an uninterrupted one.
+  SIGTERM (SLURM's warning ahead of the time limit, the slurm profile) makes
+  every process finish its step, write a checkpoint and stop with one line
+  (`TrainingStopped`); the rerun continues from there;
 * ``<out>/train_log.csv`` (one row every ``train.log_every`` steps, flushed)
   and a tqdm bar; the final drafter is ``save_pretrained``'ed into ``<out>/``
   with ``config.json`` moved in last, marking completion.
@@ -47,6 +51,8 @@ import os
 import shlex
 import shutil
 import subprocess
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +127,46 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return repr(v)
     return str(v)
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+class TrainingStopped(DeepSpecError):
+    """SIGTERM arrived: a checkpoint of the last finished step was written."""
+
+
+class _StopOnSigterm:
+    """While active, SIGTERM only sets `requested`: the loop checkpoints and stops
+    after the current step. Repeats are ignored (SLURM signals every process of
+    the step, and the launcher forwards its own copy; SIGINT or SIGKILL still stop
+    at once)."""
+
+    def __init__(self):
+        self.requested, self._previous = False, None
+
+    def _handle(self, signum, frame):
+        if not self.requested:
+            log.warning("SIGTERM: writing a checkpoint after this step, then stopping")
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _any_process(acc, world: int, *flags: bool) -> list[bool]:
+    """Each flag, true when it is true on any process (one tiny all-reduce)."""
+    if world == 1:
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=acc.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
 
 
 # --------------------------------------------------------------------------- loop
@@ -251,7 +297,7 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     if n < g:
         log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
     params = _trainable_params(model, acc)
-    opt, sched = make_optimizer(params, train_cfg, total)
+    opt, sched = make_optimizer(params, train_cfg, total, shard=bool(train_cfg.get("shard_optimizer")) and world > 1)
     gen = torch.Generator(device=acc.device)  # reseeded for every micro batch (micro_seed)
     run = _Loop(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, train_cfg, out,
                 StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total, fingerprint)
@@ -334,6 +380,16 @@ def _run_steps(run: _Loop, start: int, elapsed_before: float, t_run: float) -> f
     acc, cfg = run.acc, run.train_cfg
     train_log = TrainLog(run.out / LOG_NAME, enabled=acc.is_main_process)
     bar = tqdm(total=run.total, initial=start, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
+    every_s = float(cfg.get("checkpoint_minutes") or 0) * 60
+    last_ckpt = time.monotonic()
+    with _StopOnSigterm() as stop:
+        positions_run = _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, last_ckpt)
+    bar.close()
+    return positions_run
+
+
+def _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, last_ckpt) -> float:
+    acc, cfg = run.acc, run.train_cfg
     positions_run = 0.0
     for step in range(start, run.total):
         t0 = time.perf_counter()
@@ -353,10 +409,15 @@ def _run_steps(run: _Loop, start: int, elapsed_before: float, t_run: float) -> f
             train_log.write(row)
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "tau_expected") if k in row}, refresh=False)
         bar.update(1)
-        if done % int(cfg["checkpoint_every"]) == 0 or done == run.total:
+        timed, stopping = _any_process(acc, run.world, every_s > 0 and time.monotonic() - last_ckpt >= every_s,
+                                       stop.requested)
+        if done % int(cfg["checkpoint_every"]) == 0 or done == run.total or timed or stopping:
             save_checkpoint(acc, run.model, run.opt, run.sched, run.gen, run.out, done, run.total,
                             len(run.dataset), cfg, elapsed_before + time.perf_counter() - t_run, run.fingerprint)
-    bar.close()
+            last_ckpt = time.monotonic()
+        if stopping and done < run.total:
+            raise TrainingStopped(f"stopped by SIGTERM after step {done}/{run.total}: checkpoint "
+                                  f"{run.out / CKPT_DIR / f'step_{done}'} written; rerun to resume")
     return positions_run
 
 

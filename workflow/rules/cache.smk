@@ -15,10 +15,11 @@ rule build_cache:
     params:
         settings=settings("build_cache"),
         out=lambda wc, output: str(Path(output[0]).parent),
+        env=gpu_env(res("build_cache", "gpu", 0)),  # its own GPUs on one machine
     threads: res("build_cache", "threads", 2)
     resources:
         mem_mb=res("build_cache", "mem_mb", 6000),
         runtime=res("build_cache", "runtime", 60),
         gpu=res("build_cache", "gpu", 0),
     shell:
-        "python -m deepspec build-cache {CONFIG_ARGS} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"
+        "{params.env}python -m deepspec build-cache {CONFIG_ARGS} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(workflow.basedir)))
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
+from deepspec.pipeline.launch import gpu_env
 from deepspec.pipeline.launch import launcher as train_launcher
 from deepspec.pipeline.methods import fig3_methods, fig4_methods
 from deepspec.pipeline.preflight import preflight
@@ -88,12 +89,9 @@ def res(rule, key, default):
     return CFG["resources"].get(rule, {}).get(key, default)
 
 
-def gpu_env(n):
-    """Expose GPUs 0..n-1 unless CUDA_VISIBLE_DEVICES is already set (SLURM):
-    Snakemake does not hand out GPU ids on a local machine."""
-    if n <= 0:
-        return ""
-    return f'CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{",".join(map(str, range(n)))}}}" '
+# gpu_env(n) (deepspec/pipeline/launch.py): the prefix of a GPU rule's command that
+# gives the job n GPU ids of its own (Snakemake hands out none on a local machine;
+# inside a SLURM job it picks among the ids SLURM set); "" for n = 0.
 
 
 # ---------------------------------------------------------------- input functions

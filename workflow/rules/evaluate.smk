@@ -2,8 +2,8 @@
 # deepspec/pipeline/evaluate.py): one job per (target, method) decoding every
 # benchmark with the batched engine (the first eval.speed_prompts prompts of each
 # timed benchmark alone), the drafter-free baselines, and DSpark's
-# verify-smarter analysis (threshold sweep, STS calibration, Algorithm 1). GPU
-# presets expose GPU 0 unless CUDA_VISIBLE_DEVICES is already set (e.g. by SLURM).
+# verify-smarter analysis (threshold sweep, STS calibration, Algorithm 1). On GPU
+# presets each job takes a GPU no other job holds (gpu_env: claim-gpus).
 EVAL_GPUS = int(CFG["eval"]["gpus"])
 EVAL_ENV = gpu_env(min(EVAL_GPUS, 1))
 EVAL_RESOURCES = dict(
@@ -16,6 +16,7 @@ EVAL_RESOURCES = dict(
 rule evaluate:
     input:
         unpack(eval_inputs),
+        regenerated=regeneration_done,  # no GPU job beside the regeneration server (regenerate.smk)
     output:
         csv=[str(P.records("{method}", b)) for b in BENCHMARKS],
         json=[str(P.summary("{method}", b)) for b in BENCHMARKS],
@@ -52,6 +53,7 @@ for _i, _benches in enumerate(BASELINE_PARTS):
         input:
             target=target_checkpoint,
             prompts=BENCHMARK_FILES,
+            regenerated=regeneration_done,
         output:
             json=[str(P.baseline(b)) for b in _benches],
             csv=[str(P.baseline(b).with_suffix(".csv")) for b in _benches],

@@ -9,14 +9,92 @@
 # matmuls are too small to share; README "CPU presets"), on GPUs or SLURM each
 # shard is a job of its own. Every record has its own seed, so its answer does
 # not depend on the shard it is in.
+#
+# With regenerate.server set, the DAG starts the server itself: the rule
+# regenerate_server runs its command line as a Snakemake service job (output
+# marked service(); `exec`, so Snakemake's SIGTERM reaches the server) in the
+# group "regenerate" with the shards that consume it, so on SLURM they are one
+# job on one node (the shards reach it at 127.0.0.1) and locally they run side
+# by side. Each shard first waits for the server's /v1/models
+# (server.health_timeout_s). Snakemake terminates the service once every shard
+# is done; the merge, outside the group, then waits for the server process to
+# be gone (regen/server.pid), and baseline/evaluate wait for the merge
+# (regeneration_done), so no GPU job shares GPUs with a running server.
+# Snakemake docs: service rules and group-local service jobs,
+# https://snakemake.readthedocs.io/en/stable/snakefiles/rules.html#service-rules-jobs ;
+# group jobs (one connected component per group job, resources summed over the
+# jobs that run in parallel), https://snakemake.readthedocs.io/en/stable/executing/grouping.html
+# The service connects every shard into one group job, which is what we want
+# here (one server, one node; on SLURM the shards then share its job instead
+# of being jobs of their own); --group-components is not needed.
 REGEN_SHARDS = int(CFG["regenerate"]["shards"])
+REGEN_SERVER = CFG["regenerate"]["server"]
 REGEN_RESOURCES = dict(
     mem_mb=res("regenerate", "mem_mb", 4000),
     runtime=res("regenerate", "runtime", 60),
     gpu=res("regenerate", "gpu", 0),
 )
+REGEN_ENV = gpu_env(REGEN_RESOURCES["gpu"])  # each job (shard) its own GPUs on one machine
+SERVER_PID = str(PATHS.conversations().parent / "server.pid")
 
-if REGEN_SHARDS == 1:
+if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
+    raise WorkflowError("config error: regenerate.server is set but regenerate.backend is "
+                        f"{CFG['regenerate']['backend']!r}: set regenerate.backend=server (or regenerate.server=null)")
+
+if REGEN_SERVER:
+    _srv = REGEN_SERVER
+    try:
+        SERVER_COMMAND = _srv["command"].format(
+            model=shlex.quote(str(PATHS.target_checkpoint())),
+            port=_srv["port"],
+            host=_srv["host"] or "127.0.0.1",
+            name=shlex.quote(CFG["regenerate"]["model_name"] or CFG["target"]["spec"]),
+        )
+    except (KeyError, IndexError, ValueError) as e:
+        raise WorkflowError(f"config error: regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, "
+                            "{port}, {host}, {name}; write literal braces as {{ and }})")
+
+    rule regenerate_server:
+        input:
+            target=target_checkpoint,
+        output:
+            service(str(P.conversations().parent / "server.service")),
+        log:
+            str(P.log("regenerate_server")),
+        params:
+            command=SERVER_COMMAND,
+            env=gpu_env(int(_srv["gpus"])),
+            pid=SERVER_PID,
+        group:
+            "regenerate"
+        threads: int(_srv["threads"])
+        resources:
+            mem_mb=int(_srv["mem_mb"]),
+            runtime=res("regenerate", "runtime", 60),
+            gpu=int(_srv["gpus"]),
+        shell:
+            # $$ is this shell, which exec turns into the server
+            'echo "$(hostname) $$" > {params.pid:q}; touch {output:q}; '
+            # exec: claim-gpus (when it holds GPUs) and then the server replace this
+            # shell, so Snakemake's SIGTERM reaches the server
+            "exec {params.env}{params.command} > {log:q} 2>&1"
+
+
+def regen_server_input(wc):
+    return {"server": str(P.conversations().parent / "server.service").format(target=wc.target)} if REGEN_SERVER else {}
+
+
+def regeneration_done(wc):
+    """The merged conversations, for the GPU jobs that must not start beside a
+    running regeneration server (baseline, evaluate of released checkpoints);
+    nothing without regenerate.server or when every method of train.methods is
+    a released checkpoint (Table 1 from the released drafters needs no
+    regeneration; the ablations' extra methods do not count)."""
+    trained = [m for m in METHODS if m not in CFG["eval"]["released_checkpoints"]]
+    return [str(PATHS.conversations())] if REGEN_SERVER and trained else []
+
+
+if REGEN_SHARDS == 1 and not REGEN_SERVER:
 
     rule regenerate:
         input:
@@ -35,12 +113,13 @@ if REGEN_SHARDS == 1:
         resources:
             **REGEN_RESOURCES,
         shell:
-            "OMP_NUM_THREADS={threads} python -m deepspec regenerate {CONFIG_ARGS} --out {output:q} > {log:q} 2>&1"
+            "OMP_NUM_THREADS={threads} {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} --out {output:q} > {log:q} 2>&1"
 
 else:
 
     rule regenerate_shard:
         input:
+            unpack(regen_server_input),
             target=target_checkpoint,
             prompts=train_prompt_files,
         output:
@@ -53,13 +132,16 @@ else:
             str(P.log("regenerate_{shard}").with_suffix(".benchmark.tsv"))
         params:
             settings=settings("regenerate"),
-        threads: res("regenerate", "threads", 2)
+        group:
+            "regenerate" if REGEN_SERVER else None
+        # beside a server a shard only sends requests: no core of its own
+        threads: 0 if REGEN_SERVER else res("regenerate", "threads", 2)
         # the critical path: the shards start before the baselines, which fill the cores later
         priority: 1
         resources:
             **REGEN_RESOURCES,
         shell:
-            "OMP_NUM_THREADS={threads} python -m deepspec regenerate {CONFIG_ARGS} "
+            "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
             "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
 
     rule regenerate:
@@ -72,7 +154,8 @@ else:
             str(P.log("regenerate")),
         params:
             settings=settings("regenerate"),
+            wait=f"--wait-server-exit {shlex.quote(SERVER_PID)}" if REGEN_SERVER else "",
         threads: 1
         priority: 1
         shell:
-            "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} --out {output:q} > {log:q} 2>&1"
+            "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} {params.wait} --out {output:q} > {log:q} 2>&1"

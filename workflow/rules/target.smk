@@ -1,5 +1,12 @@
-# Convert (builtin) or download (hub) the target into a plain HF checkpoint
-# (deepspec/pipeline/target.py).
+# Convert (builtin) or download (hub, at target.revision) the target into a plain
+# HF checkpoint (deepspec/pipeline/target.py). A local rule: it needs no GPU, and on
+# a cluster the node running Snakemake has the internet access compute nodes may
+# lack (as prepare_data). Hub files land in the hub cache (HF_HOME) and are hard
+# linked into resources/targets/, not loaded into memory.
+localrules:
+    prepare_target,
+
+
 rule prepare_target:
     output:
         str(P.target_checkpoint() / "config.json"),
@@ -8,9 +15,10 @@ rule prepare_target:
     params:
         settings=settings("prepare_target"),
         spec=CFG["target"]["spec"],
+        revision=f"--revision {shlex.quote(CFG['target']['revision'])} " if CFG["target"].get("revision") else "",
         out=lambda wc, output: str(Path(output[0]).parent),
     resources:
         mem_mb=res("prepare_target", "mem_mb", 4000),
-        runtime=res("prepare_target", "runtime", 30),
+        runtime=res("prepare_target", "runtime", 120),
     shell:
-        "python -m deepspec prepare-target {params.spec:q} --out {params.out:q} > {log:q} 2>&1"
+        "python -m deepspec prepare-target {params.spec:q} {params.revision}--out {params.out:q} > {log:q} 2>&1"

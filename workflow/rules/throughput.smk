@@ -12,6 +12,7 @@ def throughput_inputs(wc):
     files = [CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS]
     inputs = {"target": str(PATHS.target_checkpoint() / "config.json"),
               "prompts": [str(DATA_ROOT / f) for f in files if not f.startswith("hub:")]}
+    inputs["regenerated"] = regeneration_done(wc)  # no GPU job beside the regeneration server
     if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = str(PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json")
     if THROUGHPUT_METHOD == "dspark":  # Algorithm 1 on STS-calibrated confidences (the schedule rule's fit)

@@ -5,14 +5,27 @@
 # The job runs under `accelerate launch` with train.gpus > 1 (one process per
 # GPU), or train.processes > 1 on CPU, and with train.nodes > 1 one accelerate
 # per node of the SLURM allocation (deepspec/pipeline/launch.py). An
-# interrupted job resumes from its newest intact checkpoint when rerun.
+# interrupted job resumes from its newest intact checkpoint when rerun; SIGTERM
+# (SLURM's warning before the time limit, workflow/profiles/slurm) makes it
+# write a checkpoint and stop first.
 TRAIN_GPUS = int(CFG["train"]["gpus"])
 TRAIN_NODES = int(CFG["train"]["nodes"])
 TRAIN_PROCS = TRAIN_GPUS or int(CFG["train"]["processes"])  # per node
+if res("train", "nodes", TRAIN_NODES) != TRAIN_NODES:
+    raise WorkflowError(f"config error: resources.train.nodes ({res('train', 'nodes', TRAIN_NODES)}) differs from "
+                        f"train.nodes ({TRAIN_NODES}): set train.nodes only")
+# resources.train.gpu is per node: the job (SLURM's --gpus, a total) gets it x train.nodes
+TRAIN_JOB_GPUS = res("train", "gpu", TRAIN_GPUS) * TRAIN_NODES
 # each method its own rendezvous port: train.main_process_port + cksum(method) % 1000
 TRAIN_PORT = '$(({} + $(printf %s "$DS_METHOD" | cksum | cut -d" " -f1) % 1000))'.format(CFG["train"]["main_process_port"])
-TRAIN_LAUNCHER = gpu_env(TRAIN_GPUS) + train_launcher(CFG["train"], TRAIN_PORT)
+# one machine: the job's own GPU ids (claim-gpus); several nodes: SLURM's
+TRAIN_LAUNCHER = (gpu_env(TRAIN_GPUS) if TRAIN_NODES == 1 else "") + train_launcher(CFG["train"], TRAIN_PORT)
 TRAIN_OMP = max(1, res("train", "threads", 2) // TRAIN_PROCS)  # threads per process
+# GPU training: the allocator maps memory in growable segments (less fragmentation
+# when every micro batch has another length)
+TRAIN_ENV = f"OMP_NUM_THREADS={TRAIN_OMP} " + ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True " if TRAIN_GPUS else "")
+# on SIGTERM the launcher gives the processes 10 min (not 30 s) to write their checkpoint
+TRAIN_ENV += "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 " if TRAIN_PROCS * TRAIN_NODES > 1 else ""
 
 
 rule train:
@@ -38,8 +51,8 @@ rule train:
     resources:
         mem_mb=res("train", "mem_mb", 16000),
         runtime=res("train", "runtime", 600),
-        gpu=res("train", "gpu", TRAIN_GPUS),
+        gpu=TRAIN_JOB_GPUS,
         nodes=res("train", "nodes", TRAIN_NODES),
     shell:
-        "DS_METHOD={wildcards.method}; OMP_NUM_THREADS={TRAIN_OMP} {TRAIN_LAUNCHER} -m deepspec train {CONFIG_ARGS} "
+        "DS_METHOD={wildcards.method}; {TRAIN_ENV}{TRAIN_LAUNCHER} -m deepspec train {CONFIG_ARGS} "
         "--method {wildcards.method} --out {params.out:q} > {log:q} 2>&1"

@@ -1,0 +1,87 @@
+"""GPU ids of one machine (`claim-gpus`, deepspec/pipeline/launch.py): every GPU
+job gets ids no other job holds. Only lock files are involved, so this runs on CPU."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspec.errors import DeepSpecError
+from deepspec.pipeline import launch as L
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _close(fds):
+    for fd in fds:
+        os.close(fd)
+
+
+def test_claims_are_disjoint_and_released(tmp_path):
+    ids = ["0", "1", "2"]
+    a, fa = L.try_claim(ids, 1, tmp_path)
+    b, fb = L.try_claim(ids, 2, tmp_path)
+    assert a == ["0"] and b == ["1", "2"]
+    assert L.try_claim(ids, 1, tmp_path) is None  # all held: nothing is taken
+    _close(fb)
+    c, fc = L.try_claim(ids, 2, tmp_path)
+    assert c == ["1", "2"]
+    # all or nothing: 2 are asked for while only 0 is free -> none is held afterwards
+    _close(fc)
+    held = L.try_claim(ids, 2, tmp_path)[1]
+    assert L.try_claim(ids, 2, tmp_path) is None
+    _close(fa)
+    assert L.try_claim(ids, 1, tmp_path)[0] == ["0"]
+    _close(held)
+
+
+def test_claim_waits_then_fails_in_one_line(tmp_path):
+    ids, fds = L.try_claim(["0"], 1, tmp_path)
+    with pytest.raises(DeepSpecError, match="no 1 free GPUs of 0 within"):
+        L.claim_gpus(["0"], 1, tmp_path, poll_s=0.01, timeout_s=0.05)
+    with pytest.raises(DeepSpecError, match="needs 2 GPUs, but only 1 are visible"):
+        L.claim_gpus(["0"], 2, tmp_path)
+    _close(fds)
+
+
+def test_pool_and_lock_dir_from_the_environment(tmp_path):
+    ids, d = L.gpu_pool({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_JOB_ID": "77"})
+    assert ids == ["2", "3"] and d.name.endswith("-slurm77")  # SLURM: its ids, a lock dir per allocation
+    ids, d = L.gpu_pool({"CUDA_VISIBLE_DEVICES": "1", "DEEPSPEC_GPU_LOCK_DIR": str(tmp_path)})
+    assert ids == ["1"] and d == tmp_path
+    assert L.gpu_env(0) == "" and L.gpu_env(2) == "python -m deepspec claim-gpus 2 -- "
+
+
+def _run_claim(env, n, code):
+    return subprocess.Popen([sys.executable, "-m", "deepspec", "claim-gpus", str(n), "--", sys.executable, "-c", code],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def test_cli_sets_cuda_visible_devices_and_the_command_holds_the_lock(tmp_path):
+    """The command sees its own ids; while it runs (after exec) another job gets the others."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="4,5", DEEPSPEC_GPU_LOCK_DIR=str(tmp_path),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    flag = tmp_path / "go"
+    hold = ("import os, sys, time\nprint(os.environ['CUDA_VISIBLE_DEVICES'], flush=True)\n"
+            f"while not os.path.exists({str(flag)!r}): time.sleep(0.02)\n")
+    first = _run_claim(env, 1, hold)
+    assert first.stdout.readline().strip() == "4"
+    second = _run_claim(env, 1, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
+    assert second.communicate(timeout=60)[0].strip() == "5"
+    flag.touch()
+    assert first.wait(timeout=60) == 0
+    third = _run_claim(env, 2, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])")
+    assert third.communicate(timeout=60)[0].strip() == "4,5"  # both free again once the holder exited
+
+
+def test_machine_gpus_from_nvidia_smi(monkeypatch):
+    """Without CUDA_VISIBLE_DEVICES the pool is the machine's GPUs (nvidia-smi's indices)."""
+    class R:
+        returncode, stdout = 0, "0\n1\n2\n"
+
+    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: R())
+    assert L.gpu_pool({})[0] == ["0", "1", "2"]
+    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("nvidia-smi")))
+    monkeypatch.setattr(L, "Path", lambda p: type("P", (), {"is_dir": lambda self: False})() if "nvidia" in str(p) else Path(p))
+    assert L.gpu_pool({})[0] == []
