@@ -22,7 +22,7 @@ from deepspec.config import load_config
 from deepspec.drafters import build_drafter
 from deepspec.pipeline.target import target_from_config
 from deepspec.pipeline.train import step_spec
-from deepspec.pipeline.train_data import collate, make_train_dataset, token_counts
+from deepspec.pipeline.train_data import make_train_dataset, token_counts, train_collate
 
 
 def time_steps(drafter, batches, spec, log_step):
@@ -49,6 +49,7 @@ def main():
     data = make_train_dataset(cfg, target=target)
     counts = token_counts(data, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
     g, n = int(cfg["train"]["global_batch"]), len(data)
+    collate = train_collate(data)  # online mode: the target forward of each batch
     batches = [collate([data[(i * g + j) % n] for j in range(g)]) for i in range(args.steps)]
     shipped = step_spec(cfg)
     per_slot = dataclasses.replace(shipped, pt_table_bytes=0)  # no shared table: p_t for every block slot

@@ -11,6 +11,10 @@ Checks, each timed and recorded (a failing check is recorded, the others run):
                   the drafters offer a flex path
   verify_chi2     chi-square of verify_chain's first emitted token against p_t
   greedy_equal    greedy speculative decoding == plain decoding, every drafter
+  varying_flex    flex vs SDPA over several (L, anchors) shapes, dynamo graphs compiled
+  online_batch    a padded online micro batch: target forward -> DSpark step + backward
+  engine_batch32  the batched engine at 32 rows (greedy == plain decoding), rounds/s
+  gemma4          the tiny Gemma4 target: greedy == plain for every drafter, an engine run
   paper_dims      a random-weight target of the preset's architecture
                   (config/targets/, pipeline/plan.py): DSpark training step
                   (5 layers, 512 anchors, length 4096, micro batch 1, online
@@ -173,6 +177,120 @@ def check_greedy_equal(dev, small):
     return out
 
 
+def check_varying_flex(dev, small):
+    """The block drafters' flex training path over several (L, anchors) shapes, as
+    micro batches of real data come (audit R6): outputs against SDPA at each shape,
+    and the dynamo graphs compiled on the way (on CUDA flex is compiled; a
+    recompile per shape would show here)."""
+    from torch._dynamo.utils import counters
+
+    from deepspec.core.train_step import sample_anchors
+
+    target, cfg = tiny_target(dev), tiny_cfg()
+    shapes = [(48, 4), (64, 8), (80, 6), (112, 8)] if small else [(256, 16), (384, 24), (512, 32), (640, 20), (1024, 64)]
+    d = build_drafter("dspark", target, cfg).to(dev)
+    graphs0, out = counters["stats"]["unique_graphs"], {}
+    for L, n in shapes:
+        batch = random_batch(target, cfg["target"]["feature_layers"], 2, L, 8, seed=L)
+        anchors, _ = sample_anchors(batch["loss_mask"], batch["attention_mask"], n,
+                                    torch.Generator(device=dev).manual_seed(L))
+        res = {}
+        for backend in ("sdpa", "flex"):
+            d.attention_backend = backend
+            with torch.set_grad_enabled(dev.type == "cuda"):  # flex has no backward on CPU
+                h = d(batch["input_ids"], batch["features"], anchors, batch["attention_mask"])
+                if dev.type == "cuda":
+                    h.float().square().mean().backward()
+            res[backend] = h.detach().float()
+        diff = float((res["flex"] - res["sdpa"]).abs().max())
+        assert diff < 5e-4, f"L {L}, {n} anchors: flex vs sdpa outputs differ by {diff}"
+        out[f"max_abs_diff_L{L}_n{n}"] = diff
+    out["graphs_compiled"] = counters["stats"]["unique_graphs"] - graphs0
+    out["shapes"] = len(shapes)
+    return out
+
+
+def check_online_batch(dev, small):
+    """One online micro batch: the target's forward over a padded batch of two
+    sequences of different lengths feeds a DSpark training step, forward and
+    backward (what train does with cache.mode online)."""
+    target, cfg = tiny_target(dev), tiny_cfg()
+    L = 96 if small else 1024
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (2, L), generator=g)
+    am = torch.ones(2, L, dtype=torch.bool)
+    am[1, L // 2 + 3:] = False  # the second sequence is shorter: padding
+    lm = am.clone()
+    lm[:, :8] = False
+    feats, last = target.features(ids, cfg["target"]["feature_layers"], attention_mask=am)
+    batch = dict(input_ids=ids.to(dev), loss_mask=lm.to(dev), attention_mask=am.to(dev), features=feats, last_hidden=last)
+    torch.manual_seed(0)
+    d = build_drafter("dspark", target, cfg).to(dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        loss, _ = d.training_step(batch, step_spec(cfg), torch.Generator(device=dev).manual_seed(0), log_step=False)
+    loss.backward()
+    grads = [p.grad for p in d.parameters() if p.grad is not None]
+    assert torch.isfinite(loss) and grads and all(torch.isfinite(x).all() for x in grads), "non-finite loss or gradient"
+    return {"loss": float(loss.detach()), "features_shape": list(feats.shape)}
+
+
+def _engine_round(target, cfg, dev, rows, n_new):
+    """`rows` greedy requests of different prompt lengths through one BatchedEngine of
+    `rows` rows (continuous batching, batched verification): every output equals plain
+    greedy decoding; the rounds' time and the peak memory."""
+    from deepspec.core.engine import BatchedEngine, Request
+
+    torch.manual_seed(0)
+    d = build_drafter("dspark", target, cfg).to(dev).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, target.vocab_size, (8 + 3 * i,), generator=g).tolist() for i in range(rows)]
+    eng = BatchedEngine(target, d, feature_layers=cfg["target"]["feature_layers"], temperature=0.0, max_batch=rows)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    done = {f.request.request_id: f.tokens for f in eng.generate([Request(i, p, n_new) for i, p in enumerate(prompts)])}
+    _sync(dev)
+    wall = time.perf_counter() - t0
+    for i in (0, rows - 1):
+        plain = plain_generate(target, prompts[i], max_new_tokens=n_new, temperature=0.0).tokens
+        assert done[i] == plain, f"request {i}: batched greedy output differs from plain decoding"
+    out = {"rows": rows, "rounds": eng.stats["rounds"], "wall_s": wall, "rounds_per_s": eng.stats["rounds"] / wall}
+    if dev.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    return out
+
+
+def check_engine_batch32(dev, small):
+    """One engine run at R = 32 rows on the tiny Qwen3 target (audit R7/R8)."""
+    return _engine_round(tiny_target(dev, "qwen3"), tiny_cfg(), dev, 32, 6 if small else 16)
+
+
+def gemma4_target(dev):
+    """The tiny Gemma4 target (pipeline/target.build_tiny). The released gemma-4-12B-it is
+    gemma4_unified (audit C7): once drafters/blocks.py supports it, build that tiny model here."""
+    return tiny_target(dev, "gemma4")
+
+
+def check_gemma4(dev, small):
+    """The Gemma4 target (sliding + full attention, the contiguous batch cache): greedy
+    speculative decoding equals plain decoding for every drafter, and an engine run."""
+    target = gemma4_target(dev)
+    cfg = tiny_cfg(layers=(0, 1, 2))  # sliding, full, sliding
+    prompt = list(range(5, 25))
+    plain = plain_generate(target, prompt, max_new_tokens=16, temperature=0.0).tokens
+    out = {}
+    for method in METHODS:
+        torch.manual_seed(0)
+        d = build_drafter(method, target, cfg).to(dev).eval()
+        spec = speculative_generate(target, d, prompt, feature_layers=cfg["target"]["feature_layers"],
+                                    max_new_tokens=16, temperature=0.0)
+        assert spec.tokens == plain, f"{method}: Gemma4 greedy speculative output differs from plain decoding"
+        out[f"{method}_rounds"] = len(spec.rounds)
+    out["engine"] = _engine_round(target, cfg, dev, 4 if small else 16, 6 if small else 16)
+    return out
+
+
 def _paper_target(cfg, dev, small):
     if small:
         return tiny_target(dev, "qwen3"), tiny_cfg()
@@ -241,7 +359,7 @@ def compare_with_plan(preset, measured, small):
     batch = P.synthetic_batch(1, length, 512, target.vocab_size, len(layers), target.hidden_size)
     flops = P.measure_step(drafter, target, batch, step_spec(mcfg))["flops"] + P.measure_target_forward(target, batch, layers)
     plan = P.build_plan(cfg, P.hardware(cfg, gpus=8), offline=True, methods=["dspark"])
-    m, fwd = plan["training"]["methods"]["dspark"], plan["training"]["target_forward_flops_per_sequence"]
+    m, fwd = plan["training"]["methods"]["dspark"], plan["training"]["target_forward_flops_per_micro_batch"]
     step_flops = m["flops_per_step"] + fwd * int(cfg["train"]["global_batch"]) // int(cfg["train"]["micro_batch"])
     out = {"flops_at_measured_shape": flops, "plan_flops_per_step": step_flops, "plan_total_steps": m["total_steps"],
            "plan_totals": plan["training"]["totals"]}
@@ -292,6 +410,10 @@ def main(argv=None) -> int:
     run("flex_attention", lambda: check_flex_attention(dev, a.small), checks)
     run("verify_chi2", lambda: check_verify_chi2(dev, a.small), checks)
     run("greedy_equal", lambda: check_greedy_equal(dev, a.small), checks)
+    run("varying_flex", lambda: check_varying_flex(dev, a.small), checks)
+    run("online_batch", lambda: check_online_batch(dev, a.small), checks)
+    run("engine_batch32", lambda: check_engine_batch32(dev, a.small), checks)
+    run("gemma4", lambda: check_gemma4(dev, a.small), checks)
     run("paper_dims", lambda: check_paper_dims(dev, a.small, a.preset), checks)
     run("plan", lambda: compare_with_plan(a.preset, checks["paper_dims"], a.small), checks)
     out = Path(a.out)

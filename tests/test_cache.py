@@ -8,7 +8,7 @@ from deepspec.pipeline import cache
 from deepspec.pipeline.cache import PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
 from deepspec.cli import main
 from deepspec.config import load_config, parse_set
-from deepspec.pipeline.train_data import collate, make_train_dataset
+from deepspec.pipeline.train_data import collate, make_train_dataset, train_collate
 from deepspec.errors import DeepSpecError
 
 
@@ -48,30 +48,52 @@ def test_cli_regenerate_build_validate(setup, capsys):
     assert _checksums(out) == _checksums(setup["ref"])  # a separate build of the same data: same bytes
 
 
-def test_online_and_cached_samples_are_identical(setup, tiny_target):
+def test_online_features_equal_a_cache_built_the_same_way(setup, tiny_target, tmp_path, monkeypatch):
+    """Online mode runs ONE target forward per micro batch over exactly its
+    sequences: at micro batch 1 the features are bit-identical to a cache built
+    at cache.batch_size 1 (same fingerprint); a micro batch of 3 agrees with the
+    batch-4 cache up to bf16 rounding."""
     cfg = setup["cfg"]
-    cached = make_train_dataset(cfg, cache_dir=setup["ref"])
-    online = make_train_dataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, conversations=setup["convs"])
-    assert len(cached) == len(online) and cached.ids == online.ids
-    assert cached.fingerprint == online.fingerprint  # switching modes keeps the training fingerprint
-    # read online in random order to exercise recomputation
+    cfg1 = {**cfg, "cache": {**cfg["cache"], "batch_size": 1}}
+    build_cache(cfg1, setup["convs"], tmp_path / "b1", target=tiny_target)
+    cached1 = make_train_dataset(cfg1, cache_dir=tmp_path / "b1")
+    cached4 = make_train_dataset(cfg, cache_dir=setup["ref"])
+    online_cfg = {**cfg, "cache": {**cfg["cache"], "mode": "online"}, "train": {**cfg["train"], "micro_batch": 1}}
+    online = make_train_dataset(online_cfg, tiny_target, conversations=setup["convs"])
+    assert len(cached1) == len(online) and cached1.ids == online.ids == cached4.ids
+    assert online.fingerprint == cached1.fingerprint != cached4.fingerprint
+    assert set(online[0]) == {"input_ids", "loss_mask"}  # tokens only: no features held on the host
+
+    calls = []
+    features = tiny_target.features
+    monkeypatch.setattr(tiny_target, "features", lambda ids, *a, **k: calls.append(tuple(ids.shape)) or features(ids, *a, **k))
+    source = train_collate(online)
     for i in torch.randperm(len(online), generator=torch.Generator().manual_seed(0)).tolist():
-        a, b = cached[i], online[i]
-        assert a.keys() == b.keys() == {"input_ids", "loss_mask", "features", "last_hidden"}
+        a, b = collate([cached1[i]]), source([online[i]])
+        assert a.keys() == b.keys()
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (i, k)
-    # a memory budget too small for more than one batch recomputes, with the same result
-    small = make_train_dataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, conversations=setup["convs"])
-    small._budget = 1
-    for i in reversed(range(len(small))):
-        assert torch.equal(small[i]["features"], cached[i]["features"])
-    assert len(small._memo) == 1
-    batch_a, batch_b = collate([cached[i] for i in range(3)]), collate([online[i] for i in range(3)])
-    for k in batch_a:
-        assert torch.equal(batch_a[k], batch_b[k])
+    assert calls == [(1, len(online[i]["input_ids"])) for i in torch.randperm(
+        len(online), generator=torch.Generator().manual_seed(0)).tolist()]  # one forward of one sequence each
+
+    idx = [2, 0, 5]
+    calls.clear()
+    a, b = collate([cached4[i] for i in idx]), source([online[i] for i in idx])
+    assert calls == [(3, max(len(online[i]["input_ids"]) for i in idx))]  # one forward over the micro batch only
+    for k in ("input_ids", "loss_mask", "attention_mask"):
+        assert torch.equal(a[k], b[k])
+    for k in ("features", "last_hidden"):
+        assert b[k].dtype == torch.float32
+        torch.testing.assert_close(b[k], a[k], atol=0.05, rtol=0.02)
+        assert not b[k][~b["attention_mask"]].any()  # padded positions are zero, as collate pads the cache's
+    assert source.counters() == {"online_target_forwards": len(online) + 1,
+                                 "online_target_tokens": sum(len(online[i]["input_ids"]) for i in range(len(online)))
+                                 + sum(len(online[i]["input_ids"]) for i in idx),
+                                 "online_target_padded_tokens": sum(len(online[i]["input_ids"]) for i in range(len(online)))
+                                 + b["attention_mask"].numel()}
     # and the features are the target's: one sample alone, fp32, equals up to bf16 rounding
-    s = cached[0]
-    feats, last = tiny_target.features(s["input_ids"][None], cfg["target"]["feature_layers"])
+    s = cached4[0]
+    feats, last = features(s["input_ids"][None], cfg["target"]["feature_layers"])
     torch.testing.assert_close(s["features"], feats[0], atol=0.05, rtol=0.02)
     torch.testing.assert_close(s["last_hidden"], last[0], atol=0.05, rtol=0.02)
     assert s["loss_mask"].any() and not s["loss_mask"][0]

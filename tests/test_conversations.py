@@ -1,4 +1,5 @@
 import copy
+import json
 
 import pytest
 
@@ -91,3 +92,51 @@ def test_bad_conversations_are_one_line_errors(tmp_path):
     p.write_text('{"id": "a:1", "mess')
     with pytest.raises(DeepSpecError, match=r"c.jsonl:1: malformed JSON"):
         read_conversations(p)
+
+
+def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_target, monkeypatch):
+    """The conversations are tokenised once into int32 ids + a bool mask +
+    int64 offsets in a file every process maps read-only; the samples equal the
+    per-conversation tokenisation; a second call (another rank, method or
+    resume) maps the same file without tokenising; changed data makes a new file."""
+    import numpy as np
+    import torch
+
+    from deepspec.pipeline import conversations as C
+    from deepspec.pipeline.train_data import OnlineDataset
+    from test_train import write_conversations
+
+    path = tmp_path / "regen" / "conversations.jsonl"
+    write_conversations(path)
+    tok = tiny_target.tokenizer
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["data"]["min_loss_tokens"] = 12  # drops a short sample: the mapped samples skip it too
+    arrays, stats = C.tokenized_samples(cfg, tok, path)
+    recs = sorted(read_conversations(path), key=lambda r: C._id_key(r["id"]))
+    want = [(r["id"], enc) for r in recs if (enc := encode_conversation(tok, r["messages"], cfg)) is not None]
+    assert 0 < len(want) < len(recs) and stats == {"conversations": len(recs), "dropped_min_loss_tokens": len(recs) - len(want)}
+    assert [s.id for s in arrays] == [i for i, _ in want]
+    for s, (_, (ids, mask)) in zip(arrays, want):
+        assert s.input_ids.tolist() == ids and s.loss_mask.tolist() == mask
+    # storage: one int32 / bool array mapped from the file, samples are views of it
+    assert isinstance(arrays.input_ids, np.memmap) and arrays.input_ids.dtype == np.int32
+    assert isinstance(arrays.loss_mask, np.memmap) and arrays.loss_mask.dtype == np.bool_
+    assert not arrays.input_ids.flags.writeable and arrays.offsets.dtype == np.int64
+    assert np.shares_memory(arrays[1].input_ids, arrays.input_ids)
+    assert arrays.input_ids.nbytes == 4 * int(arrays.offsets[-1])
+    # the online dataset yields the same samples from the mapped arrays
+    ds = OnlineDataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, arrays)
+    for k, (_, (ids, mask)) in enumerate(want):
+        assert ds[k]["input_ids"].tolist() == ids and ds[k]["loss_mask"].tolist() == mask
+        assert ds[k]["input_ids"].dtype == torch.long and ds[k]["loss_mask"].dtype == torch.bool
+
+    monkeypatch.setattr(C, "encode_conversation", lambda *a: pytest.fail("tokenised again"))
+    again, _ = C.tokenized_samples(cfg, tok, path)
+    assert again.dir == arrays.dir and again.digest == arrays.digest
+    assert sorted(p.name for p in path.parent.iterdir() if ".partial" in p.name) == []
+    monkeypatch.undo()
+    with open(path, "a") as f:  # new data: a new token file, not the stale one
+        f.write(json.dumps({"id": "hand:9", "messages": [{"role": "user", "content": "Hi"}, {
+            "role": "assistant", "content": "Hello, how are you today, my friend? " * 4}]}) + "\n")
+    grown, _ = C.tokenized_samples(cfg, tok, path)
+    assert grown.dir != arrays.dir and len(grown) == len(arrays) + 1 and grown.digest != arrays.digest

@@ -246,3 +246,30 @@ def test_bf16_autocast_training_step_close_to_fp32(tiny_target, tiny_cfg, method
     assert torch.isfinite(l16) and torch.isfinite(g16).all()
     assert abs(l16 - l32) <= 0.02 * abs(l32), (l16, l32)
     assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.99
+
+
+def test_flex_only_for_head_dims_its_kernels_fit():
+    """R5: "auto" trains through flex on CUDA up to head_dim 256 (Qwen3: 128) and
+    through sdpa beyond (Gemma4's full-attention heads: 512), never on the CPU;
+    "flex" / "sdpa" force one."""
+    from deepspec.drafters.blocks import uses_flex
+
+    assert uses_flex("auto", "cuda", 128) and uses_flex("auto", "cuda", 256)
+    assert not uses_flex("auto", "cuda", 512) and not uses_flex("auto", "cpu", 128)
+    assert uses_flex("flex", "cuda", 512) and uses_flex("flex", "cpu", 64)
+    assert not uses_flex("sdpa", "cuda", 128)
+
+
+@pytest.mark.parametrize("kind,head_dim", [("qwen3", 16), ("gemma4", 32)])
+def test_training_mask_asks_with_the_draft_head_dim(kind, head_dim, request, monkeypatch):
+    """The block drafters choose their training attention from the draft layers'
+    head_dim (Gemma4: global_head_dim, the draft's full-attention geometry)."""
+    from deepspec.drafters import dflash
+
+    target, cfg = request.getfixturevalue(f"{kind}_target"), request.getfixturevalue(f"{kind}_cfg")
+    torch.manual_seed(0)
+    d = build_drafter("dflash", target, cfg)
+    seen = []
+    monkeypatch.setattr(dflash, "uses_flex", lambda backend, dev, hd: seen.append((backend, dev, hd)) or False)
+    assert isinstance(d.training_mask(_anchors(1, 2, 24), 24), torch.Tensor)
+    assert seen == [("auto", "cpu", head_dim)]

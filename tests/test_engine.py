@@ -27,14 +27,14 @@ import numpy as np
 import pytest
 import torch
 
-from deepspec.core import decode
+from deepspec.core import decode, verify
 from deepspec.core.decode import plain_generate, speculative_generate
-from deepspec.core.batch_cache import BatchKV
+from deepspec.core.batch_cache import BatchKV, row_slots
 from deepspec.core.engine import BatchedEngine, Request, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
 from deepspec.drafters import build_drafter
-from test_decode import PROMPT, DistortedTargetDrafter, _broken_verify_chain, _chi2_pvalue
+from test_decode import PROMPT, DistortedTargetDrafter, _chi2_pvalue
 
 # Four prompts of different lengths (5, 4, 7, 2 tokens)
 PROMPTS = [PROMPT, PROMPT[1:], [591, 2293] + PROMPT, PROMPT[3:]]
@@ -95,8 +95,16 @@ def test_lossless_per_row_in_a_batch(tiny_target, exact4):
         assert min(pv) > P_MIN / 2, pv
 
 
+def _broken_rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u):
+    """The classic bug of test_decode's broken verifier, in the engine's batched verification
+    (decode.verify_rows): on rejection, resample from p_t instead of norm(max(0, p_t - p_d))."""
+    accepted, _, a_k, alpha = verify.rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u)
+    p_t = torch.softmax(target_logits.float() / temperature, -1)
+    return accepted, p_t[torch.arange(len(accepted)), accepted], a_k, alpha
+
+
 def test_batched_broken_verifier_is_detected(tiny_target, exact4, monkeypatch):
-    monkeypatch.setattr(decode, "verify_chain", _broken_verify_chain)
+    monkeypatch.setattr(decode, "rejection_decisions", _broken_rejection_decisions)
     samples, _ = _batched_samples(tiny_target, DistortedTargetDrafter(tiny_target, LAYERS, gamma=2))
     pv = [_chi2_pvalue([s[:2] for s in rows], exact[2]) for rows, exact in zip(samples, exact4)]
     assert min(pv) < P_MIN, pv
@@ -458,6 +466,46 @@ def test_propose_batch_in_context_length_groups(tiny_target, drafters, monkeypat
         _batch_equals_alone(d, states, feats, toks)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_batched_verification_equals_per_row_bit_for_bit(temperature):
+    """decode.verify_rows (every row of a round at once, one host transfer) returns exactly what
+    decode.verify_row returns row by row (accepted, emitted tokens, proposal length, a_k, alpha_k as
+    floats), and leaves every row's generator where verify_row leaves it; on random rounds with ragged
+    lengths (plain-step rows of no drafts included), drafted EOS tokens and confidences riding along."""
+    g = torch.Generator().manual_seed(7)
+    V, gamma, eos = 50, 5, (3, 4)
+    for trial in range(40):
+        R = int(torch.randint(1, 7, (1,), generator=g))
+        ells = torch.randint(0, gamma + 1, (R,), generator=g).tolist()
+        W = 1 + max(ells)
+        sharp = 0.3 + 3 * torch.rand((), generator=g)
+        logits = torch.randn(R, W, V, generator=g) * sharp
+        probs = torch.softmax(logits[:, 1:] + torch.randn(R, W - 1, V, generator=g), -1)  # close to p_t: acceptances
+        probs = torch.cat([probs, torch.softmax(torch.randn(R, gamma - (W - 1), V, generator=g), -1)], 1)
+        draft = torch.multinomial(probs[:, : W - 1].reshape(-1, V), 1, generator=g).reshape(R, W - 1) if W > 1 \
+            else torch.zeros(R, 0, dtype=torch.long)
+        if W > 1 and trial % 3 == 0:
+            draft[0, (W - 2) // 2] = eos[trial % 2]
+        if temperature == 0.0 and W > 1:  # greedy: make some drafts the argmax
+            hit = torch.rand(R, W - 1, generator=g) < 0.7
+            draft = torch.where(hit, logits[:, : W - 1].argmax(-1), draft)
+        conf = torch.randn(R, gamma, generator=g)
+        seeds = torch.randint(0, 2**31, (R,), generator=g).tolist()
+        gens_a = [torch.Generator().manual_seed(s) for s in seeds]
+        gens_b = [torch.Generator().manual_seed(s) for s in seeds]
+        rows = [decode.verify_row(logits[r : r + 1, : 1 + ell], probs[r : r + 1, :ell], draft[r : r + 1, :ell],
+                                  temperature=temperature, eos_token_ids=eos, generator=gens_a[r])
+                for r, ell in enumerate(ells)]
+        batched, accepted, extra = decode.verify_rows(logits, None if W == 1 and trial % 2 else probs, draft, ells,
+                                                      temperature=temperature, eos_token_ids=eos, generators=gens_b,
+                                                      extra=conf)
+        assert batched == rows, (trial, ells)
+        assert accepted.tolist() == [r[0] for r in rows] and extra == conf.tolist()
+        for ga, gb in zip(gens_a, gens_b):  # the same draws were consumed
+            assert torch.equal(torch.rand(3, generator=ga, dtype=torch.float64),
+                               torch.rand(3, generator=gb, dtype=torch.float64))
+
+
 def test_engine_refuses_bad_prompts_in_one_line(tiny_target, monkeypatch):
     """An empty prompt was a bare RuntimeError from the target; one longer than
     the target's context was decoded without a word. Both are refused before
@@ -479,3 +527,58 @@ def test_engine_refuses_bad_prompts_in_one_line(tiny_target, monkeypatch):
     assert "\n" not in str(e.value) and not seen
     monkeypatch.setattr(tiny_target.text_config, "max_position_embeddings", len(PROMPT))
     assert len(eng.generate([Request("fits", PROMPT, 2)])) == 1
+
+
+def test_kv_budget_arithmetic_and_measured_bytes_per_token(tiny_target, gemma4_target):
+    """A row's slot bound: its tokens, two chunks, the share compaction leaves, the buffers' room on both
+    sides. The KV bytes per position are measured on the first prefill's cache as stored: Gemma4's
+    full-attention layers have a wider head and one K/V head (reading the config's global
+    num_key_value_heads raised on Gemma4, and head_dim alone would have counted half their bytes)."""
+    from deepspec.pipeline.target import TINY_CONFIG, TINY_GEMMA4_CONFIG
+
+    assert row_slots(100, 8) == 155 + 2 * 77  # ceil(116 / 0.75) slots, room min(155 // 2, 512) each side
+    assert row_slots(6000, 8) == 8022 + 2 * 512 and row_slots(1, 1) == 4 + 2 * 64
+    c, g = TINY_CONFIG, TINY_GEMMA4_CONFIG
+    hd = c["hidden_size"] // c["num_attention_heads"]
+    heads = [(c["num_key_value_heads"], hd)] * c["num_hidden_layers"]
+    g_heads = [(g["num_global_key_value_heads"], g["global_head_dim"]) if t == "full_attention"
+               else (g["num_key_value_heads"], g["head_dim"]) for t in g["layer_types"]]
+    for target, per_layer in ((tiny_target, heads), (gemma4_target, g_heads)):
+        eng = BatchedEngine(target, None, feature_layers=LAYERS, max_batch=2)
+        assert eng.kv_per_token is None and eng.row_bytes(Request(0, [5] * 7, 2)) is None
+        eng.generate([Request(0, [5] * 7, 2)])
+        assert eng.kv_per_token == sum(2 * h * d * 4 for h, d in per_layer)  # K and V, fp32
+        assert eng.row_bytes(Request(0, [5] * 30, 10)) == row_slots(40, 1) * eng.kv_per_token
+
+
+def test_engine_keeps_the_batch_within_the_kv_budget(tiny_target, monkeypatch):
+    """With eval.kv_budget_gb's bytes, a queued request joins only while every row padded to the
+    longest request among them fits: short requests share 4 rows, the long ones run alone, the
+    cache's buffers never hold more than the budget while rows share it, and every output is the
+    unbudgeted engine's (greedy: plain decoding)."""
+    short, long_ = [Request(i, PROMPTS[i % 4], 6) for i in range(6)], [Request(6 + i, PROMPT * 40, 6) for i in range(2)]
+    reqs = short + long_
+    drafter = DistortedTargetDrafter(tiny_target, LAYERS, gamma=2)
+    free = BatchedEngine(tiny_target, drafter, feature_layers=LAYERS, temperature=0.0, max_batch=8)
+    want = {f.request.request_id: f.tokens for f in free.generate(reqs)}
+    assert free.stats["max_rows"] == 8
+    per_token = free.kv_per_token
+    short_row = max(free.row_bytes(r) for r in short)
+    budget = 4.5 * short_row
+    assert 2 * free.row_bytes(long_[0]) > budget  # a long request fits alone only
+    held, forward = [], BatchKV.forward
+
+    def spy(kv, target, ids, widths, layers):
+        out = forward(kv, target, ids, widths, layers)
+        bufs = [getattr(layer, name) for layer in kv.cache.layers for name in ("_kbuf", "_vbuf") if hasattr(layer, name)]
+        held.append((ids.shape[0], sum(b.numel() * b.element_size() for b in bufs)))
+        return out
+
+    monkeypatch.setattr(BatchKV, "forward", spy)
+    eng = BatchedEngine(tiny_target, drafter, feature_layers=LAYERS, temperature=0.0, max_batch=8,
+                        kv_budget_bytes=budget)
+    got = _by_id(eng.generate(reqs))
+    assert {i: f.tokens for i, f in got.items()} == want and eng.kv_per_token == per_token
+    assert eng.stats["max_rows"] == 4
+    assert all(r["batch_size"] == 1 for f in long_ for r in got[f.request_id].rounds)
+    assert all(b <= budget for R, b in held if R > 1) and held

@@ -147,3 +147,96 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         assert len(timed) == (0 if bench == "humaneval" else SPEED) and len(s["samples"]) == s["n_samples"]
         if bench == "humaneval":  # nothing timed: no tokens/s, no speedup
             assert s["speedup_vs_plain"] is None and s["tokens_per_s"] is None
+
+
+def test_over_long_prompts_are_skipped_and_named(setup, shared_data, tiny_cfg, tiny_target, tmp_path, caplog):
+    """A benchmark prompt over data.max_prompt_tokens is left out (a warning names it) by baseline and evaluate
+    alike, so both time the same prompts, and both summaries say how many were skipped."""
+    import logging
+
+    from deepspec.config import load_config
+    from deepspec.pipeline.prompts import benchmark_prompt_set
+
+    ev, args = setup
+    cfg = load_config("tiny", {"resources_dir": tiny_cfg["resources_dir"], "data": {
+        "root": tiny_cfg["data"]["root"], "max_prompt_tokens": 10**6, "benchmarks": {"gsm8k": {"cap": N_PROMPTS}}}})
+    lengths = [len(ids) for _, ids in benchmark_prompt_set(cfg, tiny_target, "gsm8k")[0]]
+    limit = sorted(lengths)[-2]  # the longest prompt (at least) is over it
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    assert over and len(over) < N_PROMPTS
+    lim = ["--set", f"data.max_prompt_tokens={limit}", "--benchmark", "gsm8k"]
+    with caplog.at_level(logging.WARNING, logger="deepspec.pipeline.prompts"):
+        assert cli_baseline(args + lim + ["--out-dir", str(tmp_path / "base")]) == 0
+    warned = [r.getMessage() for r in caplog.records if "over data.max_prompt_tokens" in r.getMessage()]
+    assert warned and all(f"#{i} " in warned[0] and f"({lengths[i]} tokens)" in warned[0] for i in over)
+    assert cli_evaluate(args + lim + ["--method", "dspark", "--out", str(tmp_path / "dspark.csv")]) == 0
+    base = json.loads((tmp_path / "base/gsm8k.json").read_text())
+    s = json.loads((tmp_path / "dspark.json").read_text())
+    for summary in (base, s):
+        assert summary["n_skipped_prompts"] == len(over) and summary["max_prompt_tokens"] == limit
+        assert [x["index"] for x in summary["skipped_prompts"]] == over
+    assert s["n_samples"] == N_PROMPTS - len(over)
+    skipped_ids = {x["sample_id"] for x in s["skipped_prompts"]}
+    assert not skipped_ids & set(pd.read_csv(tmp_path / "dspark.csv")["sample_id"])
+    assert base["sample_ids"] == [x["sample_id"] for x in s["samples"] if x.get("batch1", True)]
+
+
+def _decoded(path):
+    """A records CSV without what differs between runs: wall times, and R (which requests shared a round)."""
+    return pd.read_csv(path).drop(columns=["draft_time_s", "verify_time_s", "batch_size"])
+
+
+def test_interrupted_evaluate_resumes_to_the_same_records(setup, shared_data, tmp_path, monkeypatch):
+    """Every finished request is appended (fsync'd) to a partial file as it finishes; an evaluate job
+    killed after k requests, rerun, decodes only the others and writes the same records as a run that was
+    never interrupted; the partial file is gone at the end."""
+    from deepspec.pipeline import evaluate as E
+
+    ev, args = setup
+    run = args + ["--method", "dspark", "--set", "eval.batch_size=2", "--set", "data.benchmarks.mt-bench.cap=3"]
+    assert cli_evaluate(run + ["--out-dir", str(tmp_path / "whole")]) == 0
+    partial = tmp_path / "cut" / ".dspark.partial.jsonl"
+    real_add, calls = E.Progress.add, []
+
+    def add_then_die(self, *a):
+        real_add(self, *a)
+        calls.append(a[:2])
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # a kill after the 4th finished request (batch-1 ones and batched ones)
+
+    monkeypatch.setattr(E.Progress, "add", add_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cli_evaluate(run + ["--out-dir", str(tmp_path / "cut")])
+    assert partial.exists() and len(partial.read_text().splitlines()) == 1 + 4
+    with open(partial, "a") as f:
+        f.write('{"id": "gsm8k#9", "benchm')  # a torn last line, as a kill mid-write leaves
+    monkeypatch.setattr(E.Progress, "add", real_add)
+    resumed = []
+    monkeypatch.setattr(E.Progress, "add", lambda self, *a: (resumed.append(a[:2]), real_add(self, *a)))
+    assert cli_evaluate(run + ["--out-dir", str(tmp_path / "cut")]) == 0
+    assert not partial.exists() and not set(resumed) & set(calls)  # the 4 finished ones were not decoded again
+    for bench in ("gsm8k", "humaneval", "mt-bench"):
+        pd.testing.assert_frame_equal(_decoded(tmp_path / "cut" / f"{bench}.csv"),
+                                      _decoded(tmp_path / "whole" / f"{bench}.csv"))
+        a, b = (json.loads((tmp_path / d / f"{bench}.json").read_text()) for d in ("cut", "whole"))
+        assert a["tau"] == b["tau"] and [x["new_tokens"] for x in a["samples"]] == [x["new_tokens"] for x in b["samples"]]
+    # other settings never reuse a partial file
+    E.Progress(partial, {"fingerprint": "x"}).add("gsm8k", 0, [], {})
+    assert E.Progress(partial, {"fingerprint": "y"}).done == {}
+    for _ in range(2):  # reopened with nothing finished: still one header, nothing kept
+        assert E.Progress(partial, {"fingerprint": "y"}).done == {} and len(partial.read_text().splitlines()) == 1
+
+
+def test_kv_budget_caps_the_engine_rows(setup, shared_data, tmp_path):
+    """eval.kv_budget_gb reaches the engine: a budget below two rows decodes one request at a time,
+    with the records of the unbudgeted run; the summary says how many rows ran at once."""
+    ev, args = setup
+    run = args + ["--method", "dspark", "--benchmark", "gsm8k"]
+    for name, extra in (("free", []), ("capped", ["--set", "eval.kv_budget_gb=1e-6"])):
+        assert cli_evaluate(run + extra + ["--out-dir", str(tmp_path / name)]) == 0
+    free, capped = (json.loads((tmp_path / d / "gsm8k.json").read_text())["engine"] for d in ("free", "capped"))
+    assert free["kv_budget_gb"] is None and free["max_rows"] == N_PROMPTS - SPEED
+    assert capped["kv_budget_gb"] == 1e-6 and capped["max_rows"] == 1
+    # the same decisions (integer columns exactly); confidences and probabilities within float noise of the batch
+    pd.testing.assert_frame_equal(_decoded(tmp_path / "capped" / "gsm8k.csv"), _decoded(tmp_path / "free" / "gsm8k.csv"),
+                                  check_exact=False, rtol=1e-4, atol=1e-5)

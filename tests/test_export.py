@@ -109,6 +109,7 @@ def test_eagle3_export_schema_and_function(qwen3_target, qwen3_cfg, tmp_path):
     assert cfg["architectures"] == ["Eagle3Qwen3ForCausalLM"] and cfg["num_hidden_layers"] == 1
     assert cfg["vocab_size"] == 512 and cfg["draft_vocab_size"] == 300 and cfg["target_hidden_size"] == 64
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # vLLM: input of layer j = our output of j-1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]  # SGLang adds the 1 itself
     assert cfg["tie_word_embeddings"] is False
     sd = load_file(str(out / "model.safetensors"))
     want = export.expected_tensors("eagle3", cfg)
@@ -153,6 +154,83 @@ def test_refusals(tiny_target, tiny_cfg, qwen3_target, qwen3_cfg, gemma4_target,
     _fails(deep, qwen3_target, "eagle3", tmp_path / "f", "one decoder layer")
     with pytest.raises(DeepSpecError, match="unknown format"):
         export.export_drafter(deep, qwen3_target, "medusa", tmp_path / "g")
+
+
+def _fails_for(d, target, fmt, engine, out, match):
+    with pytest.raises(DeepSpecError, match=match) as ei:
+        export.export_drafter(d, target, fmt, out, engine=engine)
+    assert "\n" not in str(ei.value) and not out.exists()
+
+
+def test_engine_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
+    """What vLLM / SGLang would load wrongly (docs/FORMATS.md §1.2, §2)."""
+    for kind in ("rnn", "gated"):
+        d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, markov_head_type=kind)
+        _fails_for(d, qwen3_target, "deepspec", "vllm", tmp_path / kind, f"vanilla Markov head only, this drafter's is '{kind}'")
+    learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    _fails_for(learned, qwen3_target, "deepspec", "vllm", tmp_path / "m", "learned mask embedding.*drafter.mask_token_id")
+    _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "SGLang has no upstream loader")
+    e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
+    _fails_for(e3, qwen3_target, "deepspec", "vllm", tmp_path / "e", "--format eagle3")
+    _fails_for(e3, qwen3_target, "eagle3", "sglang", tmp_path / "q", "LlamaForCausalLMEagle3")
+    g4, _ = _drafter("dspark", gemma4_target, gemma4_cfg, mask_token_id=4, draft_vocab_size=100)
+    _fails_for(g4, gemma4_target, "deepspec", "vllm", tmp_path / "g", "Gemma4 DSpark has a full-vocabulary head only")
+    with pytest.raises(DeepSpecError, match="unknown engine 'trt'"):
+        export.export_drafter(e3, qwen3_target, "eagle3", tmp_path / "t", engine="trt")
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
+    """vLLM's Qwen3 DSpark reads a reduced draft vocabulary (draft_vocab_size, lm_head [K, d],
+    d2t offsets, markov_w2 [K, r]); the export names the serve settings of the T = 1 protocol."""
+    d, _ = _drafter(method, qwen3_target, qwen3_cfg, mask_token_id=3, draft_vocab_size=300)
+    d.set_draft_vocab(torch.arange(qwen3_target.vocab_size).flip(0).float())
+    out = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "v", engine="vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
+    assert cfg["draft_vocab_size"] == 300 and cfg["vocab_size"] == 512 and cfg["mask_token_id"] == 3
+    assert torch.equal(sd["lm_head.weight"], qwen3_target.lm_head.weight[d.d2t])
+    assert sd["d2t"].dtype == torch.int64 and torch.equal(torch.arange(300) + sd["d2t"], d.d2t)
+    assert sd["embed_tokens.weight"].shape == (512, 64)
+    spec = cfg["deepspec_serve_vllm"]["speculative_config"]
+    assert spec == {"method": "dspark", "draft_sample_method": "probabilistic", "num_speculative_tokens": 7}
+    if method == "dspark":
+        r = qwen3_cfg["drafter"]["markov_rank"]
+        assert sd["markov_head.markov_w2.weight"].shape == (300, r) and sd["markov_head.markov_w1.weight"].shape == (512, r)
+        assert "tensor_parallel_size" not in cfg["deepspec_serve_vllm"]
+    else:
+        assert cfg["markov_rank"] == 0 and cfg["deepspec_serve_vllm"]["tensor_parallel_size"] == 1
+    _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_cfg, method, tmp_path, caplog):
+    """M5: vLLM's Gemma4 DSpark loader skips unknown names and leaves missing ones at
+    their initial value, silently: a Gemma4 export for vLLM holds exactly its names
+    (layer_scalar included, no v_proj with keys as values), else it is refused."""
+    d, _ = _drafter(method, gemma4_target, gemma4_cfg, mask_token_id=4)
+    with caplog.at_level("WARNING", logger="deepspec.pipeline.export"):
+        out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    n = cfg["num_hidden_layers"]
+    want = {"embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight"}
+    want |= {f"layers.{i}.{name}" for i in range(n) for name in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+        "post_feedforward_layernorm.weight", "layer_scalar")}
+    if method == "dspark":
+        want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    assert {k for k in sd if not k.startswith("confidence_head.")} == want
+    has_conf = any(k.startswith("confidence_head.") for k in sd)
+    assert has_conf == (method == "dspark" and gemma4_cfg["drafter"]["confidence_head"])
+    assert ("skips the confidence head" in caplog.text) == has_conf
+    lacking = {k: v for k, v in sd.items() if k != "layers.1.layer_scalar"}
+    with pytest.raises(DeepSpecError, match="lacks layers.1.layer_scalar, which vLLM's Gemma4 DSpark loader would"):
+        export.check_vllm_gemma4_names(cfg, lacking)
+    extra = dict(sd, **{"layers.0.self_attn.v_proj.weight": sd["layers.0.self_attn.k_proj.weight"]})
+    with pytest.raises(DeepSpecError, match="has layers.0.self_attn.v_proj.weight, which vLLM's Gemma4 DSpark loader skips"):
+        export.check_vllm_gemma4_names(cfg, extra)
 
 
 def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):

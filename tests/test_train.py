@@ -418,3 +418,31 @@ def test_checkpoint_minutes_writes_timed_checkpoints(tmp_path, monkeypatch):
     # the clock moves 50 s per reading, one reading per step and one per checkpoint: 90 s pass every 2 steps
     steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
     assert steps == [2, 4, 6]
+
+
+def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, tiny_target, monkeypatch):
+    """A short online run counts its target forwards (one per micro batch, over
+    exactly that micro batch's sequences) in train_summary.json, and `plan`
+    predicts that count for the same settings."""
+    from deepspec.config import load_config, parse_set
+    from deepspec.pipeline import plan as P
+
+    calls = []
+    features = tiny_target.features
+    monkeypatch.setattr(tiny_target, "features", lambda ids, *a, **k: calls.append(ids.shape[0]) or features(ids, *a, **k))
+    monkeypatch.setattr("deepspec.pipeline.target.target_from_config", lambda cfg, **k: tiny_target)
+    extra = ["train.global_batch=4", "train.micro_batch=2", "train.epochs=3"]
+    argv = cli_argv(tmp_path, tiny_cfg, "dspark", *extra) + ["--max-steps", "3"]
+    assert T.cli_train(argv) == 0
+    out = tmp_path / "results" / "tiny" / "drafters" / "dspark"
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert calls == [2] * 6  # 3 steps x 2 micro batches of 2 sequences
+    assert summary["online_target_forwards"] == 6
+    assert 0 < summary["online_target_tokens"] <= summary["online_target_padded_tokens"]
+
+    sets = [kv for kv in argv[argv.index("--set"):] if kv != "--set" and kv not in ("--max-steps", "3")]
+    cfg = load_config("tiny", parse_set(sets + ["train.max_steps=3", f"plan.train_prompts={len(CONVERSATIONS)}"]))
+    plan = P.build_plan(cfg, P.hardware(cfg), offline=True, methods=["dspark"])
+    assert plan["training"]["methods"]["dspark"]["online_target_forwards"] == summary["online_target_forwards"]
+    totals = plan["training"]["totals"]["dspark"]
+    assert totals["total_flops_online"] - totals["total_flops_offline"] == 6 * plan["training"]["target_forward_flops_per_micro_batch"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 from typing import Optional, Sequence
 
@@ -190,6 +191,23 @@ def _room(n: int) -> int:
     """Spare slots a buffer of n slots gets on a side it grows on: growth is amortised
     (a copy per many rounds) without doubling a long prompt's padded batch."""
     return max(64, min(n // 2, 512))
+
+
+def row_slots(tokens: int, width: int) -> int:
+    """Most cache slots one row of a `BatchKV` takes for a request of `tokens`
+    positions (prompt + max_new_tokens) verified `width` at a time: its verified
+    tokens, the last round's overshoot and the next chunk (2 * width), the slots no
+    row needs that are left before a compaction (at most COMPACT_FRACTION of the
+    cache), and the spare room of the buffers on both sides (`_room`)."""
+    slots = math.ceil((tokens + 2 * width) / (1 - COMPACT_FRACTION))
+    return slots + 2 * _room(slots)
+
+
+def cache_bytes_per_token(cache, n: int) -> float:
+    """Bytes per position of a one-row cache holding n positions: the keys and
+    values of every layer as stored (per-layer head widths and K/V heads included,
+    as Gemma4's full-attention layers have them)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)) / n
 
 
 def _window_start(t: torch.Tensor, buf: Optional[torch.Tensor], new: torch.Tensor, need: int) -> Optional[int]:

@@ -25,7 +25,8 @@ import torch
 from ..errors import DeepSpecError
 from .scheduler import profile_sps, truncate_by_threshold
 from .target import Target, cache_kwarg, crop_cache, new_cache, select_features
-from .verify import is_greedy, logits_to_probs, sample, verify_chain
+from .verify import (_cut_at_eos, _greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
+                     sample, verify_chain)
 
 
 @dataclass
@@ -132,6 +133,55 @@ def verify_row(logits, probs, draft, *, temperature, eos_token_ids, generator):
     reach = int(res.reachable[0])  # positions past a drafted EOS cannot be reached
     a_k, alpha_k = res.accept_prob[0, :reach].tolist(), res.alpha[0, :reach].tolist()
     return accepted, emitted, (accepted if bool(res.eos_stop[0]) else n), a_k, alpha_k
+
+
+def verify_rows(logits, probs, draft, lengths: Sequence[int], *, temperature, eos_token_ids, generators, extra=None):
+    """`verify_row` for every row of a round at once (core/engine.py): logits
+    [R, W, V] of each row's anchor + drafts, probs [R, >= W-1, V] (None when no
+    row drafts), draft tokens [R, W-1]; row r verifies its first lengths[r]
+    drafts with its own generator, whose draws are those `verify_row` would make
+    (the same uniforms in the same order), so the results are the same bit for
+    bit. One host transfer for all rows (with `extra` [R, k], e.g. confidence
+    logits, riding along). Returns (per-row `verify_row` tuples, accepted [R] on
+    the device, extra's rows as lists or None)."""
+    R, g = draft.shape
+    dev = draft.device
+    n = torch.tensor(list(lengths), device=dev)
+    valid = torch.arange(g, device=dev).expand(R, g) < n[:, None]
+    drafts = torch.where(valid, draft.long(), torch.full_like(draft, -1, dtype=torch.long))  # -1: never a token
+    zero = [r for r, ell in enumerate(lengths) if ell == 0]  # a plain decoding step (verify_row's n == 0)
+    some = [r for r, ell in enumerate(lengths) if ell > 0]
+    accepted, fill = torch.zeros(R, dtype=torch.long, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
+    accept_prob = alpha = torch.zeros(R, g, device=dev)
+    eos_stop, reachable = torch.zeros(R, dtype=torch.bool, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
+    if some and is_greedy(temperature):
+        accepted, fill, accept_prob, alpha = _greedy_decisions(logits, drafts)
+    elif some:
+        u = torch.full((R, g), torch.inf, device=dev)  # inf: past the row's drafts, rejected
+        for r in some:
+            u[r, : lengths[r]] = torch.rand((lengths[r],), generator=generators[r], device=dev)
+        p_d = torch.where(valid[..., None], probs[:, :g].to(dev), 0.0)  # zero past the drafts: the bonus is p_t
+        accepted, residual, accept_prob, alpha = rejection_decisions(logits, p_d, draft.long(), temperature, u)
+        fill[some] = sample(residual[some], [generators[r] for r in some])
+    if some:
+        accepted, eos_stop, reachable = _cut_at_eos(drafts, accepted, eos_token_ids)
+    if zero:  # greedy too: sampled from the one-hot argmax, so the stream advances as verify_row's
+        fill[zero] = sample(logits_to_probs(logits[zero, 0], temperature), [generators[r] for r in zero])
+    tokens, num_emitted = emitted_tokens(drafts, accepted, fill, eos_stop)
+    cols = [accepted[:, None], num_emitted[:, None], eos_stop[:, None], torch.minimum(reachable, n)[:, None], tokens,
+            accept_prob, alpha] + ([] if extra is None else [extra.to(dev)])
+    host = torch.cat([c.double() for c in cols], 1).tolist()  # exact: token ids < 2**53, fp32 -> fp64
+    out, more = [], []
+    for r, row in enumerate(host):
+        acc, emit, stop, reach = (int(x) for x in row[:4])
+        if lengths[r] == 0:
+            out.append((0, [int(row[4])], 0, [], []))
+        else:
+            a, b = 4 + g + 1, 4 + g + 1 + g
+            out.append((acc, [int(x) for x in row[4 : 4 + emit]], acc if stop else lengths[r], row[a : a + reach],
+                        row[b : b + reach]))
+        more.append(row[4 + g + 1 + 2 * g :])
+    return out, accepted, None if extra is None else more
 
 
 def round_record(index: int, r: Round) -> dict:

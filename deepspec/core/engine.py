@@ -7,8 +7,9 @@ Each round, for the R active requests:
     drafters without it) -> the verification policy picks l_r draft tokens per
     request (core/policies.py: fixed gamma, static threshold, live Algorithm 1)
     -> one batched target forward over anchor + l_r drafts of every request ->
-    `verify_row` (chain rejection sampling, `verify_chain`) per row with that
-    request's own generator -> each row keeps only its verified tokens.
+    `verify_rows` (chain rejection sampling of every row at once, each with that
+    request's own generator, one host transfer) -> each row keeps only its
+    verified tokens.
 
 Requests are independent: each has its own prompt length, its own
 torch.Generator seeded from the request (its draft and verification draws come
@@ -21,6 +22,12 @@ per leaving request).
 
 Ragged lengths are handled by padding, in the batch cache of
 core/batch_cache.py (`BatchKV`: every row keeps only its verified tokens).
+
+With a KV budget (`kv_budget_bytes`), a queued request joins only while every
+row, padded to the longest request among them (`batch_cache.row_slots` of
+prompt + max_new_tokens), fits in the budget at the target's KV bytes per
+position (measured on the first prefill's cache): long requests run at fewer
+rows than short ones. One request alone always runs.
 """
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from ..errors import DeepSpecError
-from .batch_cache import BatchKV, engine_cache, has_sliding_window
-from .decode import Round, _forward, _sync, round_record, verify_row
+from .batch_cache import BatchKV, cache_bytes_per_token, engine_cache, has_sliding_window, row_slots
+from .decode import Round, _forward, _sync, round_record, verify_rows
 from .scheduler import SPSCurve, profile_sps
 from .target import Target
 from .verify import logits_to_probs, sample
@@ -92,15 +99,30 @@ class BatchedEngine:
     None runs plain batched decoding (one target token per request per forward)."""
 
     def __init__(self, target: Target, drafter, *, feature_layers: Sequence[int], temperature: float = 1.0,
-                 policy=None, max_batch: int = 8):
+                 policy=None, max_batch: int = 8, kv_budget_bytes: Optional[float] = None):
         from .policies import FixedGamma
 
         self.target, self.drafter, self.temperature = target, drafter, temperature
         self.layers = None if drafter is None else list(feature_layers)
         self.policy = policy or FixedGamma()
         self.max_batch = int(max_batch)
+        self.kv_budget = kv_budget_bytes
+        self.kv_per_token: Optional[float] = None  # the target's KV bytes per position, at the first prefill
+        self.width = 1 + int(getattr(drafter, "gamma", 0) or 0)  # the most tokens a row verifies per round
         self.eos = set(target.eos_token_ids)
-        self.stats = {"rounds": 0, "verify_tokens": 0, "forward_tokens": 0}
+        self.stats = {"rounds": 0, "verify_tokens": 0, "forward_tokens": 0, "max_rows": 0}
+
+    def row_bytes(self, req: Request) -> Optional[float]:
+        """The most target KV bytes one row of the batch takes for `req` (None before the first prefill)."""
+        if self.kv_per_token is None:
+            return None
+        return row_slots(len(req.prompt_ids) + req.max_new_tokens, self.width) * self.kv_per_token
+
+    def fits(self, active: Sequence[Request], req: Request) -> bool:
+        """Whether `req` may join the rows of `active` within the KV budget: all of them padded to the longest."""
+        if self.kv_budget is None or not active or self.kv_per_token is None:
+            return True
+        return (len(active) + 1) * max(self.row_bytes(r) for r in (*active, req)) <= self.kv_budget
 
     @torch.no_grad()
     def generate(self, requests: Iterable[Request], on_finish: Optional[Callable[[Finished], None]] = None):
@@ -116,9 +138,10 @@ class BatchedEngine:
             if on_finish:
                 on_finish(f)
 
-        def join():
-            """The next queued request that does not finish at its prefill: (row, cache) or None."""
-            while queue:
+        def join(active):
+            """The next queued request that does not finish at its prefill and fits beside
+            the rows of `active` (the KV budget): (row, cache) or None."""
+            while queue and self.fits(active, queue[0]):
                 row, cache = self._join(queue.popleft())
                 if not self._finished(row):
                     return row, cache
@@ -127,7 +150,7 @@ class BatchedEngine:
 
         while queue or rows:
             joining = []
-            while len(rows) < self.max_batch and (new := join()):
+            while len(rows) < self.max_batch and (new := join([r.request for r in rows])):
                 rows.append(new[0])
                 joining.append((new[1], len(new[0].request.prompt_ids)))
             if joining:
@@ -140,7 +163,7 @@ class BatchedEngine:
                 finish(rows[i])
             # queued requests take the rows of those that left, in place (no copy of the batch)
             placing = []
-            while leaving and (new := join()):
+            while leaving and (new := join([r.request for i, r in enumerate(rows) if i not in leaving])):
                 i = leaving.pop(0)
                 rows[i] = new[0]
                 placing.append((i, new[1], len(new[0].request.prompt_ids)))
@@ -163,6 +186,8 @@ class BatchedEngine:
         ids = torch.tensor([list(req.prompt_ids)], dtype=torch.long, device=dev)
         cache = engine_cache()
         logits, feats = _forward(self.target, ids, cache, self.layers, last_only=True)
+        if self.kv_per_token is None:
+            self.kv_per_token = cache_bytes_per_token(cache, ids.shape[1])
         first = int(sample(logits_to_probs(logits[:, -1], self.temperature), gen))
         state = None if self.drafter is None else self.drafter.init_state()
         return _Row(req, gen, state, [first], ids, feats, t0), cache
@@ -198,21 +223,23 @@ class BatchedEngine:
         widths = torch.tensor([1 + ell for ell in ells], device=dev)
         start = kv.length
         logits, feats = kv.forward(self.target, ids, widths, self.layers)
-        # row by row: batching the softmax over [R, W, V] is 1.5x slower on CPU (memory-bound; measured)
-        results = [verify_row(logits[i : i + 1, : 1 + ell], None if p[1] is None else p[1][:, :ell].to(dev),
-                              ids[i : i + 1, 1 : 1 + ell], temperature=self.temperature,
-                              eos_token_ids=self.target.eos_token_ids, generator=rows[i].generator)
-                   for i, (p, ell) in enumerate(zip(props, ells))]
-        kv.commit(start, torch.tensor([1 + res[0] for res in results], device=dev))
+        # every row at once, each with its own generator, one host transfer (decode.verify_rows)
+        probs = None if W == 1 or props[0][1] is None else torch.cat([p[1][:, : W - 1].to(dev) for p in props])
+        confs = None if any(p[2] is None for p in props) else torch.cat([p[2].float() for p in props])
+        results, accepted, conf_rows = verify_rows(logits[:, :W], probs, ids[:, 1:W], ells,
+                                                   temperature=self.temperature, eos_token_ids=self.target.eos_token_ids,
+                                                   generators=[r.generator for r in rows], extra=confs)
+        kv.commit(start, 1 + accepted)
         _sync(dev)
         t2 = time.perf_counter()
-        B = int(widths.sum())
+        B = R + sum(ells)  # sum of the rows' 1 + l_r (no device sync)
         self.stats["rounds"] += 1
+        self.stats["max_rows"] = max(self.stats["max_rows"], R)
         self.stats["verify_tokens"] += B
         self.stats["forward_tokens"] += R * W
         for i, (row, p, res) in enumerate(zip(rows, props, results)):
             acc, emitted, plen, a_k, alpha_k = res
-            conf = None if p[2] is None else p[2][0].float().tolist()
+            conf = None if p[2] is None else (conf_rows[i] if conf_rows is not None else p[2][0].float().tolist())
             rnd = Round(emitted, acc, plen, a_k, alpha_k, conf, p[0].shape[1], t1 - t0, t2 - t1,
                         ids[i : i + 1, : 1 + acc], None if feats is None else feats[i : i + 1, : 1 + acc], 1 + ells[i])
             row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": rnd.width})

@@ -112,16 +112,22 @@ def verify_chain(
         accepted, fill, accept_prob, alpha = _rejection_sampling(target_logits, draft_probs, draft_tokens,
                                                                  temperature, generator)
     accepted, eos_stop, reachable = _cut_at_eos(draft_tokens, accepted, eos_token_ids)
+    tokens, num_emitted = emitted_tokens(draft_tokens, accepted, fill, eos_stop)
+    return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted, accept_prob=accept_prob, alpha=alpha,
+                        eos_stop=eos_stop, reachable=reachable)
 
+
+def emitted_tokens(draft_tokens, accepted, fill, eos_stop):
+    """The accepted prefix of each row's drafts, then its correction or bonus `fill`
+    (none after an accepted EOS): (tokens [B, g+1], -1 padded; num_emitted [B])."""
+    B, g = draft_tokens.shape
     rows = torch.arange(B, device=draft_tokens.device)
     tokens = torch.full((B, g + 1), -1, dtype=torch.long, device=draft_tokens.device)
     keep = torch.arange(g, device=draft_tokens.device).expand(B, g) < accepted.unsqueeze(-1)
     tokens[:, :g] = torch.where(keep, draft_tokens, tokens[:, :g])
     put = ~eos_stop
     tokens[rows[put], accepted[put]] = fill[put]
-    num_emitted = accepted + put.long()
-    return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted, accept_prob=accept_prob, alpha=alpha,
-                        eos_stop=eos_stop, reachable=reachable)
+    return tokens, accepted + put.long()
 
 
 def _greedy_decisions(target_logits, draft_tokens):
@@ -139,13 +145,21 @@ def _rejection_sampling(target_logits, draft_probs, draft_tokens, temperature, g
     """Accept token k w.p. min(1, p_t(x_k)/p_d(x_k)); at the first rejection
     sample from norm(max(0, p_t - p_d)). Returns (accepted [B], correction or
     bonus token [B], a_k [B, g], alpha_k [B, g])."""
+    u = torch.rand(draft_tokens.shape, generator=generator, device=draft_tokens.device)
+    accepted, residual, accept_prob, alpha = rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u)
+    return accepted, sample(residual, generator), accept_prob, alpha
+
+
+def rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u):
+    """`_rejection_sampling` given its uniforms u [B, g] (float32): (accepted [B],
+    the distribution of the correction or bonus token [B, V], a_k [B, g], alpha_k [B, g]).
+    u = inf at a position rejects it whatever the ratio (ragged rows, core/engine.py)."""
     B, g = draft_tokens.shape
     rows = torch.arange(B, device=draft_tokens.device)
     p_t = torch.softmax(target_logits.float() / temperature, dim=-1)  # [B, g+1, V]
     p_d = draft_probs.float()
     pt_x = p_t[:, :g].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
     pd_x = p_d.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1).clamp_min(DRAFT_PROB_FLOOR)
-    u = torch.rand((B, g), generator=generator, device=draft_tokens.device)
     ok = u < pt_x / pd_x  # min(1, ratio) is implicit: u < 1 always
     accepted = _first_true(~ok, g)
     # Residual at the first rejected position; at position g+1 p_d is zero,
@@ -154,8 +168,7 @@ def _rejection_sampling(target_logits, draft_probs, draft_tokens, temperature, g
     residual = (p_t[rows, accepted] - p_d_pad[rows, accepted]).clamp_min(0.0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_t[rows, accepted])
-    fill = sample(residual, generator)
-    return accepted, fill, (pt_x / pd_x).clamp(max=1.0), acceptance_rate(p_d, p_t[:, :g])
+    return accepted, residual, (pt_x / pd_x).clamp(max=1.0), acceptance_rate(p_d, p_t[:, :g])
 
 
 def _cut_at_eos(draft_tokens, accepted, eos_token_ids):

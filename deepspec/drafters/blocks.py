@@ -20,19 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama import modeling_llama
 
-from ..errors import DeepSpecError
-
-# model_type -> (transformers modeling module, class-name prefix of the layer
-# classes, class name of the RMSNorm). Gemma4's text classes carry "Text" in
-# their names but its RMSNorm does not.
-ARCHITECTURES = {
-    "llama": ("llama", "Llama", "LlamaRMSNorm"),
-    "mistral": ("mistral", "Mistral", "MistralRMSNorm"),
-    "qwen2": ("qwen2", "Qwen2", "Qwen2RMSNorm"),
-    "qwen3": ("qwen3", "Qwen3", "Qwen3RMSNorm"),
-    "gemma4_text": ("gemma4", "Gemma4Text", "Gemma4RMSNorm"),
-}
-
+from ..architectures import ARCHITECTURES, check_model_type, same_layers  # noqa: F401
 
 def _pair_rope(apply):
     """HF's rotary helper as a (q, k) pair function: Gemma4's rotates one tensor."""
@@ -49,14 +37,13 @@ def blocks_for(config) -> SimpleNamespace:
     rotary embedding's extra forward arguments (Gemma4's needs the layer type;
     the drafts are all full attention, as in the reference)."""
     mt = getattr(config, "model_type", None)
-    if mt not in ARCHITECTURES:
-        raise DeepSpecError(f"unsupported target architecture {mt!r}: drafters support {', '.join(sorted(ARCHITECTURES))}")
+    check_model_type(mt)
     module, prefix, norm = ARCHITECTURES[mt]
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     ns = SimpleNamespace(**{n: getattr(mod, prefix + n) for n in ("Attention", "MLP", "RotaryEmbedding", "DecoderLayer")})
     ns.RMSNorm = getattr(mod, norm)
     ns.apply_rotary_pos_emb = _pair_rope(mod.apply_rotary_pos_emb)
-    ns.family = "gemma4" if module == "gemma4" else "default"
+    ns.family = "gemma4" if module.startswith("gemma4") else "default"
     ns.rope_kwargs = {"layer_type": "full_attention"} if ns.family == "gemma4" else {}
     return ns
 
@@ -79,6 +66,18 @@ def attention(attn: nn.Module, q, k, v, mask) -> torch.Tensor:
 
 
 _COMPILED_FLEX: dict = {}
+# flex_attention's fused kernels hold a head_dim-wide tile in shared memory; past 256
+# they run out of it (pytorch#133254, #143832), e.g. Gemma4's 512-wide full-attention heads
+FLEX_MAX_HEAD_DIM = 256
+
+
+def uses_flex(backend: str, device_type: str, head_dim: int) -> bool:
+    """Whether a training pass with attention `backend` ("auto", "flex", "sdpa")
+    runs flex_attention: forced by "flex"; under "auto" on CUDA for head_dim up to
+    FLEX_MAX_HEAD_DIM, else sdpa with the dense mask."""
+    if backend == "auto":
+        return device_type == "cuda" and head_dim <= FLEX_MAX_HEAD_DIM
+    return backend == "flex"
 
 
 def flex_attend(q, k, v, block_mask: BlockMask, scale: float) -> torch.Tensor:

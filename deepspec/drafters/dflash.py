@@ -44,7 +44,7 @@ import torch.nn as nn
 from ..core import verify
 from ..core.train_step import block_step
 from .base import DrafterBase, Proposal
-from .blocks import attention, rope, stack_padded
+from .blocks import attention, rope, stack_padded, uses_flex
 
 
 class KVInjectionLayer(nn.Module):
@@ -188,7 +188,8 @@ class BlockState:
 class DFlashDrafter(DrafterBase):
     training_step = block_step
     # The training pass's attention: "auto" = flex_attention with a BlockMask on
-    # CUDA, sdpa with the dense boolean mask elsewhere; "flex" / "sdpa" force one.
+    # CUDA (head_dim <= 256, `blocks.uses_flex`), sdpa with the dense boolean mask
+    # elsewhere; "flex" / "sdpa" force one.
     attention_backend = "auto"
 
     def __init__(self, config):
@@ -247,7 +248,9 @@ class DFlashDrafter(DrafterBase):
     def training_mask(self, anchors: torch.Tensor, ctx_len: int):
         """The training pass's mask: a flex BlockMask on CUDA (`attention_backend`),
         else the dense boolean mask; both express `block_attention_mask`'s rule."""
-        flex = self.attention_backend == "flex" or (self.attention_backend == "auto" and anchors.device.type == "cuda")
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        flex = uses_flex(self.attention_backend, anchors.device.type, head_dim)
         return (block_flex_mask if flex else block_attention_mask)(anchors, ctx_len, self.gamma)
 
     # -- heads (hooks; DSpark overrides) -------------------------------------------------

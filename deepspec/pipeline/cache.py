@@ -21,9 +21,11 @@ Determinism: samples are ordered by id; shard boundaries depend only on sample
 lengths (a shard closes once it holds cache.shard_tokens tokens); inside a
 shard, forward batches are the samples sorted by length, cache.batch_size at a
 time (padded for the forward, stored unpadded). A forward's numbers depend on
-the batch it ran in (padding changes the kernels' blocking), so online mode
-(`deepspec.pipeline.train_data.OnlineDataset`) runs the *same* batches and rounds through the same dtype: both modes give
-bit-identical samples.
+the batch it ran in (padding changes the kernels' blocking). Online mode
+(`deepspec.pipeline.train_data.OnlineFeatures`) runs one forward per training
+micro batch instead and rounds through the same dtype: at train.micro_batch 1
+its features are bit-identical to a cache built at cache.batch_size 1 (and
+share its fingerprint); otherwise they agree up to that rounding.
 
 Resumability: each finished shard is written atomically and recorded with its
 sha256 in ``progress.json``; a rerun with the same inputs keeps the shards
@@ -41,12 +43,13 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import DeepSpecError
 from ..files import atomic_path, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
-from .conversations import TokenizedSample, tokenized_samples
+from .conversations import TokenArrays, TokenizedSample, tokenized_samples
 
 log = logging.getLogger(__name__)
 
@@ -90,21 +93,30 @@ def forward_plan(lengths: Sequence[int], cfg: dict) -> list[list[int]]:
     return [b for s, e in plan_shards(lengths, c["shard_tokens"]) for b in plan_batches(lengths, s, e, c["batch_size"])]
 
 
-def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype):
-    """One padded forward; per sample (features [L, m*d], last_hidden [L, d]) rounded to `dtype`."""
-    L = max(len(s.input_ids) for s in samples)
+def forward_features(target, layers: Sequence[int], rows: Sequence, dtype: torch.dtype):
+    """One right-padded target forward over `rows` (token id sequences), on the
+    target's device: (features [N, Lmax, m*d], last_hidden [N, Lmax, d]) rounded
+    to `dtype`, padded positions included (callers drop or zero them)."""
+    L = max(len(r) for r in rows)
     pad = target.tokenizer.pad_token_id or 0
-    ids = torch.full((len(samples), L), pad, dtype=torch.long)
-    am = torch.zeros((len(samples), L), dtype=torch.long)
-    for r, s in enumerate(samples):
-        ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        am[r, : len(s.input_ids)] = 1
-    feats, last = target.features(ids, layers, attention_mask=am)
-    return [(feats[r, : len(s.input_ids)].to(dtype).cpu(), last[r, : len(s.input_ids)].to(dtype).cpu()) for r, s in enumerate(samples)]
+    ids = torch.full((len(rows), L), pad, dtype=torch.long)
+    am = torch.zeros((len(rows), L), dtype=torch.long)
+    for r, x in enumerate(rows):
+        ids[r, : len(x)] = x if torch.is_tensor(x) else torch.from_numpy(np.array(x, dtype=np.int64))
+        am[r, : len(x)] = 1
+    feats, last = target.features(ids, layers, attention_mask=am)  # no_grad
+    return feats.to(dtype), last.to(dtype)
 
 
-def data_fingerprint(cfg: dict, target_id: str, samples: Sequence[TokenizedSample]) -> str:
-    """Everything the cache's bytes depend on: settings and the exact token data."""
+def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype):
+    """One padded forward; per sample (features [L, m*d], last_hidden [L, d]) rounded to `dtype`, on the CPU."""
+    feats, last = forward_features(target, layers, [s.input_ids for s in samples], dtype)
+    return [(feats[r, : len(s.input_ids)].cpu(), last[r, : len(s.input_ids)].cpu()) for r, s in enumerate(samples)]
+
+
+def data_fingerprint(cfg: dict, target_id: str, samples: TokenArrays) -> str:
+    """Everything the cache's bytes depend on: settings and the exact token data
+    (the digest of the token arrays)."""
     t, c = cfg["target"], cfg["cache"]
     h = hashlib.sha256()
     settings = dict(
@@ -112,8 +124,7 @@ def data_fingerprint(cfg: dict, target_id: str, samples: Sequence[TokenizedSampl
         layers=list(t["feature_layers"]), dtype=c["dtype"], shard_tokens=c["shard_tokens"], batch_size=c["batch_size"],
     )
     h.update(json.dumps(settings, sort_keys=True).encode())
-    for s in samples:
-        h.update(json.dumps([s.id, s.input_ids, [int(m) for m in s.loss_mask]]).encode())
+    h.update(samples.digest.encode())
     return h.hexdigest()
 
 
@@ -157,8 +168,8 @@ def _write_shard(path: Path, samples: Sequence[TokenizedSample], rows) -> None:
     lengths = [len(s.input_ids) for s in samples]
     offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
     tensors = {
-        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([int(m) for s in samples for m in s.loss_mask], dtype=torch.uint8),
+        "input_ids": torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples])),
+        "loss_mask": torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples])),
         "features": torch.cat([f for f, _ in rows]).contiguous(),
         "last_hidden": torch.cat([h for _, h in rows]).contiguous(),
         "offsets": offsets,
@@ -186,7 +197,7 @@ def build_cache(
     out = Path(out) if out else paths.cache_dir()
     t, c = cfg["target"], cfg["cache"]
     samples, stats = tokenized_samples(cfg, target.tokenizer if target is not None else load_tokenizer(cfg), conversations)
-    lengths = [len(s.input_ids) for s in samples]
+    lengths = samples.lengths()
     n_tokens, hidden = sum(lengths), _hidden_size(cfg, target)
     bpt = _bytes_per_token(len(t["feature_layers"]), hidden, c["dtype"])
     estimate = {"samples": len(samples), "tokens": n_tokens, "bytes_per_token": bpt, "estimated_bytes": bpt * n_tokens}
@@ -241,7 +252,7 @@ def _resume_state(out: Path, fp: str) -> Optional[dict]:
     return progress
 
 
-def _write_shards(cfg: dict, target, samples: Sequence[TokenizedSample], out: Path, progress: dict):
+def _write_shards(cfg: dict, target, samples: TokenArrays, out: Path, progress: dict):
     """Compute and write every shard not kept from an earlier run (checksum
     ok), recording each in progress.json as it lands. Returns (manifest shard
     entries, shards written, tokens computed)."""
@@ -249,7 +260,7 @@ def _write_shards(cfg: dict, target, samples: Sequence[TokenizedSample], out: Pa
 
     c = cfg["cache"]
     layers, dtype = list(cfg["target"]["feature_layers"]), DTYPES[c["dtype"]]
-    lengths = [len(s.input_ids) for s in samples]
+    lengths = samples.lengths()
     shards = plan_shards(lengths, c["shard_tokens"])
     out.mkdir(parents=True, exist_ok=True)
     wanted = {shard_name(i) for i in range(len(shards))}
@@ -282,7 +293,7 @@ def _write_shards(cfg: dict, target, samples: Sequence[TokenizedSample], out: Pa
 
 def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: str, shards: list) -> dict:
     t, c = cfg["target"], cfg["cache"]
-    n_tokens = sum(len(s.input_ids) for s in samples)
+    n_tokens = sum(samples.lengths())
     total_bytes = sum(x["bytes"] for x in shards)
     return {
         "format": FORMAT,
@@ -296,7 +307,7 @@ def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: 
         "feature_dim": hidden * len(t["feature_layers"]),
         "num_samples": len(samples),
         "num_tokens": n_tokens,
-        "num_loss_tokens": int(sum(sum(s.loss_mask) for s in samples)),
+        "num_loss_tokens": int(np.count_nonzero(samples.loss_mask)),
         "dropped_samples": stats["dropped_min_loss_tokens"],
         "max_length": cfg["data"]["max_length"],
         "min_loss_tokens": cfg["data"]["min_loss_tokens"],

@@ -22,13 +22,23 @@ property; for those the assistant content is located in the full text in order
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
 import os
+import shutil
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
 
 from ..core.target import render_chat
 from ..errors import DeepSpecError
-from ..files import iter_jsonl
+from ..files import iter_jsonl, read_json, require_file, sha256_file, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 ROLES = ("user", "assistant")
 
@@ -140,8 +150,8 @@ def read_conversations(path: str | os.PathLike) -> list[dict]:
 @dataclass
 class TokenizedSample:
     id: str
-    input_ids: list[int]
-    loss_mask: list[bool]
+    input_ids: Sequence[int]  # a slice of the int32 id array (`TokenArrays`), or a list
+    loss_mask: Sequence[bool]
 
 
 def _id_key(sample_id: str):
@@ -150,16 +160,130 @@ def _id_key(sample_id: str):
     return (source, int(n), "") if n.isdigit() else (sample_id, -1, sample_id)
 
 
-def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike) -> tuple[list[TokenizedSample], dict]:
-    """Tokenise the conversations (chat template + loss mask), in id order, dropping
-    samples with fewer than data.min_loss_tokens loss tokens."""
+TOKENS_VERSION = 1
+
+
+class TokenArrays:
+    """The tokenized training samples as compact arrays: ``input_ids`` int32
+    [T], ``loss_mask`` bool [T] (both memory-mapped read-only from the token
+    file, so every process on a machine shares one copy in the page cache),
+    ``offsets`` int64 [n+1] and the sample ids. Indexing gives
+    `TokenizedSample`s whose ids and mask are slices (views) of the arrays."""
+
+    def __init__(self, directory: Path):
+        import numpy as np
+
+        self.dir = Path(directory)
+        meta = read_json(self.dir / "meta.json")
+        self.sample_ids, self.stats, self.digest = meta["ids"], meta["stats"], meta["digest"]
+        self.input_ids = np.load(self.dir / "input_ids.npy", mmap_mode="r")
+        self.loss_mask = np.load(self.dir / "loss_mask.npy", mmap_mode="r")
+        self.offsets = np.load(self.dir / "offsets.npy")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        return TokenizedSample(self.sample_ids[j], self.input_ids[a:b], self.loss_mask[a:b])
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256((blob + str(getattr(tokenizer, "chat_template", ""))).encode()).hexdigest()
+
+
+def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path) -> None:
+    """Tokenise every conversation once into `final` (a directory), written
+    under a temporary name and renamed into place (atomic)."""
+    import numpy as np
+
     convs = sorted(read_conversations(conversations), key=lambda c: _id_key(c["id"]))
-    out = []
+    ids, masks, lengths, names = [], [], [0], []
     for c in convs:
         enc = encode_conversation(tokenizer, c["messages"], cfg)
         if enc is not None:
-            out.append(TokenizedSample(c["id"], *enc))
-    stats = {"conversations": len(convs), "dropped_min_loss_tokens": len(convs) - len(out)}
-    if not out:
+            ids.append(np.asarray(enc[0], dtype=np.int32))
+            masks.append(np.asarray(enc[1], dtype=bool))
+            lengths.append(len(enc[0]))
+            names.append(c["id"])
+    n_convs = len(convs)
+    del convs
+    if not names:
         raise DeepSpecError(f"{conversations}: no sample has at least data.min_loss_tokens={cfg['data']['min_loss_tokens']} loss tokens")
-    return out, stats
+    arrays = {"input_ids": np.concatenate(ids), "loss_mask": np.concatenate(masks),
+              "offsets": np.cumsum(np.asarray(lengths, dtype=np.int64))}
+    h = hashlib.sha256(json.dumps(names).encode())
+    for k in ("input_ids", "loss_mask", "offsets"):
+        h.update(arrays[k].tobytes())
+    stats = {"conversations": n_convs, "dropped_min_loss_tokens": n_convs - len(names)}
+    tmp = final.with_name(f"{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for k, v in arrays.items():
+        np.save(tmp / f"{k}.npy", v)
+    write_json_atomic(tmp / "meta.json", {"version": TOKENS_VERSION, "ids": names, "stats": stats, "digest": h.hexdigest()})
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process (without a lock) got there first: same content
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / "meta.json").exists():
+            raise
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive flock on `path` (waiting); where the filesystem has no
+    flock, no lock (a warning): every process then tokenises and the first
+    rename wins, the same bytes."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            log.warning("%s: no file locks on this filesystem (%s); tokenising without one", path, e.strerror)
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def token_arrays_path(cfg: dict, tokenizer, conversations) -> Path:
+    """Where the token arrays of these conversations, tokenizer and data
+    settings live: beside the conversations, named by a digest of all three."""
+    d = cfg["data"]
+    key = json.dumps({"version": TOKENS_VERSION, "conversations": sha256_file(conversations),
+                      "tokenizer": _tokenizer_digest(tokenizer), "max_length": d["max_length"],
+                      "min_loss_tokens": d["min_loss_tokens"], "system_prompt": d.get("system_prompt")}, sort_keys=True)
+    p = Path(conversations)
+    return p.with_name(f"{p.stem}.tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike) -> tuple[TokenArrays, dict]:
+    """The conversations tokenised (chat template + loss mask), in id order,
+    without the samples with fewer than data.min_loss_tokens loss tokens, as
+    memory-mapped `TokenArrays`. Tokenised once per (conversations,
+    tokenizer, data settings): the first process writes the arrays under a
+    file lock, every other process (other ranks, other methods' jobs,
+    resumes) waits for the lock and maps the same file."""
+    require_file(conversations, "conversations file")
+    final = token_arrays_path(cfg, tokenizer, conversations)
+    if not (final / "meta.json").exists():
+        with _file_lock(final.with_name(final.name + ".lock")):
+            if not (final / "meta.json").exists():
+                log.info("tokenising %s into %s", conversations, final)
+                _write_token_arrays(cfg, tokenizer, conversations, final)
+    arrays = TokenArrays(final)
+    return arrays, arrays.stats

@@ -215,10 +215,11 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
     feature layers, and its architecture fields against `config`, the draft config
     deepspec builds for the target (built from `ref` when not given)."""
     from ..drafters.base import draft_config
-    from ..drafters.blocks import blocks_for
+    from ..drafters.blocks import blocks_for, same_layers
 
     tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if ref.get("model_type") not in (None, tc.model_type, getattr(target.config, "model_type", None)):
+    mt = ref.get("model_type")
+    if mt is not None and not (same_layers(mt, tc.model_type) or mt == getattr(target.config, "model_type", None)):
         raise DeepSpecError(f"{where}: a {ref['model_type']} drafter, the target {target.target_id!r} is {tc.model_type}")
     n = ref.get("num_target_layers")
     if n is not None and int(n) != int(target.num_layers):

@@ -30,10 +30,11 @@ import torch
 
 from ..cli import add_config_args, config_from_args
 from ..errors import DeepSpecError
-from ..files import json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
+from ..config import settings_fingerprint
+from ..files import iter_jsonl, json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from .methods import resolve_method
-from .prompts import benchmark_prompt_ids, speed_benchmarks
+from .prompts import benchmark_prompt_set, speed_benchmarks
 
 log = logging.getLogger(__name__)
 
@@ -71,31 +72,86 @@ def speed_sample(cfg: dict, prompts: list, benchmark: str) -> list:
 
 
 # --------------------------------------------------------------------------- evaluate
+class Progress:
+    """Every finished request's records, appended (one line, fsync'd) to an
+    append-only partial file as it finishes, so that a killed evaluate job
+    resumes where it stopped: a rerun with the same settings (the evaluate
+    fingerprint, method, drafter, benchmarks) skips the requests in the file and
+    reads their records from it; other settings discard it. Removed once every
+    output is written. `Progress(None)` keeps nothing."""
+
+    def __init__(self, path: Path | None, header: dict | None = None):
+        from .regenerate import _Appender, _recover_partial
+
+        self.path, self.done, self._out = path, {}, None
+        if path is None:
+            return
+        header, resumed = {"id": "header", **(header or {})}, False
+        if path.exists():
+            _recover_partial(path)  # a torn last line (a kill mid-write) is cut off
+            recs = [r for _, _, r in iter_jsonl(path, "evaluation progress")]
+            resumed = bool(recs) and recs[0] == header
+            if resumed:
+                self.done = {(r["benchmark"], r["index"]): r for r in recs[1:]}
+                log.info("%s: resuming, %d finished requests kept", path, len(self.done))
+            else:
+                log.warning("%s was made with other settings: starting afresh", path)
+                path.unlink()
+        self._out = _Appender(path)
+        if not resumed:
+            self._out.write([header])
+
+    def get(self, benchmark: str, index: int):
+        return self.done.get((benchmark, index))
+
+    def add(self, benchmark: str, index: int, rows: list, sample: dict) -> None:
+        rec = {"id": f"{benchmark}#{index}", "benchmark": benchmark, "index": index, "rows": rows, "sample": sample}
+        self.done[(benchmark, index)] = rec
+        if self._out is not None:
+            self._out.write([rec])
+
+    def finish(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self.path.unlink()
+
+
 def _warmup(fn) -> None:
     """One short untimed run (kernel selection, allocator, lazy init) before timing."""
     fn()
 
 
-def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str):
-    """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list)."""
+def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
+                   progress: Progress | None = None):
+    """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list).
+    Requests already in `progress` are read from it, the others appended to it."""
     from tqdm import tqdm
 
     from ..core.decode import speculative_generate
 
     ev = cfg["eval"]
+    progress = progress or Progress(None)
     layers = list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
     rows, samples = [], []
-    _warmup(lambda: speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
-                                         temperature=ev["temperature"], generator=_generator(cfg, target, 0)))
+    if any(progress.get(benchmark, i) is None for i in range(len(prompts))):
+        _warmup(lambda: speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
+                                             temperature=ev["temperature"], generator=_generator(cfg, target, 0)))
     for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"{method}/{benchmark}", unit="prompt")):
+        if (rec := progress.get(benchmark, idx)) is not None:
+            rows += rec["rows"]
+            samples.append(rec["sample"])
+            continue
         gen = speculative_generate(
             target, drafter, ids, feature_layers=layers, max_new_tokens=ev["max_new_tokens"],
             temperature=ev["temperature"], generator=_generator(cfg, target, idx),
             confidence_threshold=ev["confidence_threshold"],
         )
-        rows += [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
-        samples.append({"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
-                        "rounds": len(gen.rounds), "time_s": gen.time_s})
+        mine = [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
+        sample = {"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
+                  "rounds": len(gen.rounds), "time_s": gen.time_s}
+        progress.add(benchmark, idx, mine, sample)
+        rows += mine
+        samples.append(sample)
         log.info("%s: %d tokens in %d rounds, %.2f s", p.id, len(gen.tokens), len(gen.rounds), gen.time_s)
     if not rows:
         raise DeepSpecError(f"{method}/{benchmark}: no speculative rounds: every sample ended on its first token "
@@ -140,7 +196,8 @@ def _layers(cfg: dict, drafter) -> list:
     return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
 
 
-def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict):
+def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict,
+                progress: Progress | None = None):
     """Every prompt of every benchmark b but its first skip[b] through one
     BatchedEngine at eval.batch_size (fixed gamma, or the static threshold when
     eval.confidence_threshold > 0). Returns ({benchmark: (records, samples)}, engine info)."""
@@ -148,26 +205,47 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     from ..core.policies import FixedGamma, StaticThreshold
 
     ev = cfg["eval"]
+    progress = progress or Progress(None)
     thr = ev["confidence_threshold"]
+    todo = [(b, i, p, ids) for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
+    budget = None if ev["kv_budget_gb"] is None else ev["kv_budget_gb"] * 2**30
     engine = BatchedEngine(target, drafter, feature_layers=_layers(cfg, drafter), temperature=ev["temperature"],
-                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"])
-    reqs = [Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i)
-            for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
-    reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
+                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"],
+                           kv_budget_bytes=budget)
     out = {b: ([], []) for b in bench_prompts}
-    t0 = time.perf_counter()
-    for f in engine.generate(reqs):
+
+    def keep(b, i, rows, sample):
+        out[b][0].extend({**r, "_i": i} for r in rows)
+        out[b][1].append({**sample, "_i": i})
+
+    reqs = []
+    for b, i, p, ids in todo:
+        if (rec := progress.get(b, i)) is not None:  # finished by an earlier, interrupted run
+            keep(b, i, rec["rows"], rec["sample"])
+        else:
+            reqs.append(Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i))
+    reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
+
+    def finished(f):
         b, i, pid = f.request.request_id
         domain = cfg["data"]["benchmarks"][b]["domain"]
-        rows, samples = out[b]
-        rows += [{"sample_id": pid, **r, "method": method, "benchmark": b, "domain": domain, "_i": i} for r in f.rounds]
-        samples.append({"sample_id": pid, "prompt_tokens": len(f.request.prompt_ids), "new_tokens": len(f.tokens),
-                        "rounds": len(f.rounds), "time_s": f.time_s, "batch1": False, "_i": i})
+        rows = [{"sample_id": pid, **r, "method": method, "benchmark": b, "domain": domain} for r in f.rounds]
+        sample = {"sample_id": pid, "prompt_tokens": len(f.request.prompt_ids), "new_tokens": len(f.tokens),
+                  "rounds": len(f.rounds), "time_s": f.time_s, "batch1": False}
+        progress.add(b, i, rows, sample)
+        keep(b, i, rows, sample)
+        new_tokens[0] += len(f.tokens)
+
+    new_tokens = [0]
+    t0 = time.perf_counter()
+    engine.generate(reqs, on_finish=finished)
     wall = time.perf_counter() - t0
-    info = {"batch_size": ev["batch_size"], "requests": len(reqs), "wall_s": wall, **engine.stats,
+    info = {"batch_size": ev["batch_size"], "kv_budget_gb": ev["kv_budget_gb"], "requests": len(todo),
+            "resumed_requests": len(todo) - len(reqs), "wall_s": wall, **engine.stats,
             "padding_share": padding_share(engine.stats)}
-    info["tokens_per_s"] = sum(s["new_tokens"] for _, ss in out.values() for s in ss) / wall if reqs else None
-    log.info("engine: %d requests at batch %d in %.1f s, %d rounds", len(reqs), ev["batch_size"], wall, engine.stats["rounds"])
+    info["tokens_per_s"] = new_tokens[0] / wall if reqs else None
+    log.info("engine: %d requests at batch %d (at most %d rows at once) in %.1f s, %d rounds", len(reqs),
+             ev["batch_size"], engine.stats["max_rows"], wall, engine.stats["rounds"])
     res = {}
     for b, (rows, samples) in out.items():  # batch-1 order: by sample index, then round
         rows.sort(key=lambda r: (r["_i"], r["round"]))
@@ -177,7 +255,7 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     return res, info
 
 
-def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
+def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
     """All benchmarks of a method: the speed sample of each at batch size 1
     (`run_evaluation`, timed), the rest batched (`run_batched`). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
@@ -185,10 +263,10 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
     for b, prompts in bench_prompts.items():
         domain = cfg["data"]["benchmarks"][b]["domain"]
         speed = speed_sample(cfg, prompts, b)
-        out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain) if speed \
-            else (pd.DataFrame(), [])
+        out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
+                                progress=progress) if speed else (pd.DataFrame(), [])
     batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
-                                skip={b: n_speed(cfg, b) for b in bench_prompts})
+                                skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
         df0, s0 = out[b]
         df = pd.concat([d for d in (df0, df) if len(d)], ignore_index=True) if len(df0) or len(df) else df0
@@ -198,7 +276,8 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str):
     return out, info
 
 
-def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict):
+def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict,
+                     skipped: list):
     """Summary JSON (tau with CI, positions, tokens/s of the batch-1 sample, speedup) beside the records."""
     paths = RunPaths.of(cfg)
     domain = cfg["data"]["benchmarks"][bench]["domain"]
@@ -207,13 +286,20 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
     summary = {"target": cfg["target"]["name"], "method": method, "benchmark": bench, "domain": domain,
                "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
                "max_new_tokens": cfg["eval"]["max_new_tokens"],
-               "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine, **summary}
+               "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine,
+               **_skipped_fields(cfg, skipped), **summary}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
     speedup = summary["speedup_vs_plain"]
     log.info("%s/%s: tau %.3f [%.3f, %.3f], %.2f tokens/s (batch 1), speedup vs plain %s -> %s", method, bench,
              summary["tau"], summary["tau_ci_low"], summary["tau_ci_high"], summary["tokens_per_s"],
              "n/a" if speedup is None else f"{speedup:.3f}x", out_csv)
+
+
+def _skipped_fields(cfg: dict, skipped: list) -> dict:
+    """How many of the benchmark's prompts were over data.max_prompt_tokens and left out (prompts.benchmark_prompt_set)."""
+    return {"max_prompt_tokens": cfg["data"]["max_prompt_tokens"], "n_skipped_prompts": len(skipped),
+            "skipped_prompts": skipped}
 
 
 def cli_evaluate(argv) -> int:
@@ -238,7 +324,8 @@ def cli_evaluate(argv) -> int:
     outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
                                                  else paths.records(args.method, b)) for b in benches}
     target = target_from_config(cfg)
-    bench_prompts = {b: benchmark_prompt_ids(cfg, target, b) for b in benches}
+    sets = {b: benchmark_prompt_set(cfg, target, b) for b in benches}
+    bench_prompts = {b: kept for b, (kept, _) in sets.items()}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
     path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
@@ -247,9 +334,14 @@ def cli_evaluate(argv) -> int:
     base, _ = resolve_method(cfg, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
-    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method)
+    # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
+    progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
+                        {"fingerprint": settings_fingerprint(cfg, "evaluate"), "method": args.method,
+                         "drafter": str(path), "benchmarks": benches})
+    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
     for b, (df, samples) in results.items():
-        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine)
+        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1])
+    progress.finish()
     return 0
 
 
@@ -306,9 +398,10 @@ def cli_baseline(argv) -> int:
 
 
 def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bool) -> None:
-    prompts = speed_sample(cfg, benchmark_prompt_ids(cfg, target, bench), bench)
+    kept, skipped = benchmark_prompt_set(cfg, target, bench)
+    prompts = speed_sample(cfg, kept, bench)
     runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"], warmup=warmup)
-    summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts),
+    summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts), **_skipped_fields(cfg, skipped),
                "sample_ids": [p.id for p, _ in prompts],
                "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"]}

@@ -35,7 +35,13 @@ from .convert import MASK_ROW_FIELD, NOT_IN_CHECKPOINT, check_out_apart, embed_s
 log = logging.getLogger(__name__)
 
 FORMATS = ("deepspec", "eagle3")
-PREFIX = {"qwen3": "Qwen3", "gemma4_text": "Gemma4"}  # DeepSpec's model classes exist for these
+PREFIX = {"qwen3": "Qwen3", "gemma4_text": "Gemma4", "gemma4_unified_text": "Gemma4"}  # DeepSpec's classes exist for these
+ENGINES = ("vllm", "sglang")
+# vLLM's speculative config for the paper's protocol (docs/FORMATS.md): the method named
+# (auto-detection picks "dflash" from a path containing it and crashes), probabilistic
+# drafting (its default is greedy); DFlash (markov_rank 0) on one GPU only (its zero-width
+# Markov head crashes at tensor parallel > 1).
+VLLM_DSPARK_SPEC = {"method": "dspark", "draft_sample_method": "probabilistic"}
 EAGLE3_ARCH = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "LlamaForCausalLMEagle3"}
 LLAMA_EAGLE3_FEATURES = 3  # LlamaForCausalLMEagle3 loaders build fc over 3 layers (docs/FORMATS.md)
 
@@ -71,14 +77,70 @@ def _mask_token(d, target, mask_token_id):
     return mid, True
 
 
-def deepspec_layout(d, target, mask_token_id=None):
-    """(config dict, tensors) of drafter d in DeepSeek's layout."""
+def _check_for_vllm(d) -> None:
+    """What vLLM's Qwen3/Gemma4 DSpark loaders would load wrongly, refused in one line."""
+    c, gemma4 = d.config, d.config.model_type != "qwen3"
+    if d.method == "eagle3":
+        _refuse("an Eagle3 drafter as deepspec for vLLM", "vLLM serves Eagle3 from the eagle3 layout (--format eagle3)")
+    if c.deepspec_markov_rank > 0 and c.deepspec_markov_head_type != "vanilla":
+        _refuse("for vLLM", f"vLLM's DSpark implements the vanilla Markov head only, this drafter's is "
+                f"{c.deepspec_markov_head_type!r} (its weights would be rejected or, for Gemma4, ignored)")
+    if c.deepspec_mask_token_id is None:
+        _refuse("for vLLM", "this drafter has a learned mask embedding, which vLLM's V1 proposer replaces by the "
+                "target's embedding of mask_token_id: train with drafter.mask_token_id")
+    if gemma4 and d.reduced_vocab:
+        _refuse("a Gemma4 drafter for vLLM", "vLLM's Gemma4 DSpark has a full-vocabulary head only")
+    if gemma4 and not getattr(c, "attention_k_eq_v", False):
+        _refuse("a Gemma4 drafter for vLLM", "vLLM's Gemma4 DSpark requires attention_k_eq_v in every draft layer")
+
+
+# vLLM's Gemma4DSparkForCausalLM (gemma4_dspark.py @054f072, its decoder layer from gemma4_mtp.py)
+# loads a checkpoint name only when its model has that parameter or buffer and skips the
+# rest silently: the names it has, per draft layer (k_eq_v: no v_proj; v_norm has no weight)
+# and at the top; its Markov head's two tensors have zero width at markov_rank 0.
+VLLM_GEMMA4_LAYER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
+                     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                     "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+                     "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+                     "post_feedforward_layernorm.weight", "layer_scalar")
+VLLM_GEMMA4_TOP = ("embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight")
+VLLM_GEMMA4_MARKOV = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
+
+
+def check_vllm_gemma4_names(cfg: dict, sd: dict) -> None:
+    """Refuse a Gemma4 DSpark/DFlash export whose tensor names differ from what vLLM's
+    Gemma4 DSpark loader has: an extra name would be dropped, a missing one left at
+    its initial value, both silently. The confidence head is the one name it skips by
+    design (no adaptive verification there): a warning."""
+    want = set(VLLM_GEMMA4_TOP) | {f"layers.{i}.{n}" for i in range(int(cfg["num_hidden_layers"]))
+                                    for n in VLLM_GEMMA4_LAYER}
+    if int(cfg.get("markov_rank") or 0) > 0:
+        want |= set(VLLM_GEMMA4_MARKOV)
+    have = {k for k in sd if "confidence_head" not in k}
+    for what, names in (("has", sorted(have - want)), ("lacks", sorted(want - have))):
+        if names:
+            _refuse("a Gemma4 drafter for vLLM", f"the export {what} {', '.join(names[:3])}"
+                    f"{' ...' if len(names) > 3 else ''}, which vLLM's Gemma4 DSpark loader "
+                    f"{'skips' if what == 'has' else 'would leave at initialisation'} silently")
+    if len(have) < len(sd):
+        log.warning("vLLM's Gemma4 DSpark skips the confidence head: it serves fixed-length blocks "
+                    "(no adaptive verification)")
+
+
+def deepspec_layout(d, target, mask_token_id=None, engine=None):
+    """(config dict, tensors) of drafter d in DeepSeek's layout; engine "vllm": the
+    fields vLLM's DSpark loaders read, refusing what they would load wrongly."""
     c = d.config
     family = c.model_type
     if family not in PREFIX:
         _refuse(f"a {family} drafter as deepspec", "DeepSpec has Qwen3 and Gemma4 drafter classes only")
-    if d.reduced_vocab:
-        _refuse("as deepspec", "the layout has a full-vocabulary head; this drafter has a reduced draft vocabulary")
+    if engine == "sglang":
+        _refuse("as deepspec for SGLang", "SGLang has no upstream loader for Qwen3DSparkModel/Gemma4DSparkModel")
+    if engine == "vllm":
+        _check_for_vllm(d)
+    elif d.reduced_vocab:
+        _refuse("as deepspec", "the layout has a full-vocabulary head; this drafter has a reduced draft vocabulary "
+                "(vLLM reads one from Qwen3 DSpark exports: --engine vllm)")
     cfg = dict(_base_config(d), num_target_layers=int(c.deepspec_target_num_layers),
                target_layer_ids=list(c.deepspec_feature_layers))
     sd = {to_reference(k): v.detach().clone().contiguous() for k, v in d.state_dict().items()
@@ -97,12 +159,23 @@ def deepspec_layout(d, target, mask_token_id=None):
         if c.deepspec_confidence_head:
             cfg["confidence_head_with_markov"] = bool(c.deepspec_confidence_with_markov)
         if overwritten:
+            log.warning("the learned mask embedding goes into embed_tokens row %d: vLLM's V1 DSpark proposer and "
+                        "SGLang replace that row by the target's embedding (only vLLM's model runner V2 keeps it)", mid)
             emb[mid] = (d.mask_embedding.detach().float().cpu() / embed_scale(target)).to(emb.dtype)
             cfg[MASK_ROW_FIELD] = True
             cfg["deepspec_note"] = (f"embed_tokens row {mid} holds the drafter's learned mask embedding, "
                                     "not the target's embedding of that token")
     sd["embed_tokens.weight"] = emb
     sd["lm_head.weight"] = target.lm_head.weight.detach().clone().cpu()
+    if d.reduced_vocab:  # vLLM only (checked above): K-row head and markov_w2, d2t offsets
+        d2t = d.d2t.detach().cpu()
+        sd["lm_head.weight"] = sd["lm_head.weight"][d2t]
+        sd["d2t"] = d2t - torch.arange(d2t.numel())
+        cfg["draft_vocab_size"] = int(d2t.numel())
+    if engine == "vllm" and d.method != "eagle3":
+        cfg["deepspec_serve_vllm"] = {"speculative_config": dict(VLLM_DSPARK_SPEC, num_speculative_tokens=int(c.deepspec_block_size))}
+        if c.deepspec_markov_rank == 0:
+            cfg["deepspec_serve_vllm"]["tensor_parallel_size"] = 1
     return cfg, sd
 
 
@@ -129,7 +202,7 @@ def eagle3_layout(d, target):
     cfg = dict(_base_config(d), architectures=[EAGLE3_ARCH[c.model_type]], vocab_size=V, draft_vocab_size=K,
                target_hidden_size=int(c.deepspec_target_hidden_size), num_hidden_layers=1,
                eagle_aux_hidden_state_layer_ids=[x + 1 for x in layers],
-               eagle_config={"eagle_aux_hidden_state_layer_ids": [x + 1 for x in layers],
+               eagle_config={"eagle_aux_hidden_state_layer_ids": layers,  # SGLang adds the 1 itself
                              "use_aux_hidden_state": True},
                deepspec_feature_layers=layers)
     sd = {}
@@ -180,8 +253,9 @@ def _check_eagle3(cfg: dict, sd: dict) -> None:
 # writing
 
 
-def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_token_id=None) -> Path:
-    """Write drafter d (attached to target) in layout `fmt` at `out`, atomically."""
+def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_token_id=None, engine=None) -> Path:
+    """Write drafter d (attached to target) in layout `fmt` at `out`, atomically;
+    `engine` (vllm, sglang): refuse what that engine would load wrongly."""
     import json
     import os
     import shutil
@@ -192,12 +266,18 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
     out = Path(out)
     if fmt not in FORMATS:
         raise DeepSpecError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if engine not in (None, *ENGINES):
+        raise DeepSpecError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
     if out.exists() and not overwrite:
         raise DeepSpecError(f"output {out} exists (use --overwrite)")
     if fmt == "deepspec":
-        cfg, sd = deepspec_layout(d, target, mask_token_id)
+        cfg, sd = deepspec_layout(d, target, mask_token_id, engine)
+        if engine == "vllm" and cfg["architectures"] == ["Gemma4DSparkModel"]:
+            check_vllm_gemma4_names(cfg, sd)
     else:
         cfg, sd = eagle3_layout(d, target)
+        if engine == "sglang" and cfg["architectures"] != [EAGLE3_ARCH["llama"]]:
+            _refuse("as eagle3 for SGLang", "SGLang's EAGLE-3 draft class is LlamaForCausalLMEagle3 (Llama layer) only")
         _check_eagle3(cfg, sd)
     cfg["deepspec_exported_from"] = {"target": d.config.deepspec_target_id, "method": d.method, "format": fmt}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -212,6 +292,10 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         if tmp.exists():
             shutil.rmtree(tmp)
     log.info("exported %s drafter as %s (%d tensors) -> %s", d.method, fmt, len(sd), out)
+    if "deepspec_serve_vllm" in cfg:
+        serve = cfg["deepspec_serve_vllm"]
+        log.info("serve with%s --speculative-config '%s'", " --tensor-parallel-size 1" if "tensor_parallel_size" in serve
+                 else "", json.dumps(dict(serve["speculative_config"], model=str(out))))
     return out
 
 
@@ -227,6 +311,9 @@ def cli_export_checkpoint(argv) -> int:
     p.add_argument("--out", required=True, help="output directory (config.json + model.safetensors)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="block drafters with a learned mask embedding: the embed_tokens row to overwrite (default V-1)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="the engine that will serve the export: refuse what it would load wrongly (vllm: vanilla "
+                        "Markov head, reserved mask token; allows Qwen3 reduced vocabularies)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
     check_out_apart(args.src, args.out)
@@ -236,5 +323,6 @@ def cli_export_checkpoint(argv) -> int:
 
     target = target_from_config(cfg)
     d = load_drafter(args.src, target)
-    export_drafter(d, target, args.format, args.out, overwrite=args.overwrite, mask_token_id=args.mask_token_id)
+    export_drafter(d, target, args.format, args.out, overwrite=args.overwrite, mask_token_id=args.mask_token_id,
+                   engine=args.engine)
     return 0

@@ -10,8 +10,10 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   from their ``reference`` field, capped at ``regenerate.max_new_tokens``);
 * **cache** - bytes per token of the offline cache (`cache._bytes_per_token`:
   the feature layers + the final hidden state at ``cache.dtype``, plus the int32
-  id and uint8 loss mask), its total, and, for online mode, the target forward
-  each step adds (FLOPs measured as below);
+  id and uint8 loss mask), its total, and, for online mode, the target forwards
+  each step adds: one per micro batch (`online_target_forwards`, what
+  `train_data.OnlineFeatures` runs and counts), each measured as below over
+  micro_batch sequences of the expected length;
 * **drafters** - trainable and frozen parameters per method (the target's
   embedding / LM head, which the drafters share frozen, counted apart);
 * **training** - FLOPs per optimiser step *measured*: the drafter's real
@@ -188,6 +190,13 @@ def measure_target_forward(target: Target, batch: dict, layers) -> int:
     return int(fc.get_total_flops())
 
 
+def online_target_forwards(train_cfg: dict, total_steps: int) -> int:
+    """Target forwards of an online training run: one per micro batch
+    (`train_data.OnlineFeatures`), global_batch / micro_batch per optimiser step
+    over all processes (`recipe.accumulation_steps` makes it exact)."""
+    return int(total_steps) * (int(train_cfg["global_batch"]) // int(train_cfg["micro_batch"]))
+
+
 def build_meta_drafter(method: str, target: Target, cfg: dict):
     """`build_drafter` on the meta device, in bf16 (as autocast computes)."""
     from .. import drafters
@@ -256,6 +265,7 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     micro_batches = int(t["global_batch"]) // mb
     params = param_counts(drafter, target)
     return {
+        "online_target_forwards": online_target_forwards(t, total),
         "params": params,
         "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
                                           worst["peak_activation_bytes"]),
@@ -274,11 +284,13 @@ def gpu_hours(flops: float, tflops: float, mfu: float) -> float:
     return flops / (tflops * 1e12 * mfu) / 3600.0
 
 
-def training_totals(methods: dict, online_flops_per_step: int, hw: dict) -> dict:
+def training_totals(methods: dict, online_flops_per_forward: int, hw: dict) -> dict:
+    """Total FLOPs and GPU-hours; online adds one target forward (of one micro
+    batch) per `online_target_forwards`."""
     out = {}
     for name, m in methods.items():
         offline = m["flops_per_step"] * m["total_steps"]
-        online = offline + online_flops_per_step * m["total_steps"]
+        online = offline + online_flops_per_forward * m["online_target_forwards"]
         out[name] = {
             "total_flops_offline": offline, "total_flops_online": online,
             "gpu_hours_offline": gpu_hours(offline, hw["gpu_tflops"], hw["mfu"]),
@@ -354,7 +366,7 @@ def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[lis
     mb = int(cfg["train"]["micro_batch"])
     fwd = measure_target_forward(target, synthetic_batch(mb, data["tokens_per_sample"], 0, target.vocab_size,
                                                          len(layers), target.hidden_size), layers)
-    online_per_step = fwd * (int(cfg["train"]["global_batch"]) // mb)
+    online_per_step = fwd * online_target_forwards(cfg["train"], 1)  # fwd: one micro batch's forward
     names = methods or list(cfg["train"]["methods"])
     per_method = {m: method_section(m, cfg, target, data) for m in names}
     text = target.text_config
@@ -368,8 +380,9 @@ def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[lis
         "hardware": hw, "data": data,
         "cache": cache_section(cfg, target, data, online_per_step),
         "drafters": {m: r["params"] for m, r in per_method.items()},
-        "training": {"methods": per_method, "target_forward_flops_per_sequence": fwd,
-                     "totals": training_totals(per_method, online_per_step, hw)},
+        "training": {"methods": per_method, "target_forward_flops_per_micro_batch": fwd,
+                     "target_forward_flops_per_token": fwd / (mb * data["tokens_per_sample"]),
+                     "totals": training_totals(per_method, fwd, hw)},
         "evaluation": eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
     }
 
@@ -400,14 +413,16 @@ def format_plan(plan: dict) -> str:
                                        f"({c['dtype']}) + 4 B id + 1 B loss mask"),
             ("cache: offline total", f"{_human(c['offline_total_bytes'])} = {_n(c['offline_total_bytes'])}B ({_n(d['tokens'])} tokens); "
                                      f"cache.mode here: {c['mode']}"),
-            ("cache: online extra per step", f"target forward {_n(c['online_target_forward_flops_per_step'])}FLOP")]
+            ("cache: online extra per step", f"target forward {_n(c['online_target_forward_flops_per_step'])}FLOP "
+                                             f"(one per micro batch, {_n(tr['target_forward_flops_per_token'])}FLOP per token)")]
     for m, r in tr["methods"].items():
         p, mem, tot = r["params"], r["activation_memory_at_max_length"], tr["totals"][m]
         rows += [(f"{m}: parameters", f"trainable {_n(p['trainable'])}, frozen {_n(p['frozen_own'])} own + "
                                       f"{_n(p['frozen_shared_target'])} target embedding/head"),
                  (f"{m}: FLOPs per step", f"{_n(r['flops_per_step'])}FLOP measured (fwd+bwd, {r['micro_batches_per_step']} "
                                           f"micro-batches of {_n(r['flops_per_micro_batch'])}FLOP)"),
-                 (f"{m}: steps", f"{r['steps_per_epoch']:,} per epoch, {r['total_steps']:,} in total"),
+                 (f"{m}: steps", f"{r['steps_per_epoch']:,} per epoch, {r['total_steps']:,} in total "
+                                 f"({r['online_target_forwards']:,} target forwards online)"),
                  (f"{m}: activations/micro-batch", f"{_human(mem['peak_activation_bytes'])} at length {d['max_length']} "
                                                    f"(saved {_human(mem['saved_bytes'])} + largest tensor {_human(mem['largest_tensor_bytes'])})"),
                  (f"{m}: memory per GPU", "{} = target {} + drafter {} + gradients {} + Adam {}{} + activations {} "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from ..architectures import check_model_type
+from ..config import REPO_ROOT
 from ..errors import DeepSpecError
 from ..paths import RunPaths
 from .methods import fig3_methods, fig4_methods, resolve_method
@@ -16,18 +18,29 @@ from .methods import fig3_methods, fig4_methods, resolve_method
 BUILTIN_LAYERS = {"smollm2-135m": 30}
 
 
-def target_num_layers(cfg: dict):
-    """The target's decoder depth when it can be known offline: the prepared
-    checkpoint's config, the builtin specs, or a local hub cache; else None."""
-    spec = cfg["target"]["spec"]
-    prepared = RunPaths.of(cfg).target_checkpoint() / "config.json"
-    if prepared.exists():
-        c = json.loads(prepared.read_text())
-        return (c.get("text_config") or c).get("num_hidden_layers")
+def _offline_text_config(cfg: dict):
+    """(the target's text config fields, where from) when known without loading it: the
+    prepared checkpoint's config, the shipped architecture facts, the builtin tiny specs; else None."""
+    t = cfg["target"]
+    for path in (RunPaths.of(cfg).target_checkpoint() / "config.json", REPO_ROOT / "config" / "targets" / f"{t['name']}.json"):
+        if path.exists():
+            c = json.loads(path.read_text())
+            return (c.get("text_config") or c), str(path)
     from .target import TINY_SPECS, tiny_config
 
-    if spec in TINY_SPECS:
-        return tiny_config(TINY_SPECS[spec]).num_hidden_layers
+    if t["spec"] in TINY_SPECS:  # the builtin random targets
+        c = tiny_config(TINY_SPECS[t["spec"]])
+        return {"model_type": c.model_type, "num_hidden_layers": c.num_hidden_layers}, t["spec"]
+    return None, None
+
+
+def target_num_layers(cfg: dict):
+    """The target's decoder depth when it can be known offline: the prepared
+    checkpoint's config, the architecture facts, the builtin specs, or a local hub cache; else None."""
+    spec = cfg["target"]["spec"]
+    c, _ = _offline_text_config(cfg)
+    if c is not None:
+        return c.get("num_hidden_layers")
     if spec in BUILTIN_LAYERS:
         return BUILTIN_LAYERS[spec]
     try:
@@ -53,6 +66,9 @@ def preflight(cfg: dict) -> None:
         if name not in cfg["data"]["benchmarks"]:
             raise DeepSpecError(f"eval.speed_benchmarks: '{name}' is not a benchmark of this preset "
                                 f"({', '.join(cfg['data']['benchmarks'])})")
+    text, where = _offline_text_config(cfg)
+    if text is not None and text.get("model_type") is not None:
+        check_model_type(text["model_type"], f"target {cfg['target']['spec']!r} ({where})")
     n = target_num_layers(cfg)
     for layer in cfg["target"]["feature_layers"]:
         if n is not None and not -1 <= int(layer) <= n - 2:

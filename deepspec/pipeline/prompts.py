@@ -8,6 +8,7 @@ line fails with one error naming file and line. On a user's machine a source
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Iterable, Optional
 
 from ..errors import DeepSpecError
 from ..files import iter_jsonl
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,12 +142,32 @@ def check_prompt_length(n_tokens: int, limit: int, where: str) -> None:
         raise DeepSpecError(f"{where}: prompt has {n_tokens} tokens, over the limit of {limit} (data.max_prompt_tokens)")
 
 
-def benchmark_prompt_ids(cfg: dict, target, benchmark: str) -> list:
+def benchmark_prompt_set(cfg: dict, target, benchmark: str) -> tuple[list, list[dict]]:
     """(Prompt, token ids) per benchmark prompt: first turn only, the target's chat
-    template, no system prompt, non-thinking; too-long prompts are an error."""
-    out = []
-    for p in load_benchmark(cfg, benchmark):
+    template, no system prompt, non-thinking. Prompts over data.max_prompt_tokens
+    are skipped, each named in a warning, and returned as the second value
+    ({sample_id, index, tokens}; index in the benchmark's sample), so that every
+    rule that reads a benchmark (baseline, evaluate) decodes the same prompts.
+    An empty prompt, or a benchmark with every prompt over the limit, is an error."""
+    limit, kept, skipped = cfg["data"]["max_prompt_tokens"], [], []
+    for i, p in enumerate(load_benchmark(cfg, benchmark)):
         ids = target.chat_ids([{"role": "user", "content": p.turns[0]}])
-        check_prompt_length(len(ids), cfg["data"]["max_prompt_tokens"], f"{benchmark} prompt {p.id}")
-        out.append((p, ids))
-    return out
+        if len(ids) > limit:
+            skipped.append({"sample_id": p.id, "index": i, "tokens": len(ids)})
+            continue
+        check_prompt_length(len(ids), limit, f"{benchmark} prompt {p.id}")
+        kept.append((p, ids))
+    if skipped:
+        log.warning(
+            "%s: %d prompt(s) over data.max_prompt_tokens=%d skipped: %s", benchmark, len(skipped), limit,
+            ", ".join(f"#{s['index']} {s['sample_id']} ({s['tokens']} tokens)" for s in skipped))
+    if not kept:
+        first = skipped[0]
+        check_prompt_length(first["tokens"], limit, f"{benchmark} prompt {first['sample_id']} (every prompt of "
+                                                    f"{benchmark} is over the limit)")
+    return kept, skipped
+
+
+def benchmark_prompt_ids(cfg: dict, target, benchmark: str) -> list:
+    """The decoded prompts of `benchmark_prompt_set` (over-long ones skipped with a warning)."""
+    return benchmark_prompt_set(cfg, target, benchmark)[0]

@@ -67,13 +67,15 @@ def build_table1(cfg) -> pd.DataFrame:
                              n_samples=s["n_samples_with_rounds"], rounds=s["rounds"], tau=_nan(s["tau"]),
                              tau_ci_low=_nan(s["tau_ci_low"]), tau_ci_high=_nan(s["tau_ci_high"]),
                              verify_rate=_nan(s["verify_rate"]), tokens_per_s=tps, speedup=tps / plain,
-                             tau_selfcheck=_nan(s["tau_selfcheck"])))
+                             tau_selfcheck=_nan(s["tau_selfcheck"]),
+                             skipped_prompts=s.get("n_skipped_prompts", 0)))
         for which in cfg["eval"]["baselines"]:
             tps = _baseline_tps(paths, bench, which)
             if not np.isnan(tps):
                 rows.append(dict(target=t, method=which, benchmark=bench, domain=spec["domain"],
                                  tokens_per_s=tps, speedup=tps / plain))
-    return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck"])
+    # skipped_prompts: the benchmark's prompts over data.max_prompt_tokens, left out of every method and baseline
+    return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"])
 
 
 def build_fig2(cfg, gamma: int | None = None) -> pd.DataFrame:

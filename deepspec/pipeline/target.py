@@ -11,6 +11,9 @@ A target spec is one of
     the SmolLM2 tokenizer (its ChatML template is Qwen3's without the thinking
     block), for the CPU dress rehearsal of the Qwen3 paper presets
     (config/presets/rehearsal-qwen3.yaml);
+  * ``tiny-gemma4-unified`` - the same with a 4-layer random gemma4_unified_text
+    decoder (the gemma4-12b target's text model: sliding and full attention,
+    keys as values), for CPU rehearsals of the Gemma4 paths;
   * a hub id or local path loadable by ``AutoModelForCausalLM`` (Qwen3, Llama,
     Gemma, ...).
 
@@ -40,8 +43,9 @@ log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tiny random targets with SmolLM2's tokenizer, by spec: their architecture for
-# `build_tiny` (``tiny-qwen3`` stands in for the Qwen3 paper targets on CPU).
-TINY_SPECS = {"tiny": "llama", "tiny-qwen3": "qwen3"}
+# `build_tiny` (``tiny-qwen3`` and ``tiny-gemma4-unified`` stand in for the paper
+# targets' architectures in the CPU rehearsals).
+TINY_SPECS = {"tiny": "llama", "tiny-qwen3": "qwen3", "tiny-gemma4-unified": "gemma4_unified"}
 BUILTIN = ("smollm2-135m", *TINY_SPECS)
 DEFAULT_RESOURCES = os.environ.get("DEEPSPEC_RESOURCES", "resources")  # without a preset
 
@@ -75,6 +79,9 @@ TINY_GEMMA4_CONFIG = dict(
     sliding_window=8, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
 )
 TINY_GEMMA4_SEED = 0
+# The same decoder as transformers' gemma4_unified_text (google/gemma-4-12B-it's text
+# model, which has no per-layer inputs or MoE block).
+TINY_GEMMA4_UNIFIED_CONFIG = {k: v for k, v in TINY_GEMMA4_CONFIG.items() if k != "hidden_size_per_layer_input"}
 
 # Tiny Qwen3 model (tests only; the qwen3-* presets' architecture, q/k RMSNorm per
 # head): the tiny target's widths with 3 layers, head_dim 16, untied head, its own
@@ -116,7 +123,8 @@ def _load_smollm2_gguf(dtype=torch.float32):
 
 def tiny_config(arch: str = "llama", tokenizer=None, **overrides):
     """The config of a tiny random model: ``llama`` (the ``tiny`` spec; vocabulary
-    and special ids from `tokenizer`), ``gemma4`` (a Gemma4TextConfig) or ``qwen3``."""
+    and special ids from `tokenizer`), ``gemma4`` (a Gemma4TextConfig), ``gemma4_unified``
+    (a Gemma4UnifiedTextConfig, the gemma4-12b target's text model) or ``qwen3``."""
     if arch == "llama":
         from transformers import LlamaConfig as config_cls
 
@@ -125,12 +133,16 @@ def tiny_config(arch: str = "llama", tokenizer=None, **overrides):
         from transformers import Gemma4TextConfig as config_cls
 
         base = TINY_GEMMA4_CONFIG
+    elif arch == "gemma4_unified":
+        from transformers import Gemma4UnifiedTextConfig as config_cls
+
+        base = TINY_GEMMA4_UNIFIED_CONFIG
     elif arch == "qwen3":
         from transformers import Qwen3Config as config_cls
 
         base = TINY_QWEN3_CONFIG
     else:
-        raise DeepSpecError(f"unknown tiny architecture {arch!r}: use llama, gemma4 or qwen3")
+        raise DeepSpecError(f"unknown tiny architecture {arch!r}: use llama, gemma4, gemma4_unified or qwen3")
     if tokenizer is not None:
         base = dict(base, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -150,10 +162,11 @@ def build_tiny(arch: str = "llama", tokenizer=None, *, multimodal: bool = False,
         cfg = transformers.Gemma4Config(text_config=cfg.to_dict(), vision_config=None, audio_config=None)
         model_cls = transformers.Gemma4ForConditionalGeneration
     else:
-        model_cls = {"gemma4": transformers.Gemma4ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}.get(
-            arch, transformers.LlamaForCausalLM)
+        model_cls = {"gemma4": transformers.Gemma4ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                     "gemma4_unified": transformers.Gemma4UnifiedForCausalLM}.get(arch, transformers.LlamaForCausalLM)
     with torch.random.fork_rng():
-        torch.manual_seed({"gemma4": TINY_GEMMA4_SEED, "qwen3": TINY_QWEN3_SEED}.get(arch, TINY_SEED))
+        torch.manual_seed({"gemma4": TINY_GEMMA4_SEED, "gemma4_unified": TINY_GEMMA4_SEED,
+                           "qwen3": TINY_QWEN3_SEED}.get(arch, TINY_SEED))
         model = model_cls(cfg)
     with torch.no_grad():  # sharpen the output: entropy ~2 nats instead of ~9.5 (Llama)
         model.get_decoder().norm.weight.fill_(TINY_FINAL_NORM_SCALE)
@@ -333,7 +346,7 @@ def load_tokenizer(cfg: dict):
 
 def cli_prepare_target(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec prepare-target", description="convert or download a target into a plain HF checkpoint")
-    p.add_argument("spec", help="smollm2-135m | tiny | tiny-qwen3 | hub id | local path")
+    p.add_argument("spec", help="smollm2-135m | tiny | tiny-qwen3 | tiny-gemma4-unified | hub id | local path")
     p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub target")
     args = p.parse_args(argv)

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 
+from ..architectures import check_model_type
 from ..config import REPO_ROOT
 from ..core.target import Target
 from ..errors import DeepSpecError
 from ..paths import RunPaths
+from .target import TINY_SPECS
 
 log = logging.getLogger(__name__)
 
 FACTS_DIR = REPO_ROOT / "config" / "targets"
 SOURCE_KEY = "deepspec_source"
-# gemma4_unified's text decoder is planned as a Gemma4 text model (the drafters' Gemma4 blocks)
-TEXT_MODEL_TYPES = {"gemma4_unified_text": "gemma4_text", "gemma4_unified": "gemma4_text"}
 COMPARED_SKIP = {SOURCE_KEY, "torch_dtype", "dtype", "transformers_version", "use_cache"}
 
 
@@ -43,9 +43,9 @@ def load_facts(cfg: dict) -> tuple[dict, str]:
     for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
-    from .target import TINY_SPECS, tiny_config
-
     if t["spec"] in TINY_SPECS:
+        from .target import tiny_config
+
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
         c = tiny_config(TINY_SPECS[t["spec"]], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
@@ -104,7 +104,8 @@ def target_config(facts: dict):
     fields = {k: v for k, v in facts.items() if k != SOURCE_KEY}
     if isinstance(fields.get("text_config"), dict):  # multimodal wrapper: plan its decoder
         fields = dict(fields["text_config"], tie_word_embeddings=fields.get("tie_word_embeddings", True))
-    model_type = TEXT_MODEL_TYPES.get(fields.get("model_type"), fields.get("model_type"))
+    model_type = fields.get("model_type")
+    check_model_type(model_type, "the target's architecture facts")
     fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "torch_dtype", "dtype",
                                                              "transformers_version", "_name_or_path")}
     return AutoConfig.for_model(model_type, **fields)

@@ -180,6 +180,7 @@ class TrainResult:
     elapsed_s: float  # training wall time of this invocation
     positions_per_s: float  # predicted positions per second, all processes
     sequences_per_s: float
+    counters: Optional[dict] = None  # train(counters=...) summed over processes, this invocation
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -262,6 +263,7 @@ def train(
     resume: Optional[bool] = None,
     device: str = "cpu",
     fingerprint: Optional[str] = None,
+    counters: Optional[Callable[[], dict]] = None,
 ) -> TrainResult:
     """Train `model` on `dataset` with the recipe of the module docstring.
 
@@ -270,7 +272,9 @@ def train(
     checkpoint with the same fingerprint is resumed. resume: None resumes from
     the newest intact checkpoint of this fingerprint and otherwise starts
     afresh (saying why), True requires one, False starts afresh (deleting old
-    checkpoints). The output directory is locked while training.
+    checkpoints). The output directory is locked while training. counters:
+    a process's integer counts (e.g. `OnlineFeatures.counters`), summed over
+    processes into the result and train_summary.json.
     """
     from accelerate import PartialState
 
@@ -278,7 +282,7 @@ def train(
     state = PartialState(cpu=_use_cpu(device))
     with training_lock(out, enabled=state.is_main_process):
         return _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device,
-                             fingerprint or training_fingerprint(_result_settings(train_cfg), len(dataset)))
+                             fingerprint or training_fingerprint(_result_settings(train_cfg), len(dataset)), counters)
 
 
 def _result_settings(train_cfg: dict) -> dict:
@@ -286,7 +290,8 @@ def _result_settings(train_cfg: dict) -> dict:
     return {k: v for k, v in train_cfg.items() if f"train.{k}" not in EXECUTION_KEYS}
 
 
-def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device, fingerprint) -> TrainResult:
+def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device, fingerprint,
+                  counters=None) -> TrainResult:
     from accelerate import PartialState
 
     world = PartialState(cpu=_use_cpu(device)).num_processes
@@ -316,7 +321,8 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
 
     ran = total - start
     positions_all = float(acc.reduce(torch.tensor(positions_run, device=acc.device), "sum")) if world > 1 else positions_run
-    result = TrainResult(out, total, ran, elapsed, positions_all / max(elapsed, 1e-9), ran * g / max(elapsed, 1e-9))
+    result = TrainResult(out, total, ran, elapsed, positions_all / max(elapsed, 1e-9), ran * g / max(elapsed, 1e-9),
+                         _summed(acc, counters() if counters else {}, world))
     if acc.is_main_process:
         _save_final(model, out, result, train_cfg)
     acc.wait_for_everyone()
@@ -325,6 +331,16 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
         ran, elapsed, result.positions_per_s, result.sequences_per_s, out,
     )
     return result
+
+
+def _summed(acc, counts: dict, world: int) -> dict:
+    """Integer counters summed over processes (same keys on every process)."""
+    if world > 1 and counts:
+        vec = acc.reduce(torch.tensor(list(counts.values()), dtype=torch.float64, device=acc.device), "sum")
+        counts = dict(zip(counts, (int(x) for x in vec.tolist())))
+    if counts:
+        log.info("counts of this run: %s", ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+    return counts
 
 
 def _trainable_params(model: torch.nn.Module, acc) -> list:
@@ -481,6 +497,7 @@ def _save_final(model, out: Path, result: TrainResult, train_cfg: dict) -> None:
     write_json_atomic(tmp / "train_summary.json", {
         "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
         "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
+        **(result.counters or {}),
     })
     names = sorted(p.name for p in tmp.iterdir())
     for name in [x for x in names if x != "config.json"] + ["config.json"]:
@@ -511,7 +528,7 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     from .. import drafters
     from .methods import resolve_method
     from .target import target_from_config
-    from .train_data import collate, make_train_dataset, token_counts
+    from .train_data import make_train_dataset, token_counts, train_collate
 
     base, cfg = resolve_method(cfg, method)
     device = cfg["target"]["device"]
@@ -529,8 +546,9 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     # every setting that changes the result (the variant's, after resolve_method) and the data
     fingerprint = training_fingerprint(method, rule_settings(cfg, "train"), dataset.fingerprint)
     log.info("training %s (%s) on %s -> %s (fingerprint %s)", method, base, cfg["target"]["name"], out, fingerprint)
-    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=collate, resume=resume, device=device,
-                 fingerprint=fingerprint)
+    collate_fn = train_collate(dataset)  # online: one target forward per micro batch, counted
+    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=collate_fn, resume=resume, device=device,
+                 fingerprint=fingerprint, counters=getattr(collate_fn, "counters", None))
 
 
 def cli_train(argv=None) -> int:

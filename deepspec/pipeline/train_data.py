@@ -2,26 +2,28 @@
 (`deepspec.pipeline.cache`), or over the same features computed from the
 target on the fly (``cache.mode: online``), and their batches.
 
-Both yield identical samples for the same data: ``input_ids`` long [L],
-``loss_mask`` bool [L], ``features`` float32 [L, m*d] (the feature layers,
-rounded through the cache dtype) and ``last_hidden`` float32 [L, d];
-`collate` pads them into a batch (docs/INTERFACES.md).
+The cache's samples are ``input_ids`` long [L], ``loss_mask`` bool [L],
+``features`` float32 [L, m*d] (the feature layers, rounded through the cache
+dtype) and ``last_hidden`` float32 [L, d]; `collate` pads them into a batch
+(docs/INTERFACES.md). Online samples are the tokens alone, and their collate
+function, `OnlineFeatures`, adds the same features from one target forward
+per micro batch on the training device (`train_collate` picks it).
 """
 from __future__ import annotations
 
 import json
 import os
-from collections import OrderedDict
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import DeepSpecError
 from ..paths import RunPaths
 from ..files import sha256_file
-from .cache import DTYPES, compute_rows, data_fingerprint, forward_plan, validate_cache
-from .conversations import TokenizedSample, tokenized_samples
+from .cache import DTYPES, data_fingerprint, forward_features, validate_cache
+from .conversations import TokenArrays, tokenized_samples
 
 
 def _sample_dict(ids, mask, feats, last) -> dict:
@@ -76,51 +78,59 @@ class CacheDataset(torch.utils.data.Dataset):
 
 
 class OnlineDataset(torch.utils.data.Dataset):
-    """The same samples as `CacheDataset`, computed from the target on demand.
+    """The tokens of the same samples as `CacheDataset`, without features: in
+    online mode the features come from the target, one forward per training
+    micro batch, computed by `OnlineFeatures` (the collate function)."""
 
-    Sample i is computed in its cache forward batch (`forward_plan`) and rounded
-    through cache.dtype, so it is bit-identical to the cached one. Computed
-    batches are kept (in cache.dtype) up to `memo_bytes`, least recently used
-    first out: a small training set is computed once per run whatever the
-    read order; beyond that, reading in `forward_order()` costs one forward
-    per batch and arbitrary order up to one batch forward per sample.
-    """
-
-    def __init__(self, cfg: dict, target, samples: Sequence[TokenizedSample], memo_bytes: int = 1 << 30):
-        self.target, self.samples = target, list(samples)
-        self.layers = list(cfg["target"]["feature_layers"])
-        self.dtype = DTYPES[cfg["cache"]["dtype"]]
-        self.ids = [s.id for s in self.samples]
-        self.fingerprint = data_fingerprint(cfg, target.target_id, self.samples)  # the data's, same as the cache's
-        self.batches = forward_plan([len(s.input_ids) for s in self.samples], cfg)
-        self._batch_of = {j: b for b, batch in enumerate(self.batches) for j in batch}
-        self._memo: OrderedDict[int, dict] = OrderedDict()
-        self._memo_bytes, self._budget = 0, memo_bytes
+    def __init__(self, cfg: dict, target, samples: TokenArrays):
+        self.samples = samples  # memory-mapped, shared by the processes of a machine
+        self.ids = list(samples.sample_ids)
+        self.features = OnlineFeatures(cfg, target)
+        # At micro batch 1 the features equal those of a cache built at
+        # cache.batch_size 1, and so does the fingerprint; else the forward
+        # batches are the micro batches (their composition is in the train settings).
+        micro = int(cfg["train"]["micro_batch"])
+        same_as = {**cfg, "cache": {**cfg["cache"], "batch_size": 1 if micro == 1 else f"online micro_batch {micro}"}}
+        self.fingerprint = data_fingerprint(same_as, target.target_id, self.samples)
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def forward_order(self) -> list[int]:
-        """Sample indices grouped by forward batch (efficient iteration order)."""
-        return [j for batch in self.batches for j in batch]
-
-    @staticmethod
-    def _nbytes(rows: dict) -> int:
-        return sum(f.nbytes + h.nbytes for f, h in rows.values())
-
     def __getitem__(self, i: int) -> dict:
-        b = self._batch_of[i]
-        if b not in self._memo:
-            batch = self.batches[b]
-            rows = dict(zip(batch, compute_rows(self.target, self.layers, [self.samples[j] for j in batch], self.dtype)))
-            self._memo[b] = rows
-            self._memo_bytes += self._nbytes(rows)
-            while self._memo_bytes > self._budget and len(self._memo) > 1:
-                self._memo_bytes -= self._nbytes(self._memo.popitem(last=False)[1])
-        self._memo.move_to_end(b)
         s = self.samples[i]
-        feats, last = self._memo[b][i]
-        return _sample_dict(s.input_ids, s.loss_mask, feats, last)
+        return {"input_ids": torch.from_numpy(np.array(s.input_ids, dtype=np.int64)),
+                "loss_mask": torch.from_numpy(np.array(s.loss_mask, dtype=bool))}
+
+
+class OnlineFeatures:
+    """The online-mode collate function: pads a micro batch's token samples
+    (`collate`) and adds its features from ONE target forward over exactly those
+    sequences, on the target's (the training) device, rounded through
+    cache.dtype and then float32 there (as `CacheDataset` reads the cache);
+    padded positions are zero. Counts the forwards it ran (`forwards`) and the
+    real and padded tokens they covered (`tokens`, `padded_tokens`)."""
+
+    def __init__(self, cfg: dict, target):
+        self.target = target
+        self.layers = list(cfg["target"]["feature_layers"])
+        self.dtype = DTYPES[cfg["cache"]["dtype"]]
+        self.forwards = self.tokens = self.padded_tokens = 0
+
+    def __call__(self, samples: Sequence[dict]) -> dict:
+        batch = collate(samples)
+        feats, last = forward_features(self.target, self.layers, [s["input_ids"] for s in samples], self.dtype)
+        keep = batch["attention_mask"].to(feats.device)[..., None]
+        batch["features"] = feats.float().masked_fill_(~keep, 0.0)
+        batch["last_hidden"] = last.float().masked_fill_(~keep, 0.0)
+        self.forwards += 1
+        self.tokens += int(batch["attention_mask"].sum())
+        self.padded_tokens += batch["attention_mask"].numel()
+        return batch
+
+    def counters(self) -> dict:
+        """What the summary reports (`train.run_from_config`)."""
+        return {"online_target_forwards": self.forwards, "online_target_tokens": self.tokens,
+                "online_target_padded_tokens": self.padded_tokens}
 
 
 def make_train_dataset(
@@ -149,13 +159,20 @@ def make_train_dataset(
     return CacheDataset(d, m)
 
 
+def train_collate(dataset) -> Callable[[Sequence[dict]], dict]:
+    """The collate function of a training dataset: `OnlineFeatures` for online
+    samples (the target forward), else `collate`."""
+    return dataset.features if isinstance(dataset, OnlineDataset) else collate
+
+
 def collate(samples: Sequence[dict]) -> dict:
-    """Right-pad samples to [N, Lmax] (zeros / False) and add attention_mask bool [N, Lmax]."""
+    """Right-pad samples to [N, Lmax] (zeros / False) and add attention_mask bool
+    [N, Lmax]; the keys of the first sample (online samples have no features)."""
     if not samples:
         raise ValueError("collate: empty batch")
     N, L = len(samples), max(s["input_ids"].shape[0] for s in samples)
     out = {"attention_mask": torch.zeros((N, L), dtype=torch.bool)}
-    for k in ("input_ids", "loss_mask", "features", "last_hidden"):
+    for k in [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k in samples[0]]:
         first = samples[0][k]
         out[k] = torch.zeros((N, L, *first.shape[1:]), dtype=first.dtype)
         for r, s in enumerate(samples):
@@ -172,9 +189,10 @@ def token_counts(dataset, vocab_size: int) -> torch.Tensor:
     over the samples."""
     from ..drafters import count_tokens
 
-    if all(hasattr(s, "input_ids") and hasattr(s, "loss_mask") for s in getattr(dataset, "samples", [None])):
-        pairs = [(s.input_ids, s.loss_mask) for s in dataset.samples]
-    else:
-        pairs = [(s["input_ids"], s["loss_mask"]) for s in (dataset[i] for i in range(len(dataset)))]
+    samples = getattr(dataset, "samples", None)
+    if isinstance(samples, TokenArrays):  # the assistant tokens of the whole mapped array at once
+        ids = torch.from_numpy(np.asarray(samples.input_ids)[np.asarray(samples.loss_mask)].astype(np.int64))
+        return count_tokens([ids], vocab_size)
+    pairs = [(s["input_ids"], s["loss_mask"]) for s in (dataset[i] for i in range(len(dataset)))]
     ids, masks = zip(*pairs)
     return count_tokens(ids, vocab_size, list(masks))
