@@ -1,6 +1,8 @@
 """Dress rehearsal of the paper presets on CPU (config/presets/rehearsal-*.yaml):
 a paper preset in every setting but the target (a tiny random one) and the sizes
 two CPU cores force, run end to end through the DAG, then `plan` on the same preset.
+rehearsal-qwen3 rehearses qwen3-4b (tiny-qwen3), rehearsal-gemma4 gemma4-12b
+(tiny-gemma4-unified: the gemma4_unified classes).
 
 The allow-list below is every key that may differ from the paper preset: a new
 paper setting the rehearsal does not follow, or a difference that is no longer
@@ -19,33 +21,33 @@ import pytest
 from deepspec.config import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_convert import _reference_config, write_reference  # noqa: E402
+from test_convert import _gemma4_reference_config, _reference_config, write_reference  # noqa: E402
 from test_workflow import _copy_workflow, _snakemake  # noqa: E402
 
-# rehearsal preset -> (paper preset, keys that may differ, as dotted paths)
-REHEARSALS = {
-    "rehearsal-qwen3": ("qwen3-4b", {
-        # the target: a tiny random Qwen3 (3 layers) with the SmolLM2 tokenizer, float32 on CPU
-        "preset", "description", "target.name", "target.spec", "target.feature_layers", "target.dtype",
-        "target.device", "drafter.mask_token_id",
-        # local prompt files in place of Open-PerfectBlend (hub), a few prompts each; plan counts them
-        "data.train", *(f"data.benchmarks.{b}.cap" for b in ("gsm8k", "math500", "aime25", "mbpp", "humaneval",
-                                                             "livecodebench", "mt-bench", "alpaca", "arena-hard")),
-        "plan.train_prompts", "plan.prompt_tokens", "plan.answer_tokens",
-        # sizes: sequence and answer lengths, steps, batches
-        "data.max_length", "regenerate.max_new_tokens", "train.epochs", "train.global_batch",
-        "train.num_anchors", "eval.max_new_tokens", "eval.speed_benchmarks",
-        # the regeneration server: deepspec serve on CPU in place of vLLM on 8 GPUs
-        *(f"regenerate.server.{k}" for k in ("command", "gpus", "port", "threads", "mem_mb")),
-        # CPU: two training processes, no GPUs, small scheduler resources
-        "train.gpus", "train.processes", "eval.gpus", *(f"resources.{r}.{k}" for r, ks in {
-            "regenerate": ("threads", "mem_mb", "runtime"), "build_cache": ("gpu", "mem_mb", "runtime"),
-            "train": ("gpu", "mem_mb", "runtime", "threads"), "evaluate": ("gpu", "mem_mb", "runtime", "threads"),
-        }.items() for k in ks),
-        # a synthetic released-layout checkpoint (written by the end-to-end test)
-        "eval.released_checkpoints", "eval.released_checkpoints.dflash",
-    }),
+# the keys a rehearsal may change in its paper preset, as dotted paths
+ALLOWED = {
+    # the target: a tiny random one with the SmolLM2 tokenizer, float32 on CPU
+    "preset", "description", "target.name", "target.spec", "target.feature_layers", "target.dtype",
+    "target.device", "drafter.mask_token_id",
+    # local prompt files in place of Open-PerfectBlend (hub), a few prompts each; plan counts them
+    "data.train", *(f"data.benchmarks.{b}.cap" for b in ("gsm8k", "math500", "aime25", "mbpp", "humaneval",
+                                                         "livecodebench", "mt-bench", "alpaca", "arena-hard")),
+    "plan.train_prompts", "plan.prompt_tokens", "plan.answer_tokens",
+    # sizes: sequence and answer lengths, steps, batches
+    "data.max_length", "regenerate.max_new_tokens", "train.epochs", "train.global_batch",
+    "train.num_anchors", "eval.max_new_tokens", "eval.speed_benchmarks",
+    # the regeneration server: deepspec serve on CPU in place of vLLM on 8 GPUs
+    *(f"regenerate.server.{k}" for k in ("command", "gpus", "port", "threads", "mem_mb")),
+    # CPU: two training processes, no GPUs, small scheduler resources
+    "train.gpus", "train.processes", "eval.gpus", *(f"resources.{r}.{k}" for r, ks in {
+        "regenerate": ("threads", "mem_mb", "runtime"), "build_cache": ("gpu", "mem_mb", "runtime"),
+        "train": ("gpu", "mem_mb", "runtime", "threads"), "evaluate": ("gpu", "mem_mb", "runtime", "threads"),
+    }.items() for k in ks),
+    # a synthetic released-layout checkpoint (written by the end-to-end test)
+    "eval.released_checkpoints", "eval.released_checkpoints.dflash",
 }
+# rehearsal preset -> its paper preset (the tiny Gemma4 target: the gemma4_unified classes)
+REHEARSALS = {"rehearsal-qwen3": "qwen3-4b", "rehearsal-gemma4": "gemma4-12b"}
 
 
 def _leaves(node, prefix=""):
@@ -60,42 +62,13 @@ def _leaves(node, prefix=""):
 
 @pytest.mark.parametrize("rehearsal", sorted(REHEARSALS))
 def test_rehearsal_differs_from_its_paper_preset_only_where_allowed(rehearsal):
-    paper, allowed = REHEARSALS[rehearsal]
+    paper, allowed = REHEARSALS[rehearsal], ALLOWED
     a, b = _leaves(load_config(rehearsal)), _leaves(load_config(paper))
     differ = {k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>")}
     assert differ - allowed == set(), "settings that differ from the paper preset without being allowed"
     assert allowed - differ == set(), "allowed differences that no longer differ: remove them from the list"
     cfg = load_config(rehearsal)
     assert cfg["cache"]["mode"] == "online" and cfg["train"]["processes"] == 2 and cfg["train"]["gpus"] == 0
-
-
-def test_tiny_qwen3_spec(tmp_path):
-    """The rehearsal's target: a Qwen3 model (q/k norms, untied head) with the real
-    SmolLM2 tokenizer and its ChatML template, known to preflight and plan before
-    it is prepared, and deterministic."""
-    import torch
-
-    from deepspec.pipeline.preflight import target_num_layers
-    from deepspec.pipeline.target import build_tiny, load_target, prepare_target
-    from deepspec.pipeline.target_facts import load_facts
-
-    cfg = load_config("rehearsal-qwen3", {"resources_dir": str(tmp_path / "resources")})
-    facts, _ = load_facts(cfg)  # not prepared yet: from tiny_config
-    assert target_num_layers(cfg) == 3
-    t = load_target("tiny-qwen3", path=prepare_target("tiny-qwen3", tmp_path / "a"))
-    assert t.model.config.model_type == "qwen3" and not t.model.config.tie_word_embeddings
-    assert any(k.endswith("self_attn.q_norm.weight") for k in t.model.state_dict())
-    real = t.model.config.to_dict()
-    assert {k: facts[k] for k in ("vocab_size", "num_hidden_layers", "hidden_size", "head_dim", "eos_token_id")} == \
-        {k: real[k] for k in ("vocab_size", "num_hidden_layers", "hidden_size", "head_dim", "eos_token_id")}
-    assert t.model.config.vocab_size == len(t.tokenizer) == 49152
-    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]
-    text = t.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n" \
-                   "<|im_start|>assistant\n"
-    assert t.tokenizer.convert_ids_to_tokens(cfg["drafter"]["mask_token_id"]) == "<empty_output>"
-    again = build_tiny("qwen3", t.tokenizer).state_dict()  # the same weights again (the tests' synthetic checkpoint)
-    assert all(torch.equal(v, again[k]) for k, v in t.model.state_dict().items())
 
 
 def _released_checkpoint(cfg, method: str, out: Path) -> Path:
@@ -108,9 +81,16 @@ def _released_checkpoint(cfg, method: str, out: Path) -> Path:
 
     spec = cfg["target"]["spec"]
     target = load_target(spec, path=prepare_target(spec, out.parent / "target"))
+    # the SmolLM2 tokenizer: ChatML (Qwen3's template without the thinking block), the mask token unused in text
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]
+    assert target.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert target.tokenizer.convert_ids_to_tokens(cfg["drafter"]["mask_token_id"]) == "<empty_output>"
     torch.manual_seed(0)
     d = build_drafter(method, target, cfg).eval()
-    ref = dict(_reference_config(d, target), mask_token_id=cfg["drafter"]["mask_token_id"])
+    gemma4 = target.config.get_text_config().model_type.startswith("gemma4")
+    ref = _gemma4_reference_config(d, target, "per_layer") if gemma4 else _reference_config(d, target)
+    ref["mask_token_id"] = cfg["drafter"]["mask_token_id"]
     return write_reference(d, target, out, config=ref, shards=2)
 
 
@@ -119,7 +99,8 @@ def _released_checkpoint(cfg, method: str, out: Path) -> Path:
 def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
     """The whole DAG (figures/fig2.pdf) on the rehearsal preset: online features,
     two training processes, the released-layout checkpoint converted and evaluated
-    beside the trained drafters; then `plan` on the same preset."""
+    beside the trained drafters; then `plan` on the same preset, whose online
+    target forwards are the ones the run counted."""
     cfg = load_config(rehearsal, {"data": {"root": str(shared_data)}})
     released = cfg["eval"]["released_checkpoints"]
     for method, rel in released.items():
@@ -160,8 +141,11 @@ def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
     out = tmp_path / "plan.json"
     p = _run_deepspec(tmp_path, env, "plan", "--preset", rehearsal, "--offline", "--out", str(out))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    plan = json.loads(out.read_text())
-    assert plan["training"]["methods"]
+    plan = json.loads(out.read_text())["training"]["methods"]
+    for method in set(cfg["train"]["methods"]) - set(released):  # the online cost plan predicts is what the run made
+        summary = json.loads((res / name / "drafters" / method / "train_summary.json").read_text())
+        assert summary["online_target_forwards"] > 0
+        assert plan[method]["online_target_forwards"] == summary["online_target_forwards"], method
 
 
 def _run_deepspec(cwd, env, *args):
