@@ -192,6 +192,8 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
     path = preset_path(preset)
     raw = resolve_base(path, _read_preset(path))
     raw.setdefault("preset", path.stem)
+    if overrides and "base" in overrides:
+        raise DeepSpecError(f"override 'base': a preset's base is set in the preset file ({path}), not by an override")
     if overrides:
         raw = deep_merge(raw, overrides)
     return validate(raw, source=str(path))

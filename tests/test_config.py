@@ -44,6 +44,46 @@ def test_unknown_preset():
         load_config("nope")
 
 
+def _preset(d, name, text):
+    (d / f"{name}.yaml").write_text(text)
+    return str(d / f"{name}.yaml")
+
+
+def test_base_preset_is_deep_merged_under_the_file(tmp_path):
+    """`base:` (a preset name or path): the base's keys under this file's, nested
+    mappings merged key by key, lists and nulls replaced."""
+    paper = load_config("qwen3-4b")
+    mid = _preset(tmp_path, "mid", "base: qwen3-4b\ntrain: {epochs: 1}\ndata: {benchmarks: {gsm8k: {cap: 3}}}\n")
+    top = _preset(tmp_path, "top", f"base: {tmp_path / 'mid.yaml'}\n" "target: {feature_layers: [0, 1]}\nplan: {train_prompts: null}\n")
+    cfg = load_config(top, {"train": {"lr": 1e-3}})
+    assert cfg["preset"] == "top" and "base" not in cfg
+    assert cfg["train"]["epochs"] == 1 and cfg["train"]["global_batch"] == paper["train"]["global_batch"]
+    assert cfg["train"]["lr"] == 1e-3
+    assert cfg["data"]["benchmarks"]["gsm8k"] == dict(paper["data"]["benchmarks"]["gsm8k"], cap=3)
+    assert cfg["data"]["benchmarks"]["math500"] == paper["data"]["benchmarks"]["math500"]
+    assert cfg["target"]["feature_layers"] == [0, 1] and cfg["target"]["spec"] == paper["target"]["spec"]
+    assert cfg["plan"]["train_prompts"] is None and cfg["plan"]["answer_tokens"] == paper["plan"]["answer_tokens"]
+    assert load_config(mid)["target"]["feature_layers"] == paper["target"]["feature_layers"]
+
+
+def test_bad_base_is_one_line(tmp_path):
+    cases = {
+        "unknown": ("base: qwen3-4bb\n", r"unknown\.yaml: base: unknown preset 'qwen3-4bb' \(known: .*qwen3-4b"),
+        "self": (f"base: {tmp_path / 'self.yaml'}\n", r"base presets form a cycle \(self -> self\)"),
+        "a": (f"base: {tmp_path / 'b.yaml'}\n", r"base presets form a cycle \(a -> b -> a\)"),
+        "b": (f"base: {tmp_path / 'a.yaml'}\n", None),
+        "notname": ("base: [qwen3-4b]\n", r"invalid value for 'base'"),
+    }
+    paths = {name: _preset(tmp_path, name, text) for name, (text, _) in cases.items()}
+    for name, (_, msg) in cases.items():
+        if msg:
+            with pytest.raises(DeepSpecError, match=msg) as e:
+                load_config(paths[name])
+            assert "\n" not in str(e.value)
+    with pytest.raises(DeepSpecError, match="override 'base'"):
+        load_config("tiny", {"base": "qwen3-4b"})
+
+
 def test_cli_error_is_one_line():
     r = subprocess.run([sys.executable, "-m", "deepspec", "show-config", "--preset", "tiny", "--set", "eval.temprature=1"],
                        capture_output=True, text=True)

@@ -7,6 +7,10 @@ A target spec is one of
   * ``tiny`` - a randomly initialised 2-layer Llama-style model with the real
     SmolLM2 tokenizer, for tests (``build_tiny`` also makes a tiny Gemma4 model,
     held in memory by the tests);
+  * ``tiny-qwen3`` - the tiny random Qwen3 model (q/k norms, untied head) with
+    the SmolLM2 tokenizer (its ChatML template is Qwen3's without the thinking
+    block), for the CPU dress rehearsal of the Qwen3 paper presets
+    (config/presets/rehearsal-qwen3.yaml);
   * ``tiny-gemma4-unified`` - the same with a 4-layer random gemma4_unified_text
     decoder (the gemma4-12b target's text model: sliding and full attention,
     keys as values), for CPU rehearsals of the Gemma4 paths;
@@ -342,7 +346,7 @@ def load_tokenizer(cfg: dict):
 
 def cli_prepare_target(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec prepare-target", description="convert or download a target into a plain HF checkpoint")
-    p.add_argument("spec", help="smollm2-135m | tiny | tiny-gemma4-unified | hub id | local path")
+    p.add_argument("spec", help="smollm2-135m | tiny | tiny-qwen3 | tiny-gemma4-unified | hub id | local path")
     p.add_argument("--out", required=True, help="output directory (a plain HF checkpoint)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub target")
     args = p.parse_args(argv)
