@@ -428,8 +428,9 @@ def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, 
     from deepspec.pipeline import plan as P
 
     calls = []
-    features = tiny_target.features
-    monkeypatch.setattr(tiny_target, "features", lambda ids, *a, **k: calls.append(ids.shape[0]) or features(ids, *a, **k))
+    unbound = type(tiny_target).features  # on the class: an instance patch would outlive the test
+    monkeypatch.setattr(type(tiny_target), "features",
+                        lambda self, ids, *a, **k: calls.append(ids.shape[0]) or unbound(self, ids, *a, **k))
     monkeypatch.setattr("deepspec.pipeline.target.target_from_config", lambda cfg, **k: tiny_target)
     extra = ["train.global_batch=4", "train.micro_batch=2", "train.epochs=3"]
     argv = cli_argv(tmp_path, tiny_cfg, "dspark", *extra) + ["--max-steps", "3"]
