@@ -171,17 +171,23 @@ def check_verify_chi2(dev, small):
 
 def check_greedy_equal(dev, small):
     target, cfg = tiny_target(dev), tiny_cfg()
+    tokens, rounds = _greedy_equals_plain(target, cfg, dev, 24, "")
+    return {m: {"tokens": tokens, "rounds": r} for m, r in rounds.items()}
+
+
+def _greedy_equals_plain(target, cfg, dev, max_new_tokens, what):
+    """Greedy speculative decoding of every drafter equals plain decoding: (tokens, {method: rounds})."""
     prompt = list(range(5, 25))
-    plain = plain_generate(target, prompt, max_new_tokens=24, temperature=0.0).tokens
-    out = {}
+    plain = plain_generate(target, prompt, max_new_tokens=max_new_tokens, temperature=0.0).tokens
+    rounds = {}
     for method in METHODS:
         torch.manual_seed(0)
         d = build_drafter(method, target, cfg).to(dev).eval()
         spec = speculative_generate(target, d, prompt, feature_layers=cfg["target"]["feature_layers"],
-                                    max_new_tokens=24, temperature=0.0)
-        assert spec.tokens == plain, f"{method}: greedy speculative output differs from plain decoding"
-        out[method] = {"tokens": len(plain), "rounds": len(spec.rounds)}
-    return out
+                                    max_new_tokens=max_new_tokens, temperature=0.0)
+        assert spec.tokens == plain, f"{method}: {what}greedy speculative output differs from plain decoding"
+        rounds[method] = len(spec.rounds)
+    return len(plain), rounds
 
 
 def check_varying_flex(dev, small):
@@ -292,16 +298,7 @@ def check_gemma4(dev, small, arch="gemma4"):
     speculative decoding equals plain decoding for every drafter, and an engine run."""
     target = gemma4_target(dev, arch)
     cfg = tiny_cfg(layers=(0, 1, 2))  # sliding, full, sliding
-    prompt = list(range(5, 25))
-    plain = plain_generate(target, prompt, max_new_tokens=16, temperature=0.0).tokens
-    out = {}
-    for method in METHODS:
-        torch.manual_seed(0)
-        d = build_drafter(method, target, cfg).to(dev).eval()
-        spec = speculative_generate(target, d, prompt, feature_layers=cfg["target"]["feature_layers"],
-                                    max_new_tokens=16, temperature=0.0)
-        assert spec.tokens == plain, f"{method}: Gemma4 greedy speculative output differs from plain decoding"
-        out[f"{method}_rounds"] = len(spec.rounds)
+    out = {f"{m}_rounds": r for m, r in _greedy_equals_plain(target, cfg, dev, 16, "Gemma4 ")[1].items()}
     out["engine"] = _engine_round(target, cfg, dev, 4 if small else 16, 6 if small else 16)
     return out
 
