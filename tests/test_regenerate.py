@@ -9,7 +9,8 @@ import torch
 from deepspec.pipeline.prompts import Prompt
 from deepspec.errors import DeepSpecError
 from deepspec.pipeline.regen_shards import merge_shards, shard_of
-from deepspec.pipeline.regenerate import errors_path, filter_logits, regenerate, sample_next, settings_path
+from deepspec.pipeline.regenerate import errors_path, regenerate, settings_path
+from deepspec.pipeline.sampling import filter_logits, sample_next
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),

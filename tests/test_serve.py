@@ -17,8 +17,9 @@ import torch
 
 from deepspec.errors import DeepSpecError
 from deepspec.pipeline.prompts import Prompt
-from deepspec.pipeline.regenerate import (_answer_with_server, _chat_url, generate_batch, record_seed, server_urls,
+from deepspec.pipeline.regenerate import (_answer_with_server, _chat_url, record_seed, server_urls,
                                           wait_for_exit, wait_for_servers)
+from deepspec.pipeline.sampling import generate_batch
 from deepspec.pipeline.serve import serve
 
 REPO = Path(__file__).resolve().parents[1]

@@ -54,18 +54,17 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..config import rule_settings, settings_fingerprint
-from ..core.target import cache_kwarg
-from ..core.verify import sample
 from ..errors import DeepSpecError
 from ..files import read_json, write_json_atomic
 from ..paths import RunPaths
 from .conversations import with_system_prompt
 from .prompts import Prompt, load_train_prompts
+from .sampling import generate_batch
 
 log = logging.getLogger(__name__)
 
@@ -93,103 +92,6 @@ def record_seed(seed: int, record_id: str, turn: int) -> int:
     """A stable 63-bit seed per (run seed, record, turn)."""
     h = hashlib.sha256(f"{seed}\0{record_id}\0{turn}".encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
-# ---------------------------------------------------------------- sampling
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates after temperature, top-k, top-p and min-p (HF order).
-
-    Returns (logits [B, K], token ids [B, K]) sorted by decreasing logit,
-    -inf where filtered out; K = top_k (or the vocabulary when top_k == 0), so
-    the usual top_k = 20 never sorts the whole vocabulary.
-    """
-    logits = logits.float() / temperature
-    k = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
-    logits, ids = torch.topk(logits, k, dim=-1)  # sorted, descending
-    if top_p < 1.0:
-        p = torch.softmax(logits, dim=-1)
-        drop = (p.cumsum(-1) - p) >= top_p  # the mass before this token already reaches top_p
-        drop[..., 0] = False
-        logits = logits.masked_fill(drop, float("-inf"))
-    if min_p > 0.0:
-        p = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(p < min_p * p[..., :1], float("-inf"))
-    return logits, ids
-
-
-def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], rc: dict) -> torch.Tensor:
-    """One token per row, row r drawn with generators[r]; greedy when T == 0."""
-    if rc["temperature"] <= 0:
-        return logits.argmax(-1)
-    cand, ids = filter_logits(logits, rc["temperature"], rc["top_k"], rc["top_p"], rc["min_p"])
-    # one float64 uniform per row from that row's generator (core.verify.sample)
-    return ids.gather(-1, sample(torch.softmax(cand, dim=-1), list(generators))[:, None])[:, 0]
-
-
-@torch.no_grad()
-def generate_batch(
-    model,
-    prompts: list[list[int]],
-    generators: Sequence[torch.Generator],
-    rc: dict,
-    *,
-    eos_ids: Sequence[int],
-    pad_id: int,
-    on_step: Optional[Callable[[int], None]] = None,
-) -> list[list[int]]:
-    """Sample continuations of left-padded `prompts` with a KV cache.
-
-    Each row stops at its first EOS (included in the result) or after
-    rc['max_new_tokens']; finished rows are dropped from the batch (and its
-    cache) so they cost nothing more. `on_step(n)` reports n new tokens.
-    """
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    am = torch.zeros((B, L), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, L - len(p):] = torch.tensor(p)
-        am[r, L - len(p):] = 1
-    pos = (am.cumsum(-1) - 1).clamp_min(0)
-    ids, am, pos = ids.to(device), am.to(device), pos.to(device)
-    cache = DynamicCache(config=model.config)
-    ckw = cache_kwarg(model)
-    out = model(input_ids=ids, attention_mask=am, position_ids=pos, **{ckw: cache}, use_cache=True, logits_to_keep=1)
-    next_pos = pos[:, -1] + 1
-    alive = list(range(B))
-    gens = list(generators)
-    results: list[list[int]] = [[] for _ in range(B)]
-    eos = set(int(e) for e in eos_ids)
-    for step in range(rc["max_new_tokens"]):
-        toks = sample_next(out.logits[:, -1], gens, rc)
-        keep = []
-        for j, (r, t) in enumerate(zip(alive, toks.tolist())):
-            results[r].append(t)
-            if t not in eos:
-                keep.append(j)
-        if on_step:
-            on_step(len(alive))
-        if not keep or step == rc["max_new_tokens"] - 1:
-            break
-        if len(keep) < len(alive):
-            idx = torch.tensor(keep, device=device)
-            cache.batch_select_indices(idx)
-            am, next_pos, toks = am[idx], next_pos[idx], toks[idx]
-            alive, gens = [alive[j] for j in keep], [gens[j] for j in keep]
-        am = torch.cat([am, am.new_ones((len(alive), 1))], dim=1)
-        out = model(
-            input_ids=toks[:, None].to(device),
-            attention_mask=am,
-            position_ids=next_pos[:, None],
-            **{ckw: cache},
-            use_cache=True,
-        )
-        next_pos = next_pos + 1
-    return results
 
 
 # ---------------------------------------------------------------- output file

@@ -9,7 +9,7 @@ chat_template_kwargs.enable_thinking = false, and returns choices[0].message.con
 choices[0].finish_reason ("stop" or "length") and usage. ``GET /v1/models`` and
 ``GET /health`` are what the consumers poll before they start.
 
-Decoding is `regenerate.generate_batch` (the local backend's sampler), one
+Decoding is `sampling.generate_batch` (the local backend's sampler), one
 request at a time, each drawn from its own ``torch.Generator`` seeded with the
 request's ``seed`` (0 when absent), so the same request always gets the same
 answer. This is the CPU stand-in for vLLM/SGLang that lets the workflow's
@@ -96,7 +96,7 @@ class ChatServer:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "deepspec"}]}
 
     def complete(self, body: dict) -> dict:
-        from .regenerate import generate_batch
+        from .sampling import generate_batch
 
         msgs, rc, seed = sampling_of(body, self.max_tokens)
         model = body.get("model")
