@@ -16,6 +16,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from deepspec.pipeline import train as T
+from deepspec.pipeline.stopping import TrainingStopped
+from deepspec.pipeline.train_log import TIMING_COLS
 
 # --------------------------------------------------------------------------- stand-ins
 
@@ -210,7 +212,7 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
         assert torch.equal(p, q), n
     rows_ref, rows_res = read_log(tmp_path / "ref" / T.LOG_NAME), read_log(out / T.LOG_NAME)
     assert [r["step"] for r in rows_res] == [str(s) for s in range(1, 13)]
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in T.TIMING_COLS} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_COLS} for r in rows]  # noqa: E731
     assert strip(rows_ref) == strip(rows_res)
 
     # The final drafter is a complete save_pretrained directory.
@@ -394,7 +396,7 @@ def test_sigterm_checkpoints_stops_and_resumes_bit_identical(tmp_path):
         return step_fn(model, batch, generator, log_step=log_step)
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(T.TrainingStopped, match="stopped by SIGTERM after step 5/12"):
+    with pytest.raises(TrainingStopped, match="stopped by SIGTERM after step 5/12"):
         T.train(toy_model(), data, term_in_step_5, cfg, out, collate_fn=collate)
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is only active while training
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_5"

@@ -45,18 +45,15 @@ metrics)``, and implements the paper's recipe (paper-notes §3):
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import os
 import shlex
 import shutil
 import subprocess
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -87,87 +84,12 @@ from .checkpoints import (
     training_lock,
 )
 
+from .stopping import StopOnSigterm, TrainingStopped, any_process
+from .train_log import TrainLog
+
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
-
-# Columns every train_log.csv has around the step function's metrics.
-HEAD_COLS = ["step", "epoch", "lr", "loss"]
-TAIL_COLS = ["grad_norm", "positions_per_s", "sequences_per_s", "elapsed_s"]
-TIMING_COLS = ("positions_per_s", "sequences_per_s", "elapsed_s")
-
-
-# --------------------------------------------------------------------------- log
-
-
-class TrainLog:
-    """train_log.csv, written by the main process one row at a time (flushed).
-    The columns are fixed by the first row's metrics."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled, self.cols = path, enabled, None
-        if enabled and path.exists():
-            with open(path, newline="") as f:
-                self.cols = next(csv.reader(f), None)
-
-    def write(self, row: dict) -> None:
-        if not self.enabled:
-            return
-        if self.cols is None:
-            metric_cols = [k for k in row if k not in HEAD_COLS and k not in TAIL_COLS]
-            self.cols = HEAD_COLS + metric_cols + TAIL_COLS
-            with open(self.path, "w", newline="") as f:
-                csv.writer(f).writerow(self.cols)
-        with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerow([_fmt(row.get(c, float("nan"))) for c in self.cols])
-            f.flush()
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
-
-
-# --------------------------------------------------------------------------- stopping
-
-
-class TrainingStopped(DeepSpecError):
-    """SIGTERM arrived: a checkpoint of the last finished step was written."""
-
-
-class _StopOnSigterm:
-    """While active, SIGTERM only sets `requested`: the loop checkpoints and stops
-    after the current step. Repeats are ignored (SLURM signals every process of
-    the step, and the launcher forwards its own copy; SIGINT or SIGKILL still stop
-    at once)."""
-
-    def __init__(self):
-        self.requested, self._previous = False, None
-
-    def _handle(self, signum, frame):
-        if not self.requested:
-            log.warning("SIGTERM: writing a checkpoint after this step, then stopping")
-        self.requested = True
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
-def _any_process(acc, world: int, *flags: bool) -> list[bool]:
-    """Each flag, true when it is true on any process (one tiny all-reduce)."""
-    if world == 1:
-        return list(flags)
-    t = torch.tensor([float(f) for f in flags], device=acc.device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return [bool(x) for x in t.tolist()]
-
 
 # --------------------------------------------------------------------------- loop
 
@@ -398,7 +320,7 @@ def _run_steps(run: _Loop, start: int, elapsed_before: float, t_run: float) -> f
     bar = tqdm(total=run.total, initial=start, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
     every_s = float(cfg.get("checkpoint_minutes") or 0) * 60
     last_ckpt = time.monotonic()
-    with _StopOnSigterm() as stop:
+    with StopOnSigterm() as stop:
         positions_run = _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, last_ckpt)
     bar.close()
     return positions_run
@@ -425,7 +347,7 @@ def _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, las
             train_log.write(row)
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "tau_expected") if k in row}, refresh=False)
         bar.update(1)
-        timed, stopping = _any_process(acc, run.world, every_s > 0 and time.monotonic() - last_ckpt >= every_s,
+        timed, stopping = any_process(acc, run.world, every_s > 0 and time.monotonic() - last_ckpt >= every_s,
                                        stop.requested)
         if done % int(cfg["checkpoint_every"]) == 0 or done == run.total or timed or stopping:
             save_checkpoint(acc, run.model, run.opt, run.sched, run.gen, run.out, done, run.total,

@@ -1,0 +1,49 @@
+"""Stopping a training run cleanly: SIGTERM (a walltime limit's warning) lets
+the current step finish, then every process agrees to checkpoint and stop."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+
+from ..errors import DeepSpecError
+
+log = logging.getLogger(__name__)
+
+class TrainingStopped(DeepSpecError):
+    """SIGTERM arrived: a checkpoint of the last finished step was written."""
+
+
+class StopOnSigterm:
+    """While active, SIGTERM only sets `requested`: the loop checkpoints and stops
+    after the current step. Repeats are ignored (SLURM signals every process of
+    the step, and the launcher forwards its own copy; SIGINT or SIGKILL still stop
+    at once)."""
+
+    def __init__(self):
+        self.requested, self._previous = False, None
+
+    def _handle(self, signum, frame):
+        if not self.requested:
+            log.warning("SIGTERM: writing a checkpoint after this step, then stopping")
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def any_process(acc, world: int, *flags: bool) -> list[bool]:
+    """Each flag, true when it is true on any process (one tiny all-reduce)."""
+    if world == 1:
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=acc.device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return [bool(x) for x in t.tolist()]
