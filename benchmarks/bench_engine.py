@@ -33,9 +33,9 @@ from deepspec.core.batch_cache import BatchKV
 from deepspec.core.engine import BatchedEngine, Request, padding_share, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.files import read_json
-from deepspec.pipeline.evaluate import drafter_path
-from deepspec.pipeline.target import target_from_config
-from deepspec.pipeline.throughput import load_prompts, run_load
+from deepspec.evaluation.evaluate import drafter_path
+from deepspec.targets.loading import target_from_config
+from deepspec.evaluation.throughput import load_prompts, run_load
 
 
 def _drafter(cfg, target, method, path):
@@ -69,7 +69,7 @@ def part1(cfg, target, drafter, prompts, max_new, batches):
     for b in batches:
         eng = BatchedEngine(target, drafter, feature_layers=layers, temperature=T, max_batch=b)
         reqs = sorted((Request(i, ids, max_new, seed=seed + i) for i, ids in enumerate(prompts)),
-                      key=lambda r: len(r.prompt_ids))  # as evaluate queues them (pipeline/evaluate.py:run_batched)
+                      key=lambda r: len(r.prompt_ids))  # as evaluate queues them (evaluation/evaluate.py:run_batched)
         done, cpu, wall = _cpu(lambda: eng.generate(reqs))
         n = sum(len(f.rounds) for f in done)
         print(f"{'engine ' + str(b):>12} {n:>7} {cpu:>7.1f} {wall:>7.1f} {n / cpu:>13.2f} {n / cpu / base:>7.2f}x "
@@ -79,7 +79,7 @@ def part1(cfg, target, drafter, prompts, max_new, batches):
 @torch.no_grad()
 def padding_vs_rows(target, rows=8, ctx=128, seed=0):
     """One padded forward of ragged verify widths vs the rows forwarded one at a time."""
-    from deepspec.core.decode import _forward
+    from deepspec.core.decode import target_forward
     from deepspec.core.target import crop_cache, new_cache
 
     g = torch.Generator().manual_seed(seed)
@@ -89,7 +89,7 @@ def padding_vs_rows(target, rows=8, ctx=128, seed=0):
         ids = torch.randint(0, target.vocab_size, (1, ctx), generator=g)
         for into in ("batch", "row"):  # BatchKV adopts the first cache it gets: prefill twice
             c = new_cache()
-            _forward(target, ids, c, None, last_only=True)
+            target_forward(target, ids, c, None, last_only=True)
             kv.add(c, ctx) if into == "batch" else caches.append(c)
     ids = torch.randint(0, target.vocab_size, (rows, int(widths.max())), generator=g)
 
@@ -99,7 +99,7 @@ def padding_vs_rows(target, rows=8, ctx=128, seed=0):
 
     def one_by_one():
         for r in range(rows):
-            _forward(target, ids[r : r + 1, : int(widths[r])], caches[r], None)
+            target_forward(target, ids[r : r + 1, : int(widths[r])], caches[r], None)
             crop_cache(caches[r], ctx)
 
     for fn in (padded, one_by_one):

@@ -20,9 +20,9 @@ import torch
 
 from deepspec.config import load_config
 from deepspec.drafters import build_drafter
-from deepspec.pipeline.target import target_from_config
-from deepspec.pipeline.train import step_spec
-from deepspec.pipeline.train_data import make_train_dataset, token_counts, train_collate
+from deepspec.targets.loading import target_from_config
+from deepspec.training.loop import step_spec
+from deepspec.data.datasets import make_train_dataset, token_counts, train_collate
 
 
 def time_steps(drafter, batches, spec, log_step):

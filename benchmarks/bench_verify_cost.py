@@ -15,7 +15,7 @@ import time
 import torch
 
 from deepspec.config import load_config
-from deepspec.pipeline.target import target_from_config
+from deepspec.targets.loading import target_from_config
 
 
 def main():

@@ -17,7 +17,7 @@ Checks, each timed and recorded (a failing check is recorded, the others run):
   gemma4          the tiny Gemma4 target: greedy == plain for every drafter, an engine run
   gemma4_unified  the same on the tiny gemma4_unified target (gemma-4-12B-it's decoder)
   paper_dims      a random-weight target of the preset's architecture
-                  (config/targets/, pipeline/plan.py): DSpark training step
+                  (config/targets/, planning/plan.py): DSpark training step
                   (5 layers, 512 anchors, length 4096, micro batch 1, online
                   features) time and peak memory, Eagle3 step time (TTT 7), the
                   target's SPS(B), plain decode tokens/s at batch 1, the batched
@@ -51,30 +51,30 @@ from deepspec.core.target import Target, eos_ids_of  # noqa: E402
 from deepspec.core.verify import sample, verify_chain  # noqa: E402
 from deepspec.drafters import build_drafter  # noqa: E402
 from deepspec.files import write_text_atomic  # noqa: E402
-from deepspec.pipeline.train import step_spec  # noqa: E402
+from deepspec.training.loop import step_spec  # noqa: E402
 
 METHODS = ("eagle3", "dflash", "dspark")
 
 
-def _sync(dev):
+def sync_device(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 def _timed(fn, dev, repeats=3):
     fn()  # warm-up
-    _sync(dev)
+    sync_device(dev)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync_device(dev)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
 
 def tiny_target(dev, arch="qwen3"):
-    from deepspec.pipeline.target import build_tiny
+    from deepspec.targets.tiny import build_tiny
 
     model = build_tiny(arch).to(dev).eval().requires_grad_(False)
     return Target(model=model, tokenizer=None, target_id=f"tiny-{arch}", eos_token_ids=eos_ids_of(model, None))
@@ -261,10 +261,10 @@ def _engine_round(target, cfg, dev, rows, n_new, prompt_len=8, check=True):
     eng = BatchedEngine(target, d, feature_layers=cfg["target"]["feature_layers"], temperature=0.0, max_batch=rows)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    _sync(dev)
+    sync_device(dev)
     t0 = time.perf_counter()
     done = {f.request.request_id: f.tokens for f in eng.generate([Request(i, p, n_new) for i, p in enumerate(prompts)])}
-    _sync(dev)
+    sync_device(dev)
     wall = time.perf_counter() - t0
     for i in (0, rows - 1) if check else ():
         plain = plain_generate(target, prompts[i], max_new_tokens=n_new, temperature=0.0).tokens
@@ -308,7 +308,7 @@ def _paper_target(cfg, dev, small):
         return tiny_target(dev, "qwen3"), tiny_cfg()
     from transformers import AutoModelForCausalLM
 
-    from deepspec.pipeline.plan import load_facts, target_config
+    from deepspec.targets.specs import load_facts, target_config
 
     facts, _ = load_facts(cfg)
     with torch.device(dev):
@@ -364,11 +364,12 @@ def compare_with_plan(preset, measured, small):
     """plan's FLOPs for the measured DSpark step (same shape, counted on the meta
     device) give the achieved TFLOP/s; with it, the preset's training (plan's
     FLOPs per step, online target forwards included) on 8 such GPUs."""
-    from deepspec.pipeline import plan as P
+    from deepspec.planning import plan as P
+    from deepspec.targets.specs import load_facts, meta_target
 
     cfg = load_config(preset)
-    facts, _ = P.load_facts(cfg)
-    target = P.meta_target(cfg, facts)
+    facts, _ = load_facts(cfg)
+    target = meta_target(cfg, facts)
     layers = cfg["target"]["feature_layers"]
     drafter, mcfg = P.build_meta_drafter("dspark", target, cfg)
     length = cfg["data"]["max_length"]

@@ -1,5 +1,5 @@
 """The target architectures the drafters are built from (drafters/blocks.py),
-as data without torch, so that the plan-time checks (pipeline/preflight.py)
+as data without torch, so that the plan-time checks (planning/preflight.py)
 refuse an unknown text model type before any job runs."""
 from __future__ import annotations
 

@@ -18,38 +18,26 @@ from .errors import DeepSpecError
 
 COMMANDS = {
     "show-config": ("deepspec.config", "print a preset with defaults filled in, after validation"),
-    "prepare-data": ("deepspec.pipeline.prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
-    "prepare-target": ("deepspec.pipeline.target", "convert or download a target into a plain HF checkpoint"),
-    "regenerate": ("deepspec.pipeline.regenerate", "answer training prompts with the target itself"),
-    "serve": ("deepspec.pipeline.serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
-    "build-cache": ("deepspec.pipeline.cache", "cache the target's feature-layer and final hidden states"),
-    "validate-cache": ("deepspec.pipeline.cache", "check a target cache's manifest and shard checksums"),
-    "train": ("deepspec.pipeline.train", "train a drafter (eagle3, dflash, dspark)"),
-    "launch-node": ("deepspec.pipeline.launch", "start accelerate on one node of a SLURM allocation (multi-node training)"),
-    "claim-gpus": ("deepspec.pipeline.launch", "run a command on N GPUs of this machine that no other job holds"),
-    "evaluate": ("deepspec.pipeline.evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
-    "baseline": ("deepspec.pipeline.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
-    "schedule": ("deepspec.pipeline.evaluate", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
-    "throughput": ("deepspec.pipeline.throughput", "the batched engine under load per policy and concurrency (throughput.csv)"),
-    "fig7": ("deepspec.pipeline.throughput", "Figures 7-8 (throughput vs per-request speed, verify budget vs load) from throughput.csv"),
-    "report": ("deepspec.pipeline.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
-    "plot": ("deepspec.pipeline.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
-    "convert-checkpoint": ("deepspec.pipeline.convert", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
-    "export-checkpoint": ("deepspec.pipeline.export", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
-    "plan": ("deepspec.pipeline.plan", "what a preset will cost (data, cache, parameters, measured training FLOPs, GPU-hours, evaluation) before anything runs"),
+    "prepare-data": ("deepspec.data.sources", "build the preset's missing prompt files from the Hugging Face hub"),
+    "prepare-target": ("deepspec.targets.loading", "convert or download a target into a plain HF checkpoint"),
+    "regenerate": ("deepspec.data.regenerate", "answer training prompts with the target itself"),
+    "serve": ("deepspec.data.serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
+    "build-cache": ("deepspec.data.cache", "cache the target's feature-layer and final hidden states"),
+    "validate-cache": ("deepspec.data.cache", "check a target cache's manifest and shard checksums"),
+    "train": ("deepspec.training.loop", "train a drafter (eagle3, dflash, dspark)"),
+    "launch-node": ("deepspec.training.launch", "start accelerate on one node of a SLURM allocation (multi-node training)"),
+    "claim-gpus": ("deepspec.training.launch", "run a command on N GPUs of this machine that no other job holds"),
+    "evaluate": ("deepspec.evaluation.evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
+    "baseline": ("deepspec.evaluation.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
+    "schedule": ("deepspec.evaluation.schedule", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
+    "throughput": ("deepspec.evaluation.throughput", "the batched engine under load per policy and concurrency (throughput.csv)"),
+    "fig7": ("deepspec.evaluation.throughput", "Figures 7-8 (throughput vs per-request speed, verify budget vs load) from throughput.csv"),
+    "report": ("deepspec.reporting.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
+    "plot": ("deepspec.reporting.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
+    "convert-checkpoint": ("deepspec.interop.convert", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
+    "export-checkpoint": ("deepspec.interop.export", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
+    "plan": ("deepspec.planning.plan", "what a preset will cost (data, cache, parameters, measured training FLOPs, GPU-hours, evaluation) before anything runs"),
 }
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="smollm2-135m", help="preset name (config/presets) or YAML path")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a preset key, e.g. --set train.lr=3e-4 (repeatable)")
-
-
-def config_from_args(args: argparse.Namespace) -> dict:
-    from .config import load_config, parse_set
-
-    return load_config(args.preset, parse_set(args.overrides))
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -253,9 +253,18 @@ def settings_fingerprint(cfg: dict, rule: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def cli_show_config(argv) -> int:
-    from .cli import add_config_args, config_from_args
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="smollm2-135m", help="preset name (config/presets) or YAML path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a preset key, e.g. --set train.lr=3e-4 (repeatable)")
 
+
+def config_from_args(args: argparse.Namespace) -> dict:
+    return load_config(args.preset, parse_set(args.overrides))
+
+
+
+def cli_show_config(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec show-config")
     add_config_args(p)
     args = p.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
@@ -127,3 +128,50 @@ def require_file(path: str | os.PathLike, what: str = "file") -> Path:
     if not p.exists():
         raise DeepSpecError(f"{what} not found: {p}")
     return p
+
+
+def recover_jsonl(path: Path) -> set[str]:
+    """Ids already in an append-only JSONL; a truncated or invalid last line is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    done: set[str] = set()
+    good = 0
+    lines = data.split(b"\n")
+    for k, line in enumerate(lines):
+        last = k == len(lines) - 1
+        if last and not line:
+            break
+        try:
+            rec = json.loads(line)
+            if last:
+                raise ValueError("no newline")  # a complete record always ends with one
+            done.add(rec["id"])
+        except (ValueError, KeyError, TypeError):
+            if k >= len(lines) - 2:  # the tail: drop it
+                logging.getLogger(__name__).warning("%s: dropping a truncated last line", path)
+                break
+            raise DeepSpecError(f"{path}:{k + 1}: corrupt record in the middle of the file") from None
+        good += len(line) + 1
+    if good != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+class JsonlAppender:
+    """Append whole lines and fsync, so a kill never leaves a half record behind
+    (and if it does, `recover_jsonl` cuts it off)."""
+
+    def __init__(self, path: Path, mode: str = "a"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, mode, encoding="utf-8")
+
+    def write(self, recs: list[dict]) -> None:
+        if recs:
+            self.f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()

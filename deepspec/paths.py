@@ -102,3 +102,12 @@ class RunPaths:
 
     def log(self, job: str) -> Path:
         return Path(self.logs) / self.target / f"{job}.log"
+
+
+# Files beside a regeneration output (conversations.jsonl -> .errors.jsonl, .settings.json).
+def errors_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".errors.jsonl")
+
+
+def settings_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".settings.json")

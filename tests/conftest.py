@@ -2,7 +2,7 @@
 a test says otherwise. Session-scoped fixtures build each target once.
 
 `target` / `target_cfg` run a test on both tiny targets (`target_kind`): the
-Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.pipeline.target.build_tiny).
+Llama-style `tiny` and a random Gemma4 one (`gemma4`, deepspec.targets.tiny.build_tiny).
 `qwen3_target` / `qwen3_cfg` are a tiny random Qwen3 target (q/k norms) for the
 Qwen3-only paths (the standard Eagle3 layer with q/k norms, released-checkpoint
 layouts, export)."""
@@ -39,7 +39,7 @@ def tiny_cfg(resources_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_cfg):
-    from deepspec.pipeline.target import target_from_config
+    from deepspec.targets.loading import target_from_config
 
     return target_from_config(tiny_cfg)
 
@@ -55,7 +55,8 @@ GEMMA4_FEATURE_LAYERS = [0, 1, 2]  # sliding, full, sliding (the final layer is 
 
 
 def _gemma4_target(target_id: str, multimodal: bool = False):
-    from deepspec.pipeline.target import Target, build_tiny, eos_ids_of
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.targets.tiny import build_tiny
 
     model = build_tiny("gemma4", multimodal=multimodal).eval().requires_grad_(False)
     return Target(model=model, tokenizer=None, target_id=target_id, eos_token_ids=eos_ids_of(model, None))
@@ -91,7 +92,8 @@ QWEN3_FEATURE_LAYERS = [0, 1]
 @pytest.fixture(scope="session")
 def qwen3_target():
     """A tiny random Qwen3ForCausalLM (3 layers, q/k norms, untied head, 512 tokens, no tokenizer)."""
-    from deepspec.pipeline.target import Target, build_tiny, eos_ids_of
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.targets.tiny import build_tiny
 
     model = build_tiny("qwen3").eval().requires_grad_(False)
     return Target(model=model, tokenizer=None, target_id="tiny-qwen3", eos_token_ids=eos_ids_of(model, None))

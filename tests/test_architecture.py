@@ -1,5 +1,7 @@
-"""The code's shape: the paper's math and models below the pipeline, short
-functions, and a README map of the paper whose every entry exists."""
+"""The code's shape: the package's layers in the DAG's order (the paper's math
+and models at the bottom, each pipeline stage above the stages it reads), no
+import cycles, no private names across modules, short functions, and a README
+map of the paper whose every entry exists."""
 import ast
 import importlib
 import re
@@ -9,8 +11,23 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "deepspec"
 README = PKG.parent / "README.md"
-# core/ and drafters/ take tensors: no pipeline, config files, paths or CLI.
-FORBIDDEN_BELOW = ("deepspec.pipeline", "deepspec.cli", "deepspec.config", "deepspec.paths", "deepspec.files")
+# The layers, lowest first. A module imports only from its own layer or
+# below. core/ and drafters/ take tensors: no config, files, paths or CLI.
+LAYERS = [
+    ("errors",),
+    ("core",),
+    ("drafters", "architectures"),
+    ("paths", "files", "runtime", "methods", "config"),
+    ("targets",),
+    ("data",),
+    ("training",),
+    ("interop",),
+    ("evaluation",),
+    ("reporting",),
+    ("planning",),
+    ("cli", "__main__"),
+]
+LAYER = {area: i for i, areas in enumerate(LAYERS) for area in areas}
 
 
 def _modules():
@@ -20,7 +37,7 @@ def _modules():
 
 
 def _area(module: str) -> str:
-    """core, drafters, pipeline, or the top-level module's name."""
+    """The subpackage (core, drafters, data, ...) or the top-level module's name."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
 
@@ -42,18 +59,82 @@ def _imports(path: Path, module: str, is_package: bool) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("path,module,is_package", [m for m in _modules() if _area(m[1]) in ("core", "drafters")],
-                         ids=lambda x: str(x) if isinstance(x, str) else "")
-def test_core_and_drafters_never_import_the_pipeline(path, module, is_package):
-    bad = sorted(n for n in _imports(path, module, is_package) if n.startswith(FORBIDDEN_BELOW))
-    assert not bad, f"{module} imports {bad}"
+def _own(name: str) -> bool:
+    return name == "deepspec" or name.startswith("deepspec.")
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the deepspec modules it imports (resolved to modules, not names)."""
+    mods = {m: (p, pkg) for p, m, pkg in _modules()}
+    out = {}
+    for m, (p, pkg) in mods.items():
+        deps = set()
+        for n in _imports(p, m, pkg):
+            while n and n not in mods:
+                n = n.rpartition(".")[0]
+            if n and n != m and n != "deepspec":
+                deps.add(n)
+        out[m] = deps
+    return out
+
+
+def test_every_module_has_a_layer():
+    missing = sorted({_area(m) for _, m, _ in _modules() if m != "deepspec"} - set(LAYER))
+    assert not missing, f"add {missing} to LAYERS"
+
+
+def test_layers_point_down():
+    """A stage imports only itself and the stages below it (function-level
+    imports included), so the folders tell the data's way through the DAG."""
+    bad = [f"{m} ({_area(m)}) imports {d} ({_area(d)})"
+           for m, deps in _graph().items() if m != "deepspec"
+           for d in sorted(deps) if LAYER[_area(d)] > LAYER[_area(m)]]
+    assert not bad, bad
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]) if d in stack else f"{m} -> {d}")
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_no_private_names_across_modules():
+    """`from x import _name` only inside one module's own package-private
+    helpers is a smell; a name shared between modules is public."""
+    bad = []
+    for path, module, _ in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                bad += [f"{module}: from {'.' * node.level}{node.module or ''} import {a.name}"
+                        for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
 
 
 def test_the_import_walker_sees_relative_and_late_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("from ..pipeline.cache import x\ndef f():\n    from ..paths import RunPaths\n")
+    f.write_text("from ..data.cache import x\ndef f():\n    from ..paths import RunPaths\n")
     names = _imports(f, "deepspec.core.m", False)
-    assert "deepspec.pipeline.cache" in names and "deepspec.paths" in names
+    assert "deepspec.data.cache" in names and "deepspec.paths" in names
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from ..training.loop import train\n")
+    deps = {n for n in _imports(f, "deepspec.data.m", False) if _own(n)}
+    assert any(LAYER[_area(d)] > LAYER["data"] for d in deps)
 
 
 def test_functions_are_short():

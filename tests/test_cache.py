@@ -4,11 +4,11 @@ import shutil
 import pytest
 import torch
 
-from deepspec.pipeline import cache
-from deepspec.pipeline.cache import PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
+from deepspec.data import cache
+from deepspec.data.cache import PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
 from deepspec.cli import main
 from deepspec.config import load_config, parse_set
-from deepspec.pipeline.train_data import collate, make_train_dataset, train_collate
+from deepspec.data.datasets import collate, make_train_dataset, train_collate
 from deepspec.errors import DeepSpecError
 
 

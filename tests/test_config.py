@@ -111,7 +111,7 @@ def _readme_overrides():
     import re
     from pathlib import Path
 
-    from deepspec.cli import add_config_args
+    from deepspec.config import add_config_args
     import argparse
     import shlex
 

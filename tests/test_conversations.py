@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from deepspec.pipeline.conversations import encode_conversation, read_conversations, tokenize_conversation
+from deepspec.data.conversations import encode_conversation, read_conversations, tokenize_conversation
 from deepspec.errors import DeepSpecError
 from deepspec.core.target import render_chat
 
@@ -102,8 +102,8 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
     import numpy as np
     import torch
 
-    from deepspec.pipeline import conversations as C
-    from deepspec.pipeline.train_data import OnlineDataset
+    from deepspec.data import conversations as C
+    from deepspec.data.datasets import OnlineDataset
     from test_train import write_conversations
 
     path = tmp_path / "regen" / "conversations.jsonl"

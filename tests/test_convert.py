@@ -1,4 +1,4 @@
-"""Loading released DeepSpec DFlash/DSpark checkpoints (Eagle3: test_export.py) (deepspec/pipeline/convert.py):
+"""Loading released DeepSpec DFlash/DSpark checkpoints (Eagle3: test_export.py) (deepspec/interop/convert.py):
 synthetic reference-layout checkpoints made from random tiny drafters convert
 into drafters with bit-identical outputs; malformed ones fail with one line and
 leave nothing behind."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepspec.pipeline import convert
+from deepspec.interop import convert
 from deepspec.cli import main as cli_main
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.base import DrafterBase
@@ -135,7 +135,7 @@ def test_qwen3_layout_bf16(tiny_cfg, tmp_path):
     copies of the target's embedding and head, as DeepSeek's releases are stored."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from deepspec.pipeline.target import Target
+    from deepspec.core.target import Target
 
     torch.manual_seed(1)
     qc = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -252,7 +252,7 @@ def test_cli_and_resolve(tiny_target, tiny_cfg, tmp_path, capsys):
 def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_data):
     """eval.released_checkpoints (what the evaluate rule passes) pointing at a
     reference checkpoint: evaluate converts it once and scores it."""
-    from deepspec.pipeline.evaluate import cli_evaluate
+    from deepspec.evaluation.evaluate import cli_evaluate
 
     d = _original("dflash", tiny_target, tiny_cfg)
     src = write_reference(d, tiny_target, tmp_path / "dflash_tiny_block7", shards=2)
@@ -278,7 +278,7 @@ def _gemma4_reference_config(d, target, layout) -> dict:
     num_global_key_value_heads fields ("fields") or, from newer transformers, in
     per_layer_config keyed by target layer ("per_layer")), draft depth, all
     layers full attention, plus the reference fields."""
-    from deepspec.pipeline.target import TINY_GEMMA4_CONFIG
+    from deepspec.targets.tiny import TINY_GEMMA4_CONFIG
 
     tc = target.config.get_text_config().to_dict()
     if layout == "fields":

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepspec.pipeline import train as T
-from deepspec.pipeline.checkpoints import TRAINER_STATE
-from deepspec.pipeline.launch import direct_command, free_port, launcher, node_command
+from deepspec.training import loop as T
+from deepspec.training.checkpoints import TRAINER_STATE
+from deepspec.training.launch import direct_command, free_port, launcher, node_command
 from test_train import write_conversations
 
 STEPS = 4

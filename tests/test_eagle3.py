@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.losses import chain_normalizer, chain_row_mask
 from deepspec.drafters import build_drafter
-from deepspec.pipeline.train import step_spec
+from deepspec.training.loop import step_spec
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12]
 

@@ -25,7 +25,7 @@ from deepspec.core import train_step
 from deepspec.core.train_step import sample_anchors
 from deepspec.drafters import build_drafter
 from deepspec.drafters.dflash import block_attention_mask, block_flex_mask, block_mask_mod
-from deepspec.pipeline.train import step_spec
+from deepspec.training.loop import step_spec
 
 QWEN3_VOCAB = 151_936
 
@@ -171,7 +171,8 @@ def _measured_step(drafter, batch, spec):
 @pytest.fixture(scope="module")
 def qwen3_vocab_setup(qwen3_cfg):
     """A tiny Qwen3 target with Qwen3's 151,936-token vocabulary and one batch."""
-    from deepspec.pipeline.target import Target, build_tiny, eos_ids_of
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.targets.tiny import build_tiny
 
     model = build_tiny("qwen3", vocab_size=QWEN3_VOCAB).eval().requires_grad_(False)
     target = Target(model=model, tokenizer=None, target_id="tiny-qwen3-v151936", eos_token_ids=eos_ids_of(model, None))

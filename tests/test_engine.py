@@ -240,7 +240,7 @@ def test_batch_kv_compacts_and_keeps_rows(tiny_target):
     kv = BatchKV()
     for p in PROMPTS:
         cache = decode.new_cache()
-        decode._forward(tiny_target, torch.tensor([p]), cache, None)
+        decode.target_forward(tiny_target, torch.tensor([p]), cache, None)
         kv.add(cache, len(p))
     before = [kv.cache.layers[0].keys[r][:, kv.valid[r]].clone() for r in range(4)]
     kv.compact()
@@ -261,7 +261,7 @@ def test_batch_kv_removes_rows_and_grows_left_without_copying_the_batch(tiny_tar
 
     def prefill(p):
         cache = engine_cache()
-        decode._forward(tiny_target, torch.tensor([p]), cache, None)
+        decode.target_forward(tiny_target, torch.tensor([p]), cache, None)
         return cache
 
     def rows(kv, r):
@@ -298,7 +298,7 @@ def test_batch_kv_puts_a_request_in_a_left_row_in_place(tiny_target):
     prompt's, the other rows keep theirs, and a longer prompt grows the cache once."""
     def prefill(p):
         cache = decode.new_cache()
-        decode._forward(tiny_target, torch.tensor([p]), cache, None)
+        decode.target_forward(tiny_target, torch.tensor([p]), cache, None)
         return cache
 
     kv = BatchKV()
@@ -435,7 +435,7 @@ def test_grouped_attention_is_exact(tiny_target, drafters, plain_greedy, monkeyp
         joining = []
         for n in lengths:
             c = batch_cache.engine_cache()
-            decode._forward(tiny_target, torch.randint(0, tiny_target.vocab_size, (1, n), generator=g), c, None,
+            decode.target_forward(tiny_target, torch.randint(0, tiny_target.vocab_size, (1, n), generator=g), c, None,
                             last_only=True)
             joining.append((c, n))
         b.add_many(joining)
@@ -534,7 +534,7 @@ def test_kv_budget_arithmetic_and_measured_bytes_per_token(tiny_target, gemma4_t
     sides. The KV bytes per position are measured on the first prefill's cache as stored: Gemma4's
     full-attention layers have a wider head and one K/V head (reading the config's global
     num_key_value_heads raised on Gemma4, and head_dim alone would have counted half their bytes)."""
-    from deepspec.pipeline.target import TINY_CONFIG, TINY_GEMMA4_CONFIG
+    from deepspec.targets.tiny import TINY_CONFIG, TINY_GEMMA4_CONFIG
 
     assert row_slots(100, 8) == 155 + 2 * 77  # ceil(116 / 0.75) slots, room min(155 // 2, 512) each side
     assert row_slots(6000, 8) == 8022 + 2 * 512 and row_slots(1, 1) == 4 + 2 * 64

@@ -11,7 +11,8 @@ import torch
 
 from deepspec.cli import main
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.evaluate import cli_baseline, cli_evaluate, cli_schedule
+from deepspec.evaluation.evaluate import cli_baseline, cli_evaluate
+from deepspec.evaluation.schedule import cli_schedule
 
 N_PROMPTS = 4
 SPEED = 1  # eval.speed_prompts of the tiny preset
@@ -155,7 +156,7 @@ def test_over_long_prompts_are_skipped_and_named(setup, shared_data, tiny_cfg, t
     import logging
 
     from deepspec.config import load_config
-    from deepspec.pipeline.prompts import benchmark_prompt_set
+    from deepspec.data.prompts import benchmark_prompt_set
 
     ev, args = setup
     cfg = load_config("tiny", {"resources_dir": tiny_cfg["resources_dir"], "data": {
@@ -165,7 +166,7 @@ def test_over_long_prompts_are_skipped_and_named(setup, shared_data, tiny_cfg, t
     over = [i for i, n in enumerate(lengths) if n > limit]
     assert over and len(over) < N_PROMPTS
     lim = ["--set", f"data.max_prompt_tokens={limit}", "--benchmark", "gsm8k"]
-    with caplog.at_level(logging.WARNING, logger="deepspec.pipeline.prompts"):
+    with caplog.at_level(logging.WARNING, logger="deepspec.data.prompts"):
         assert cli_baseline(args + lim + ["--out-dir", str(tmp_path / "base")]) == 0
     warned = [r.getMessage() for r in caplog.records if "over data.max_prompt_tokens" in r.getMessage()]
     assert warned and all(f"#{i} " in warned[0] and f"({lengths[i]} tokens)" in warned[0] for i in over)
@@ -190,7 +191,7 @@ def test_interrupted_evaluate_resumes_to_the_same_records(setup, shared_data, tm
     """Every finished request is appended (fsync'd) to a partial file as it finishes; an evaluate job
     killed after k requests, rerun, decodes only the others and writes the same records as a run that was
     never interrupted; the partial file is gone at the end."""
-    from deepspec.pipeline import evaluate as E
+    from deepspec.evaluation import evaluate as E
 
     ev, args = setup
     run = args + ["--method", "dspark", "--set", "eval.batch_size=2", "--set", "data.benchmarks.mt-bench.cap=3"]
@@ -247,7 +248,7 @@ def test_progress_survives_a_change_of_rows_and_keeps_each_prompts_own_record(ti
     eval.kv_budget_gb: its partial file still applies (a request's records do not depend on how many
     rows decode at once); any other evaluate setting starts afresh. A kept record is used only for the
     prompt it was made from."""
-    from deepspec.pipeline import evaluate as E
+    from deepspec.evaluation import evaluate as E
 
     def header(**ev):
         return E.progress_header({**tiny_cfg, "eval": {**tiny_cfg["eval"], **ev}}, "dspark", "d", ["gsm8k"])

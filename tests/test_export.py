@@ -1,5 +1,5 @@
-"""export-checkpoint (deepspec/pipeline/export.py) and converting DeepSeek's
-released Eagle3 layout (deepspec/pipeline/convert.py), on the tiny Qwen3 and
+"""export-checkpoint (deepspec/interop/export.py) and converting DeepSeek's
+released Eagle3 layout (deepspec/interop/convert.py), on the tiny Qwen3 and
 Gemma4 targets; the engines themselves are not run (docs/FORMATS.md).
 
 * deepspec layout: export, then convert back, gives a drafter with bit-identical
@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from deepspec.drafters import build_drafter, freeze_mask_embedding, load_drafter
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline import convert, export
+from deepspec.interop import convert
+from deepspec.interop import export
 from test_eagle3 import _randomize, plain_ttt
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]
@@ -209,7 +210,7 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
     their initial value, silently: a Gemma4 export for vLLM holds exactly its names
     (layer_scalar included, no v_proj with keys as values), else it is refused."""
     d, _ = _drafter(method, gemma4_target, gemma4_cfg, mask_token_id=4)
-    with caplog.at_level("WARNING", logger="deepspec.pipeline.export"):
+    with caplog.at_level("WARNING", logger="deepspec.interop.export"):
         out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
     cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
     n = cfg["num_hidden_layers"]
@@ -236,7 +237,7 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
 def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
     """--overwrite must never delete the drafter being exported (its checkpoints, logs, summary)."""
     from deepspec.cli import main as cli_main
-    from deepspec.pipeline import target as target_mod
+    from deepspec.targets import loading as target_mod
 
     d, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
     src = tmp_path / "runs" / "dspark"

@@ -1,5 +1,5 @@
 """Gemma4-only checks on the tiny random Gemma4 target (conftest.py `gemma4_target`,
-built by deepspec.pipeline.target.build_tiny("gemma4"): the gemma4-12b preset's architecture).
+built by deepspec.targets.tiny.build_tiny("gemma4"): the gemma4-12b preset's architecture).
 
 The target is transformers' Gemma4ForCausalLM with the real Gemma 4 structure:
 sliding and full attention layers (the last one full), a wider head
@@ -30,8 +30,8 @@ from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for, gemma4_draft_config
 from deepspec.drafters.dflash import Gemma4KVInjectionLayer
 from deepspec.drafters.eagle3 import Gemma4Eagle3Layer
-from deepspec.pipeline.train import step_spec
-from deepspec.pipeline.target import tiny_config
+from deepspec.training.loop import step_spec
+from deepspec.targets.tiny import tiny_config
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]
 PROMPT = [5, 6, 7, 8]

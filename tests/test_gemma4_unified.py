@@ -13,9 +13,12 @@ from deepspec.config import load_config
 from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline import convert, preflight as pf, target_facts
-from deepspec.pipeline.target import Target, build_tiny, eos_ids_of, tiny_config
-from deepspec.pipeline.train import step_spec
+from deepspec.interop import convert
+from deepspec.planning import preflight as pf
+from deepspec.targets import specs as target_facts
+from deepspec.core.target import Target, eos_ids_of
+from deepspec.targets.tiny import build_tiny, tiny_config
+from deepspec.training.loop import step_spec
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]
 
@@ -82,7 +85,7 @@ def test_preflight_refuses_an_unknown_text_model_type(tmp_path, monkeypatch):
 
 
 def test_tiny_specs_are_known_at_plan_time():
-    from deepspec.pipeline.target import TINY_SPECS
+    from deepspec.targets.tiny import TINY_SPECS
 
     want = {"tiny": ("llama", 2), "tiny-qwen3": ("qwen3", 3), "tiny-gemma4-unified": ("gemma4_unified_text", 4)}
     for spec in TINY_SPECS:
@@ -96,7 +99,7 @@ def test_tiny_specs_are_known_at_plan_time():
 
 def test_tiny_unified_spec_prepares_and_loads(tmp_path):
     """`target.spec: tiny-gemma4-unified` is prepared like `tiny` (SmolLM2's tokenizer)."""
-    from deepspec.pipeline.target import load_target, prepare_target
+    from deepspec.targets.loading import load_target, prepare_target
 
     out = prepare_target("tiny-gemma4-unified", tmp_path / "t")
     t = load_target("tiny-gemma4-unified", path=out)
@@ -107,7 +110,7 @@ def test_tiny_unified_spec_prepares_and_loads(tmp_path):
 
 def test_export_for_vllm_and_convert_back(unified_target, unified_cfg, tmp_path):
     from deepspec.drafters import load_drafter
-    from deepspec.pipeline import export
+    from deepspec.interop import export
 
     c = copy.deepcopy(unified_cfg)
     c["drafter"]["mask_token_id"] = 4

@@ -1,4 +1,4 @@
-"""GPU ids of one machine (`claim-gpus`, deepspec/pipeline/launch.py): every GPU
+"""GPU ids of one machine (`claim-gpus`, deepspec/training/launch.py): every GPU
 job gets ids no other job holds. Only lock files are involved, so this runs on CPU."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline import launch as L
+from deepspec.training import launch as L
 
 REPO = Path(__file__).resolve().parents[1]
 

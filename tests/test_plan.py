@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from deepspec.config import PRESETS_DIR, load_config
-from deepspec.pipeline import plan as P
-from deepspec.pipeline.metarun import MetaShadow, measure
-from deepspec.pipeline.target import tiny_config
+from deepspec.planning import plan as P
+from deepspec.targets import specs as S
+from deepspec.planning.meta import MetaShadow, measure
+from deepspec.targets.tiny import tiny_config
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
 PAPER = ["qwen3-4b", "qwen3-8b", "qwen3-14b", "gemma4-12b"]
@@ -33,8 +34,8 @@ def test_cache_bytes_per_token_qwen3_4b_by_hand():
     (the hand computation); our cache also stores the token id (int32, 4 bytes)
     and the loss mask (uint8, 1 byte), so a token takes 30,725 bytes in all."""
     cfg = load_config("qwen3-4b", {})
-    facts, _ = P.load_facts(cfg)
-    target = P.meta_target(cfg, facts)
+    facts, _ = S.load_facts(cfg)
+    target = S.meta_target(cfg, facts)
     data = {"tokens": 1000}
     c = P.cache_section(cfg, target, data, online_flops_per_step=0)
     assert c["hidden_bytes_per_token"] == 6 * 2560 * 2 == 30720
@@ -78,14 +79,14 @@ def test_shadows_answer_data_dependent_ops_on_meta():
 
 
 def test_compare_facts_names_the_differing_fields():
-    shipped = {"hidden_size": 2560, "text_config": {"num_hidden_layers": 48}, P.SOURCE_KEY: "x", "rms_norm_eps": 1e-6}
+    shipped = {"hidden_size": 2560, "text_config": {"num_hidden_layers": 48}, S.SOURCE_KEY: "x", "rms_norm_eps": 1e-6}
     real = {"hidden_size": 4096, "text_config": {"num_hidden_layers": 48}, "rms_norm_eps": 1.0e-06}
-    assert P.compare_facts(shipped, real) == ["hidden_size: shipped 2560, hub 4096"]
+    assert S.compare_facts(shipped, real) == ["hidden_size: shipped 2560, hub 4096"]
 
 
 def test_hub_check_is_skipped_offline_with_one_line(no_network, caplog):
-    with caplog.at_level(logging.INFO, logger="deepspec.pipeline"):
-        out = P.check_against_hub({"hidden_size": 1}, "Qwen/Qwen3-4B")
+    with caplog.at_level(logging.INFO, logger="deepspec.targets"):
+        out = S.check_against_hub({"hidden_size": 1}, "Qwen/Qwen3-4B")
     assert out == {"checked": False, "reason": "offline"}
     assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1
 
@@ -93,9 +94,9 @@ def test_hub_check_is_skipped_offline_with_one_line(no_network, caplog):
 @pytest.mark.parametrize("name", PAPER)
 def test_paper_targets_have_architecture_facts_that_build(name):
     cfg = load_config(name, {})
-    facts, where = P.load_facts(cfg)
-    assert where == f"config/targets/{name}.json" and facts[P.SOURCE_KEY]
-    target = P.meta_target(cfg, facts)
+    facts, where = S.load_facts(cfg)
+    assert where == f"config/targets/{name}.json" and facts[S.SOURCE_KEY]
+    target = S.meta_target(cfg, facts)
     target.check_feature_layers(cfg["target"]["feature_layers"])
     assert cfg["cache"]["mode"] == "online"
     expected = {"qwen3-4b": (36, 2560, 151936), "qwen3-8b": (36, 4096, 151936),

@@ -1,10 +1,10 @@
-"""Plan-time checks (deepspec/pipeline/preflight.py): a preset that cannot work
+"""Plan-time checks (deepspec/planning/preflight.py): a preset that cannot work
 stops with one line before any job runs."""
 import pytest
 
 from deepspec.config import load_config
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.preflight import preflight
+from deepspec.planning.preflight import preflight
 
 
 @pytest.mark.parametrize("over,msg", [

@@ -18,9 +18,9 @@ import pytest
 from deepspec import cli
 from deepspec.config import load_config
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline import prepare_data as pd_mod
-from deepspec.pipeline.prepare_data import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
-from deepspec.pipeline.prompts import read_turns_jsonl
+from deepspec.data import sources as pd_mod
+from deepspec.data.sources import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
+from deepspec.data.prompts import read_turns_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 HUMANEVAL_HEAD = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -101,7 +101,7 @@ def built(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
     mirror = _mirror(tmp_path)
     cfg = load_config("smollm2-135m", {"data": {"root": str(tmp_path / "data")}})
-    with caplog.at_level("INFO", logger="deepspec.prepare_data"):
+    with caplog.at_level("INFO", logger="deepspec.data.sources"):
         # the tiny fixtures differ from the reference copies: accepted by name
         status = prepare_data(cfg, mirror=mirror, accept=pd_mod.needed_files(cfg))
     return cfg, tmp_path / "data", status, list(caplog.records)

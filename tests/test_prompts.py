@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from deepspec.pipeline.prompts import check_prompt_length, load_benchmark, read_turns_jsonl, subsample
+from deepspec.data.prompts import check_prompt_length, load_benchmark, read_turns_jsonl, subsample
 from deepspec.errors import DeepSpecError
 
 

@@ -6,11 +6,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from deepspec.pipeline.prompts import Prompt
+from deepspec.data.prompts import Prompt
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.regen_shards import merge_shards, shard_of
-from deepspec.pipeline.regenerate import errors_path, regenerate, settings_path
-from deepspec.pipeline.sampling import filter_logits, sample_next
+from deepspec.data.shards import merge_shards, shard_of
+from deepspec.data.regenerate import regenerate
+from deepspec.paths import errors_path, settings_path
+from deepspec.data.sampling import filter_logits, sample_next
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),

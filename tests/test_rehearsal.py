@@ -77,7 +77,7 @@ def _released_checkpoint(cfg, method: str, out: Path) -> Path:
     import torch
 
     from deepspec.drafters import build_drafter
-    from deepspec.pipeline.target import load_target, prepare_target
+    from deepspec.targets.loading import load_target, prepare_target
 
     spec = cfg["target"]["spec"]
     target = load_target(spec, path=prepare_target(spec, out.parent / "target"))

@@ -7,7 +7,7 @@ import pytest
 
 from deepspec.config import load_config
 from deepspec.core.acceptance import summarize_rounds
-from deepspec.pipeline.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
+from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
          "dspark": [0.85, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]}
@@ -85,8 +85,8 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
 
 
 def test_ablation_figures_from_records(fake_results, monkeypatch):
-    from deepspec.pipeline.ablations import cli_plot
-    from deepspec.pipeline.methods import fig3_methods, fig4_methods, resolve_method
+    from deepspec.reporting.ablations import cli_plot
+    from deepspec.methods import fig3_methods, fig4_methods, resolve_method
 
     cfg, tmp = fake_results
     ev = tmp / "results" / "tiny" / "eval"

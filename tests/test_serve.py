@@ -1,4 +1,4 @@
-"""`deepspec serve` (deepspec/pipeline/serve.py) and the server side of
+"""`deepspec serve` (deepspec/data/serve.py) and the server side of
 regeneration: the consumers' health wait, a refused URL failing in one line,
 and the wait for the server's exit before the GPU jobs."""
 import json
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from deepspec.errors import DeepSpecError
-from deepspec.pipeline.prompts import Prompt
-from deepspec.pipeline.regenerate import (_answer_with_server, _chat_url, record_seed, server_urls,
+from deepspec.data.prompts import Prompt
+from deepspec.data.regenerate import (_answer_with_server, _chat_url, record_seed, server_urls,
                                           wait_for_exit, wait_for_servers)
-from deepspec.pipeline.sampling import generate_batch
-from deepspec.pipeline.serve import serve
+from deepspec.data.sampling import generate_batch
+from deepspec.data.serve import serve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ def test_a_server_that_goes_away_stops_the_job_in_one_line(tiny_cfg, tmp_path):
     what was done, instead of failing every record after its retries."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from deepspec.pipeline.regenerate import regenerate
+    from deepspec.data.regenerate import regenerate
 
     class Dying(BaseHTTPRequestHandler):
         def do_GET(self):

@@ -9,7 +9,7 @@ import torch
 
 from deepspec.errors import DeepSpecError
 from deepspec.core.target import check_feature_layers, select_features
-from deepspec.pipeline.target import load_target, prepare_target
+from deepspec.targets.loading import load_target, prepare_target
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_hub_target_is_linked_at_its_revision_without_loading_the_weights(tmp_pa
     import huggingface_hub
     import transformers
 
-    from deepspec.pipeline import target as TG
+    from deepspec.targets import loading as TG
 
     src, seen = _tiny_checkpoint(tmp_path, tiny_target), {}
 
@@ -140,7 +140,7 @@ def test_hub_errors_are_one_line(tmp_path, monkeypatch):
     import huggingface_hub
     from huggingface_hub.errors import GatedRepoError
 
-    from deepspec.pipeline import target as TG
+    from deepspec.targets import loading as TG
 
     def gated(**kw):
         e = GatedRepoError.__new__(GatedRepoError)  # as the hub raises it, without an HTTP response

@@ -1,4 +1,4 @@
-"""The throughput and fig7 CLIs (deepspec/pipeline/throughput.py) on the tiny target,
+"""The throughput and fig7 CLIs (deepspec/evaluation/throughput.py) on the tiny target,
 with an untrained DSpark drafter saved where the DAG's train rule puts it."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from deepspec.pipeline.throughput import COLUMNS, best_threshold, cli_fig7, cli_throughput
+from deepspec.evaluation.throughput import COLUMNS, best_threshold, cli_fig7, cli_throughput
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # timing-sensitive decoding: one torch thread

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
-from deepspec.pipeline import train as T
-from deepspec.pipeline.stopping import TrainingStopped
-from deepspec.pipeline.train_log import TIMING_COLS
+from deepspec.training import loop as T
+from deepspec.training import recipe as R
+from deepspec.training.stopping import TrainingStopped
+from deepspec.training.train_log import TIMING_COLS
 
 # --------------------------------------------------------------------------- stand-ins
 
@@ -100,9 +101,9 @@ def read_log(path):
 
 def test_lr_schedule_warmup_then_cosine_to_zero():
     total = 100
-    n_warm = T.warmup_steps(total, 0.04)
+    n_warm = R.warmup_steps(total, 0.04)
     assert n_warm == 4
-    f = [T.lr_factor(s, total, n_warm) for s in range(total + 1)]
+    f = [R.lr_factor(s, total, n_warm) for s in range(total + 1)]
     assert f[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
     assert f[4 + 48] == pytest.approx(0.5)  # halfway through the cosine
     assert f[99] == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 96)))
@@ -111,14 +112,14 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 
     # The optimiser sees the same values, one per update.
     p = nn.Parameter(torch.zeros(1))
-    opt, sched = T.make_optimizer([p], train_cfg(lr=1e-3), total)
+    opt, sched = R.make_optimizer([p], train_cfg(lr=1e-3), total)
     lrs = []
     for _ in range(total):
         lrs.append(sched.get_last_lr()[0])
         opt.step()
         sched.step()
     assert lrs == pytest.approx([1e-3 * x for x in f[:total]])
-    assert T.warmup_steps(3, 0.04) == 1 and T.lr_factor(0, 3, 1) == 1.0
+    assert R.warmup_steps(3, 0.04) == 1 and R.lr_factor(0, 3, 1) == 1.0
 
 
 def test_optimizer_is_fused_adamw_with_the_for_loop_update():
@@ -128,7 +129,7 @@ def test_optimizer_is_fused_adamw_with_the_for_loop_update():
     init = torch.randn(64, 48, generator=g)
     grads = [torch.randn(64, 48, generator=g) * (torch.rand(64, 48, generator=g) < 0.2) for _ in range(12)]
     p = nn.Parameter(init.clone())
-    opt, sched = T.make_optimizer([p], train_cfg(lr=1e-2), 12)
+    opt, sched = R.make_optimizer([p], train_cfg(lr=1e-2), 12)
     assert opt.defaults["fused"] is True
     q = nn.Parameter(init.clone())
     ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.0, foreach=False)
@@ -141,12 +142,12 @@ def test_optimizer_is_fused_adamw_with_the_for_loop_update():
 
 
 def test_plan_steps_and_sampler():
-    assert T.plan_steps(10, train_cfg(global_batch=4)) == (2, 2)
-    assert T.plan_steps(10, train_cfg(global_batch=4, epochs=1.5)) == (2, 3)
-    assert T.plan_steps(1000, train_cfg(global_batch=4, epochs=10, max_steps=7)) == (250, 7)
-    assert T.plan_steps(3, train_cfg(global_batch=4)) == (1, 1)
+    assert R.plan_steps(10, train_cfg(global_batch=4)) == (2, 2)
+    assert R.plan_steps(10, train_cfg(global_batch=4, epochs=1.5)) == (2, 3)
+    assert R.plan_steps(1000, train_cfg(global_batch=4, epochs=10, max_steps=7)) == (250, 7)
+    assert R.plan_steps(3, train_cfg(global_batch=4)) == (1, 1)
     with pytest.raises(T.DeepSpecError):
-        T.plan_steps(0, train_cfg())
+        R.plan_steps(0, train_cfg())
 
     s = T.StepSampler(10, 4, seed=42)
     e0 = s.indices(0) + s.indices(1)
@@ -155,10 +156,10 @@ def test_plan_steps_and_sampler():
     assert T.StepSampler(10, 4, seed=42).indices(3) == s.indices(3)  # position = step: restartable
     assert T.StepSampler(10, 4, seed=43).indices(0) != s.indices(0)
     assert len(T.StepSampler(3, 8, seed=0).indices(0)) == 8  # N < global batch still fills a step
-    assert T.split_batch(list(range(8)), rank=1, world=2, micro=2) == [(2, [4, 5]), (3, [6, 7])]
-    assert T.split_batch(list(range(8)), rank=0, world=1, micro=2)[2:] == [(2, [4, 5]), (3, [6, 7])]  # same index
+    assert R.split_batch(list(range(8)), rank=1, world=2, micro=2) == [(2, [4, 5]), (3, [6, 7])]
+    assert R.split_batch(list(range(8)), rank=0, world=1, micro=2)[2:] == [(2, [4, 5]), (3, [6, 7])]  # same index
     with pytest.raises(T.DeepSpecError, match="global_batch"):
-        T.accumulation_steps(train_cfg(global_batch=6, micro_batch=4), world=1)
+        R.accumulation_steps(train_cfg(global_batch=6, micro_batch=4), world=1)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -427,13 +428,13 @@ def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, 
     exactly that micro batch's sequences) in train_summary.json, and `plan`
     predicts that count for the same settings."""
     from deepspec.config import load_config, parse_set
-    from deepspec.pipeline import plan as P
+    from deepspec.planning import plan as P
 
     calls = []
     unbound = type(tiny_target).features  # on the class: an instance patch would outlive the test
     monkeypatch.setattr(type(tiny_target), "features",
                         lambda self, ids, *a, **k: calls.append(ids.shape[0]) or unbound(self, ids, *a, **k))
-    monkeypatch.setattr("deepspec.pipeline.target.target_from_config", lambda cfg, **k: tiny_target)
+    monkeypatch.setattr("deepspec.targets.loading.target_from_config", lambda cfg, **k: tiny_target)
     extra = ["train.global_batch=4", "train.micro_batch=2", "train.epochs=3"]
     argv = cli_argv(tmp_path, tiny_cfg, "dspark", *extra) + ["--max-steps", "3"]
     assert T.cli_train(argv) == 0

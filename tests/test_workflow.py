@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from deepspec.config import PRESETS_DIR
-from deepspec.pipeline.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
+from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 

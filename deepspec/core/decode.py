@@ -25,7 +25,7 @@ import torch
 from ..errors import DeepSpecError
 from .scheduler import profile_sps, truncate_by_threshold
 from .target import Target, cache_kwarg, crop_cache, new_cache, select_features
-from .verify import (_cut_at_eos, _greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
+from .verify import (cut_at_eos, greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
                      sample, verify_chain)
 
 
@@ -36,12 +36,12 @@ class Generation:
     rounds: list[dict] = field(default_factory=list)  # per-round records (speculative only)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence[int]], last_only: bool = False):
+def target_forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence[int]], last_only: bool = False):
     """One KV-cached target forward: logits [1, n or 1, V] and features [1, n, m*d] (or None)."""
     out = target.model(
         input_ids=ids,
@@ -100,19 +100,19 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     t_draft = time.perf_counter()
     prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator)
     _check_proposal(prop, target.vocab_size)
-    _sync(device)
+    sync_device(device)
     t_verify = time.perf_counter()
     # Full proposals even near the end (as the reference evaluator does), so the
     # last round's acceptance is measured like any other; the caller trims the output.
     n = proposal_length(prop, confidence_threshold)
     draft = prop.tokens[:, :n].to(device)
     n_cached = cache.get_seq_length()
-    logits, feats = _forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
+    logits, feats = target_forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
     v = verify_row(logits, prop.probs[:, :n].to(device), draft, temperature=temperature,
                    eos_token_ids=target.eos_token_ids, generator=generator)
     accepted, emitted, proposal_len, a_k, alpha_k = v
     crop_cache(cache, n_cached + 1 + accepted)  # anchor + accepted drafts are now verified
-    _sync(device)
+    sync_device(device)
     conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
     return Round(emitted, accepted, proposal_len, a_k, alpha_k, conf, prop.tokens.shape[1], t_verify - t_draft,
                  time.perf_counter() - t_verify, torch.cat([anchor, draft[:, :accepted]], 1), feats[:, : accepted + 1],
@@ -155,7 +155,7 @@ def verify_rows(logits, probs, draft, lengths: Sequence[int], *, temperature, eo
     accept_prob = alpha = torch.zeros(R, g, device=dev)
     eos_stop, reachable = torch.zeros(R, dtype=torch.bool, device=dev), torch.zeros(R, dtype=torch.long, device=dev)
     if some and is_greedy(temperature):
-        accepted, fill, accept_prob, alpha = _greedy_decisions(logits, drafts)
+        accepted, fill, accept_prob, alpha = greedy_decisions(logits, drafts)
     elif some:
         u = torch.full((R, g), torch.inf, device=dev)  # inf: past the row's drafts, rejected
         for r in some:
@@ -164,7 +164,7 @@ def verify_rows(logits, probs, draft, lengths: Sequence[int], *, temperature, eo
         accepted, residual, accept_prob, alpha = rejection_decisions(logits, p_d, draft.long(), temperature, u)
         fill[some] = sample(residual[some], [generators[r] for r in some])
     if some:
-        accepted, eos_stop, reachable = _cut_at_eos(drafts, accepted, eos_token_ids)
+        accepted, eos_stop, reachable = cut_at_eos(drafts, accepted, eos_token_ids)
     if zero:  # greedy too: sampled from the one-hot argmax, so the stream advances as verify_row's
         fill[zero] = sample(logits_to_probs(logits[zero, 0], temperature), [generators[r] for r in zero])
     tokens, num_emitted = emitted_tokens(drafts, accepted, fill, eos_stop)
@@ -220,11 +220,11 @@ def speculative_generate(
     record per round (`round_record`)."""
     device = target.device
     cache, rounds, out = new_cache(), [], []
-    _sync(device)
+    sync_device(device)
     t_start = time.perf_counter()
     state = drafter.init_state()
     ctx = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)  # verified, unseen by the drafter
-    logits, feats = _forward(target, ctx, cache, feature_layers, last_only=True)
+    logits, feats = target_forward(target, ctx, cache, feature_layers, last_only=True)
     out.append(int(sample(logits_to_probs(logits[:, -1], temperature), generator)))
     while len(out) < max_new_tokens and out[-1] not in target.eos_token_ids:
         anchor = torch.tensor([[out[-1]]], dtype=torch.long, device=device)
@@ -233,7 +233,7 @@ def speculative_generate(
         ctx, feats = r.ctx, r.feats
         out.extend(r.tokens[: max_new_tokens - len(out)])
         rounds.append({**round_record(len(rounds), r), "batch_size": 1, "verify_tokens": r.width})
-    _sync(device)
+    sync_device(device)
     return Generation(tokens=out, time_s=time.perf_counter() - t_start, rounds=rounds)
 
 
@@ -249,16 +249,16 @@ def plain_generate(
     """Autoregressive decoding with a KV cache and the same sampling code as the loop above."""
     device, eos = target.device, set(target.eos_token_ids)
     cache, out = new_cache(), []
-    _sync(device)
+    sync_device(device)
     t_start = time.perf_counter()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     while True:
-        logits, _ = _forward(target, ids, cache, None, last_only=True)
+        logits, _ = target_forward(target, ids, cache, None, last_only=True)
         out.append(int(sample(logits_to_probs(logits[:, -1], temperature), generator)))
         if len(out) >= max_new_tokens or out[-1] in eos:
             break
         ids = torch.tensor([[out[-1]]], dtype=torch.long, device=device)
-    _sync(device)
+    sync_device(device)
     return Generation(tokens=out, time_s=time.perf_counter() - t_start)
 
 
@@ -278,7 +278,7 @@ def prompt_lookup_generate(
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     sampling = {} if is_greedy(temperature) else {"temperature": float(temperature), "top_k": 0, "top_p": 1.0}
     torch.manual_seed(seed)
-    _sync(device)
+    sync_device(device)
     t_start = time.perf_counter()
     seq = target.model.generate(
         ids,
@@ -290,7 +290,7 @@ def prompt_lookup_generate(
         pad_token_id=target.tokenizer.pad_token_id,
         **sampling,
     )
-    _sync(device)
+    sync_device(device)
     return Generation(tokens=seq[0, ids.shape[1]:].tolist(), time_s=time.perf_counter() - t_start)
 
 

@@ -41,7 +41,7 @@ import torch
 
 from ..errors import DeepSpecError
 from .batch_cache import BatchKV, cache_bytes_per_token, engine_cache, has_sliding_window, row_slots
-from .decode import Round, _forward, _sync, round_record, verify_rows
+from .decode import Round, target_forward, sync_device, round_record, verify_rows
 from .scheduler import SPSCurve, profile_sps
 from .target import Target
 from .verify import logits_to_probs, sample
@@ -179,13 +179,13 @@ class BatchedEngine:
     def _join(self, req: Request):
         """Prefill the prompt alone, sample the first token from the request's stream.
         Returns the row and its prompt's KV cache."""
-        _sync(self.target.device)
+        sync_device(self.target.device)
         t0 = time.perf_counter()
         dev = self.target.device
         gen = torch.Generator(device=dev).manual_seed(int(req.seed))
         ids = torch.tensor([list(req.prompt_ids)], dtype=torch.long, device=dev)
         cache = engine_cache()
-        logits, feats = _forward(self.target, ids, cache, self.layers, last_only=True)
+        logits, feats = target_forward(self.target, ids, cache, self.layers, last_only=True)
         if self.kv_per_token is None:
             self.kv_per_token = cache_bytes_per_token(cache, ids.shape[1])
         first = int(sample(logits_to_probs(logits[:, -1], self.temperature), gen))
@@ -210,11 +210,11 @@ class BatchedEngine:
 
     def _round(self, rows, kv: BatchKV) -> None:
         dev, R = self.target.device, len(rows)
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         props = [(torch.zeros(1, 0, dtype=torch.long), None, None)] * R if self.drafter is None else self._propose(rows)
         ells = [0] * R if self.drafter is None else [int(x) for x in self.policy.lengths(props)]
-        _sync(dev)
+        sync_device(dev)
         t1 = time.perf_counter()
         W = 1 + max(ells)
         ids = torch.tensor([[r.out[-1]] * W for r in rows], dtype=torch.long, device=dev)
@@ -230,7 +230,7 @@ class BatchedEngine:
                                                    temperature=self.temperature, eos_token_ids=self.target.eos_token_ids,
                                                    generators=[r.generator for r in rows], extra=confs)
         kv.commit(start, 1 + accepted)
-        _sync(dev)
+        sync_device(dev)
         t2 = time.perf_counter()
         B = R + sum(ells)  # sum of the rows' 1 + l_r (no device sync)
         self.stats["rounds"] += 1
@@ -260,7 +260,7 @@ def profile_engine_sps(target: Target, rows: int, widths: Sequence[int], context
     for _ in range(rows):
         cache = engine_cache()
         ids = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
-        _forward(target, ids, cache, None, last_only=True)
+        target_forward(target, ids, cache, None, last_only=True)
         joining.append((cache, context_len))
     kv.add_many(joining)
     by_tokens = {rows * int(w): int(w) for w in widths}

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import DeepSpecError
 from .decode import proposal_length
-from .scheduler import SPSLike, _sps_fn, schedule_prefix
+from .scheduler import SPSLike, sps_fn, schedule_prefix
 
 
 class FixedGamma:
@@ -111,7 +111,7 @@ class PaddedAlgorithm1(LiveAlgorithm1):
     def lengths(self, props) -> list[int]:
         c = self.confidences(props)
         R, g = c.shape
-        a, f = np.cumprod(c, axis=1), _sps_fn(self.sps)
+        a, f = np.cumprod(c, axis=1), sps_fn(self.sps)
         theta = [(R + a[:, :w].sum()) * f(R * (1 + w)) for w in range(g + 1)]
         w = int(np.argmax(theta))
         return [min(w, int(p[0].shape[1])) for p in props]

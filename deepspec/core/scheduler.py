@@ -81,7 +81,7 @@ def threshold_sweep(df: pd.DataFrame, thresholds=np.round(np.arange(0, 1.0, 0.1)
 
 
 # --------------------------------------------------------------------------- Algorithm 1
-def _sps_fn(sps: SPSLike) -> Callable[[int], float]:
+def sps_fn(sps: SPSLike) -> Callable[[int], float]:
     if callable(sps):
         return lambda B: float(sps(int(B)))
     if isinstance(sps, dict):
@@ -112,7 +112,7 @@ def schedule_prefix(c, sps: SPSLike, early_stop: bool = True) -> Tuple[np.ndarra
     if c.ndim != 2:
         raise ValueError("c must be [R, gamma]")
     R = c.shape[0]
-    f = _sps_fn(sps)
+    f = sps_fn(sps)
     a = np.cumprod(c, axis=1)
     r_idx, j_idx = np.nonzero(a > 0)
     vals = a[r_idx, j_idx]
@@ -212,7 +212,7 @@ def simulate_schedule(c, accepted, sps: SPSLike, batch: int, seed: int = 0, earl
     N, g = c.shape
     if acc.shape != (N,) or batch < 1 or N < batch:
         raise ValueError("need accepted [N] and N >= batch >= 1")
-    f = _sps_fn(sps)
+    f = sps_fn(sps)
     perm = np.random.default_rng(seed).permutation(N)
     n_steps = N // batch
     tok = {"alg1": 0.0, "fixed": 0.0, "nospec": 0.0}

@@ -2,7 +2,7 @@
 its forward with a KV cache, its feature layers (Eq. 2's h^(l)), its final
 hidden state, embedding and LM head, and its chat template. Loading targets
 (by spec, offline conversion, the tiny test models) is the pipeline's
-`deepspec.pipeline.target`.
+`deepspec.targets.loading`.
 """
 from __future__ import annotations
 

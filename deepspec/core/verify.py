@@ -105,13 +105,13 @@ def verify_chain(
         raise ValueError(f"target_logits must be [B, gamma+1, V] = [{B}, {g + 1}, V], got {tuple(target_logits.shape)}")
     draft_tokens = draft_tokens.long()
     if is_greedy(temperature):
-        accepted, fill, accept_prob, alpha = _greedy_decisions(target_logits, draft_tokens)
+        accepted, fill, accept_prob, alpha = greedy_decisions(target_logits, draft_tokens)
     else:
         if draft_probs.shape[:2] != (B, g):
             raise ValueError(f"draft_probs must be [B, gamma, V] = [{B}, {g}, V], got {tuple(draft_probs.shape)}")
         accepted, fill, accept_prob, alpha = _rejection_sampling(target_logits, draft_probs, draft_tokens,
                                                                  temperature, generator)
-    accepted, eos_stop, reachable = _cut_at_eos(draft_tokens, accepted, eos_token_ids)
+    accepted, eos_stop, reachable = cut_at_eos(draft_tokens, accepted, eos_token_ids)
     tokens, num_emitted = emitted_tokens(draft_tokens, accepted, fill, eos_stop)
     return VerifyResult(accepted=accepted, tokens=tokens, num_emitted=num_emitted, accept_prob=accept_prob, alpha=alpha,
                         eos_stop=eos_stop, reachable=reachable)
@@ -130,7 +130,7 @@ def emitted_tokens(draft_tokens, accepted, fill, eos_stop):
     return tokens, accepted + put.long()
 
 
-def _greedy_decisions(target_logits, draft_tokens):
+def greedy_decisions(target_logits, draft_tokens):
     """T = 0: a draft token is accepted iff it is the target's argmax; the
     correction (or the bonus after g accepted) is the argmax there."""
     g = draft_tokens.shape[1]
@@ -171,7 +171,7 @@ def rejection_decisions(target_logits, draft_probs, draft_tokens, temperature, u
     return accepted, residual, (pt_x / pd_x).clamp(max=1.0), acceptance_rate(p_d, p_t[:, :g])
 
 
-def _cut_at_eos(draft_tokens, accepted, eos_token_ids):
+def cut_at_eos(draft_tokens, accepted, eos_token_ids):
     """An accepted EOS ends the round: no correction or bonus after it.
     Returns (accepted, eos_stop [B] bool, reachable [B]: positions up to and
     including the first drafted EOS)."""

@@ -1,4 +1,4 @@
-# Ablations, on demand only (not part of figures/fig2.pdf; deepspec/pipeline/ablations.py):
+# Ablations, on demand only (not part of figures/fig2.pdf; deepspec/reporting/ablations.py):
 #   snakemake --cores all figures/fig3.pdf   # DSpark 1/2/5 layers vs DFlash 5
 #   snakemake --cores all figures/fig4.pdf   # draft length 4/8/12/16: Markov, RNN, DFlash
 #   snakemake --cores all figures/fig5.pdf   # confidence-threshold sweep

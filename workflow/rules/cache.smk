@@ -1,5 +1,5 @@
 # Cache the target's feature-layer and final hidden states (paper §3, "Target
-# cache"; deepspec/pipeline/cache.py). The directory is the output, marked by
+# cache"; deepspec/data/cache.py). The directory is the output, marked by
 # its manifest (written last). Resumable: finished shards survive a failed job
 # and are checksum-verified and kept by the rerun.
 rule build_cache:

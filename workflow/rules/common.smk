@@ -14,12 +14,12 @@ sys.path.insert(0, str(Path(workflow.basedir)))
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
-from deepspec.pipeline.launch import gpu_env
-from deepspec.pipeline.launch import launcher as train_launcher
-from deepspec.pipeline.methods import fig3_methods, fig4_methods
-from deepspec.pipeline.preflight import preflight
-from deepspec.pipeline.prepare_data import check_sources, needed_files
-from deepspec.pipeline.prompts import data_root, speed_benchmarks
+from deepspec.training.launch import gpu_env
+from deepspec.training.launch import launcher as train_launcher
+from deepspec.methods import fig3_methods, fig4_methods
+from deepspec.planning.preflight import preflight
+from deepspec.data.sources import check_sources, needed_files
+from deepspec.data.prompts import data_root, speed_benchmarks
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2
@@ -89,7 +89,7 @@ def res(rule, key, default):
     return CFG["resources"].get(rule, {}).get(key, default)
 
 
-# gpu_env(n) (deepspec/pipeline/launch.py): the prefix of a GPU rule's command that
+# gpu_env(n) (deepspec/training/launch.py): the prefix of a GPU rule's command that
 # gives the job n GPU ids of its own (Snakemake hands out none on a local machine;
 # inside a SLURM job it picks among the ids SLURM set); "" for n = 0.
 

@@ -1,5 +1,5 @@
 # Speculative-decoding evaluation (paper Sec. 4, Table 1;
-# deepspec/pipeline/evaluate.py): one job per (target, method) decoding every
+# deepspec/evaluation/evaluate.py): one job per (target, method) decoding every
 # benchmark with the batched engine (the first eval.speed_prompts prompts of each
 # timed benchmark alone), the drafter-free baselines, and DSpark's
 # verify-smarter analysis (threshold sweep, STS calibration, Algorithm 1). On GPU

@@ -1,5 +1,5 @@
 # The preset's prompt files under data.root, built from their public sources
-# when missing (deepspec/pipeline/prepare_data.py): one job per file, so a
+# when missing (deepspec/data/sources.py): one job per file, so a
 # failed download never touches the files that are there. A file that exists
 # is up to date (no inputs) and is never rebuilt; hence no params.settings:
 # prompt files are data, and a changed source (data.sources) is rebuilt only

@@ -1,5 +1,5 @@
 # Regenerate every training answer with the target itself (paper §3,
-# "Regeneration"; deepspec/pipeline/regenerate.py). Resumable: progress lives
+# "Regeneration"; deepspec/data/regenerate.py). Resumable: progress lives
 # in <output>.partial, which Snakemake does not delete on failure; a rerun
 # skips finished records.
 #

@@ -1,5 +1,5 @@
 # Table 1, Figure 2 and REPORT.md from every (method, benchmark) evaluation
-# (deepspec/pipeline/report.py).
+# (deepspec/reporting/report.py).
 rule report:
     input:
         records=all_records(METHODS),

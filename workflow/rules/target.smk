@@ -1,5 +1,5 @@
 # Convert (builtin) or download (hub, at target.revision) the target into a plain
-# HF checkpoint (deepspec/pipeline/target.py). A local rule: it needs no GPU, and on
+# HF checkpoint (deepspec/targets/loading.py). A local rule: it needs no GPU, and on
 # a cluster the node running Snakemake has the internet access compute nodes may
 # lack (as prepare_data). Hub files land in the hub cache (HF_HOME) and are hard
 # linked into resources/targets/, not loaded into memory.

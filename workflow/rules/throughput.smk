@@ -1,4 +1,4 @@
-# Throughput under load (paper Sec. 3.2.2, Figures 7-8; deepspec/pipeline/throughput.py):
+# Throughput under load (paper Sec. 3.2.2, Figures 7-8; deepspec/evaluation/throughput.py):
 # the batched engine (deepspec/core/engine.py) with each verification policy
 # (plain batched decoding, fixed gamma, static thresholds, live Algorithm 1) at
 # each throughput.concurrency level; Algorithm 1 reads the STS temperatures the

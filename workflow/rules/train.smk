@@ -1,10 +1,10 @@
 # Train one drafter (a method or an ablation variant such as dspark-l2;
-# deepspec/pipeline/train.py) on the target cache, or, with cache.mode: online,
+# deepspec/training/loop.py) on the target cache, or, with cache.mode: online,
 # directly on the regenerated conversations (target features computed on the fly).
 #
 # The job runs under `accelerate launch` with train.gpus > 1 (one process per
 # GPU), or train.processes > 1 on CPU, and with train.nodes > 1 one accelerate
-# per node of the SLURM allocation (deepspec/pipeline/launch.py). An
+# per node of the SLURM allocation (deepspec/training/launch.py). An
 # interrupted job resumes from its newest intact checkpoint when rerun; SIGTERM
 # (SLURM's warning before the time limit, workflow/profiles/slurm) makes it
 # write a checkpoint and stop first.

@@ -12,9 +12,9 @@ from ..architectures import check_model_type
 from ..config import REPO_ROOT
 from ..errors import DeepSpecError
 from ..paths import RunPaths
-from .methods import fig3_methods, fig4_methods, resolve_method
+from ..methods import fig3_methods, fig4_methods, resolve_method
 
-# Decoder depth of the builtin targets (pipeline/target.py), known before they are prepared.
+# Decoder depth of the builtin targets (targets/loading.py), known before they are prepared.
 BUILTIN_LAYERS = {"smollm2-135m": 30}
 
 
@@ -26,7 +26,7 @@ def _offline_text_config(cfg: dict):
         if path.exists():
             c = json.loads(path.read_text())
             return (c.get("text_config") or c), str(path)
-    from .target import TINY_SPECS, tiny_config
+    from ..targets.tiny import TINY_SPECS, tiny_config
 
     if t["spec"] in TINY_SPECS:  # the builtin random targets
         c = tiny_config(TINY_SPECS[t["spec"]])

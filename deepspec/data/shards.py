@@ -19,7 +19,7 @@ from ..errors import DeepSpecError
 from ..files import iter_jsonl, read_json, require_file, write_json_atomic, write_text_atomic
 from ..paths import RunPaths
 from .prompts import Prompt, load_train_prompts
-from .regenerate import errors_path, settings_path
+from ..paths import errors_path, settings_path
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import pandas as pd
 from ..errors import DeepSpecError
 from ..files import read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
-from . import published as paper
-from .methods import fig3_methods, fig4_methods, resolve_method, variant_base
+from . import paper
+from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ FIGURES = {"fig3": fig3, "fig4": fig4, "fig5": fig5, "fig6": fig6}
 
 
 def cli_plot(argv) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(prog="deepspec plot", description=__doc__)
     p.add_argument("figure", choices=sorted(FIGURES))

@@ -426,7 +426,7 @@ def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> 
 
 
 def cli_convert_checkpoint(argv) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(
         prog="deepspec convert-checkpoint",
@@ -439,7 +439,7 @@ def cli_convert_checkpoint(argv) -> int:
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from ..drafters import load_drafter
-    from .target import target_from_config
+    from ..targets.loading import target_from_config
 
     target = target_from_config(cfg)
     out = convert_reference_checkpoint(local_checkpoint(args.src), target, args.out, overwrite=args.overwrite)

@@ -8,7 +8,7 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   answer tokens per sample (``plan.prompt_tokens`` / ``plan.answer_tokens``,
   else a sample of the prompt files: characters / `CHARS_PER_TOKEN`, answers
   from their ``reference`` field, capped at ``regenerate.max_new_tokens``);
-* **cache** - bytes per token of the offline cache (`cache._bytes_per_token`:
+* **cache** - bytes per token of the offline cache (`cache.bytes_per_token`:
   the feature layers + the final hidden state at ``cache.dtype``, plus the int32
   id and uint8 loss mask), its total, and, for online mode, the target forwards
   each step adds: one per micro batch (`online_target_forwards`, what
@@ -21,7 +21,7 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   dimensions (a random-weight target built from its architecture facts,
   one micro-batch of a synthetic sequence of the expected length, all its
   answer positions in the loss mask) under `torch.utils.flop_counter`;
-  data-dependent ops run on CPU shadows (`deepspec.pipeline.metarun`). The
+  data-dependent ops run on CPU shadows (`deepspec.planning.meta`). The
   count is what executes, activation-checkpoint recomputation included, and
   SDPA is counted dense (the CPU path; flex attention would skip masked
   blocks). Steps per epoch and in total (`train.plan_steps`); activation memory
@@ -57,16 +57,9 @@ from ..core.target import Target
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
-from .cache import _bytes_per_token, _human
-from .target_facts import (  # noqa: F401 - also used as plan.<name>
-    SOURCE_KEY,
-    check_against_hub,
-    compare_facts,
-    load_facts,
-    meta_target,
-    target_config,
-)
-from .train import plan_steps, step_spec
+from ..data.cache import bytes_per_token, human_bytes
+from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target
+from ..training.loop import plan_steps, step_spec
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +73,7 @@ DEFAULT_TAU = 3.0  # expected tokens per round without a paper value
 
 def _file_stats(path: Path, cap: Optional[int]) -> tuple[int, list[float], list[float]]:
     """(prompts used, sampled prompt lengths, sampled reference lengths) in tokens (chars / CHARS_PER_TOKEN)."""
-    from .prompts import read_turns_jsonl, subsample
+    from ..data.prompts import read_turns_jsonl, subsample
 
     prompts = subsample(read_turns_jsonl(path), cap)
     sample = prompts[:SAMPLE_PROMPTS]
@@ -95,7 +88,7 @@ def _mean(xs: list[float]) -> Optional[float]:
 
 def data_section(cfg: dict) -> dict:
     """Training prompts and tokens per sample (hints first, then a sample of the files)."""
-    from .prompts import data_root
+    from ..data.prompts import data_root
 
     hints, root = cfg["plan"], data_root(cfg)
     n, plen, rlen, sources = 0, [], [], []
@@ -162,7 +155,7 @@ def synthetic_batch(micro_batch: int, length: int, prompt: int, vocab: int, n_fe
 def measure_step(drafter, target: Target, batch: dict, spec, seed: int = 0) -> dict:
     """FLOPs (forward, forward+backward) and activation bytes of one real training
     step (`drafter.training_step` + backward) on meta (see the module docstring)."""
-    from .metarun import measure
+    from .meta import measure
 
     exclude = [*drafter.parameters(), *target.model.parameters(), batch["features"], batch["last_hidden"]]
     gen = torch.Generator().manual_seed(seed)
@@ -180,7 +173,7 @@ def measure_target_forward(target: Target, batch: dict, layers) -> int:
     """FLOPs of the target forward that online mode runs per micro-batch (features + final hidden state)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from .metarun import MetaShadow, fused_attention
+    from .meta import MetaShadow, fused_attention
 
     ids = batch["input_ids"].to("meta")
     with fused_attention(), MetaShadow() as shadow:
@@ -200,7 +193,7 @@ def online_target_forwards(train_cfg: dict, total_steps: int) -> int:
 def build_meta_drafter(method: str, target: Target, cfg: dict):
     """`build_drafter` on the meta device, in bf16 (as autocast computes)."""
     from .. import drafters
-    from .methods import resolve_method
+    from ..methods import resolve_method
 
     base, mcfg = resolve_method(cfg, method)
     with torch.device("meta"):
@@ -222,7 +215,7 @@ def param_counts(drafter, target: Target) -> dict:
 
 def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: int) -> dict:
     c, layers = cfg["cache"], cfg["target"]["feature_layers"]
-    bpt = _bytes_per_token(len(layers), target.hidden_size, c["dtype"])
+    bpt = bytes_per_token(len(layers), target.hidden_size, c["dtype"])
     hidden_bytes = (len(layers) + 1) * target.hidden_size * torch.empty(0, dtype=getattr(torch, c["dtype"])).element_size()
     return {
         "mode": c["mode"], "dtype": c["dtype"], "feature_layers": len(layers), "hidden_size": target.hidden_size,
@@ -303,8 +296,8 @@ def training_totals(methods: dict, online_flops_per_forward: int, hw: dict) -> d
 
 def eval_section(cfg: dict, data: dict, methods: list[str], rounds_per_s: float) -> dict:
     """Prompts per benchmark and rounds / time per method at `rounds_per_s`."""
-    from .prompts import data_root, read_turns_jsonl
-    from .published import TABLE1
+    from ..data.prompts import data_root, read_turns_jsonl
+    from ..reporting.paper import TABLE1
 
     e, root = cfg["eval"], data_root(cfg)
     tokens = min(int(e["max_new_tokens"]), int(round(data["answer_tokens_per_sample"])))
@@ -411,7 +404,7 @@ def format_plan(plan: dict) -> str:
             ("cache: bytes per token", f"{c['bytes_per_token']:,} = ({c['feature_layers']} feature layers + final hidden) x "
                                        f"{c['hidden_size']} x {c['hidden_bytes_per_token'] // ((c['feature_layers'] + 1) * c['hidden_size'])} B "
                                        f"({c['dtype']}) + 4 B id + 1 B loss mask"),
-            ("cache: offline total", f"{_human(c['offline_total_bytes'])} = {_n(c['offline_total_bytes'])}B ({_n(d['tokens'])} tokens); "
+            ("cache: offline total", f"{human_bytes(c['offline_total_bytes'])} = {_n(c['offline_total_bytes'])}B ({_n(d['tokens'])} tokens); "
                                      f"cache.mode here: {c['mode']}"),
             ("cache: online extra per step", f"target forward {_n(c['online_target_forward_flops_per_step'])}FLOP "
                                              f"(one per micro batch, {_n(tr['target_forward_flops_per_token'])}FLOP per token)")]
@@ -423,15 +416,15 @@ def format_plan(plan: dict) -> str:
                                           f"micro-batches of {_n(r['flops_per_micro_batch'])}FLOP)"),
                  (f"{m}: steps", f"{r['steps_per_epoch']:,} per epoch, {r['total_steps']:,} in total "
                                  f"({r['online_target_forwards']:,} target forwards online)"),
-                 (f"{m}: activations/micro-batch", f"{_human(mem['peak_activation_bytes'])} at length {d['max_length']} "
-                                                   f"(saved {_human(mem['saved_bytes'])} + largest tensor {_human(mem['largest_tensor_bytes'])})"),
+                 (f"{m}: activations/micro-batch", f"{human_bytes(mem['peak_activation_bytes'])} at length {d['max_length']} "
+                                                   f"(saved {human_bytes(mem['saved_bytes'])} + largest tensor {human_bytes(mem['largest_tensor_bytes'])})"),
                  (f"{m}: memory per GPU", "{} = target {} + drafter {} + gradients {} + Adam {}{} + activations {} "
                                           "(arithmetic; without online features and allocator slack)".format(
-                                              *(_human(r["memory_per_gpu"][k]) for k in ("total", "target_weights",
+                                              *(human_bytes(r["memory_per_gpu"][k]) for k in ("total", "target_weights",
                                                 "drafter_weights", "gradients", "adam_moments")),
                                               f" (sharded / {r['memory_per_gpu']['optimizer_shards']})"
                                               if r["memory_per_gpu"]["optimizer_shards"] > 1 else "",
-                                              _human(r["memory_per_gpu"]["activations"]))),
+                                              human_bytes(r["memory_per_gpu"]["activations"]))),
                  (f"{m}: GPU-hours", f"{_h(tot['gpu_hours_offline'])} offline / {_h(tot['gpu_hours_online'])} online "
                                      f"({_h(tot['wall_hours_offline'])} / {_h(tot['wall_hours_online'])} h on {hw['gpus']} GPUs)")]
     for m, r in ev["methods"].items():
@@ -444,7 +437,7 @@ def format_plan(plan: dict) -> str:
 
 
 def cli_plan(argv=None) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(prog="deepspec plan", description="what a preset will cost (data, cache, drafters, "
                                 "training FLOPs measured on the meta device, GPU-hours, evaluation), before anything runs")

@@ -1,6 +1,6 @@
-"""The rules of workflow/rules/evaluate.smk: `evaluate` (speculative decoding with a drafter), `baseline`
-(plain and prompt-lookup decoding) and `schedule` (threshold sweep, STS
-calibration and Algorithm 1 on DSpark records). Paper Sec. 4; notes §1.5, §1.6, §3.
+"""The rules of workflow/rules/evaluate.smk: `evaluate` (speculative decoding
+with a drafter) and `baseline` (plain and prompt-lookup decoding); `schedule`
+(threshold sweep, STS calibration, Algorithm 1) is in schedule.py. Paper Sec. 4; notes §1.5, §1.6, §3.
 
 `evaluate` runs all of a method's benchmarks in one process: the first
 eval.speed_prompts prompts of each benchmark are decoded alone by the batch-1
@@ -15,7 +15,6 @@ Outputs under R/T/eval/ (R = results_dir, T = target name), all written atomical
   <method>/<benchmark>.csv   one row per round (docs/INTERFACES.md) + method, benchmark, domain
   <method>/<benchmark>.json  summary: tau with CI, per-position table, tokens/s, speedup vs plain
   baseline/<benchmark>.json  tokens/s of plain and prompt-lookup decoding (+ per-sample .csv)
-  dspark/<benchmark>.{sweep.csv, calibration.csv, alg1.json}
 """
 from __future__ import annotations
 
@@ -24,17 +23,16 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
-from ..cli import add_config_args, config_from_args
+from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..config import settings_fingerprint
-from ..files import iter_jsonl, json_safe, read_json, require_file, write_csv_atomic, write_json_atomic
+from ..files import iter_jsonl, json_safe, read_json, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
-from .methods import resolve_method
-from .prompts import benchmark_prompt_set, speed_benchmarks
+from ..methods import resolve_method
+from ..data.prompts import benchmark_prompt_set, speed_benchmarks
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +79,14 @@ class Progress:
     output is written. `Progress(None)` keeps nothing."""
 
     def __init__(self, path: Path | None, header: dict | None = None):
-        from .regenerate import _Appender, _recover_partial
+        from ..files import JsonlAppender, recover_jsonl
 
         self.path, self.done, self._out = path, {}, None
         if path is None:
             return
         header, resumed = {"id": "header", **(header or {})}, False
         if path.exists():
-            _recover_partial(path)  # a torn last line (a kill mid-write) is cut off
+            recover_jsonl(path)  # a torn last line (a kill mid-write) is cut off
             recs = [r for _, _, r in iter_jsonl(path, "evaluation progress")]
             resumed = bool(recs) and recs[0] == header
             if resumed:
@@ -97,7 +95,7 @@ class Progress:
             else:
                 log.warning("%s was made with other settings: starting afresh", path)
                 path.unlink()
-        self._out = _Appender(path)
+        self._out = JsonlAppender(path)
         if not resumed:
             self._out.write([header])
 
@@ -330,8 +328,8 @@ def cli_evaluate(argv) -> int:
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     from ..drafters import load_drafter
-    from .convert import resolve_drafter
-    from .target import target_from_config
+    from ..interop.convert import resolve_drafter
+    from ..targets.loading import target_from_config
 
     paths = RunPaths.of(cfg)
     benches = args.benchmark or list(cfg["data"]["benchmarks"])
@@ -395,7 +393,7 @@ def cli_baseline(argv) -> int:
     p.add_argument("--out-dir", help="directory for <benchmark>.json and .csv (default R/T/eval/baseline/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    from .target import target_from_config
+    from ..targets.loading import target_from_config
 
     timed = speed_benchmarks(cfg)
     benches = args.benchmark or timed
@@ -429,54 +427,3 @@ def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bo
     rows = [{"baseline": k, **s} for k, samples in runs.items() for s in samples]
     write_csv_atomic(pd.DataFrame(rows, columns=["baseline", "sample_id", "new_tokens", "time_s"]), out_json.with_suffix(".csv"))
     write_json_atomic(out_json, json_safe(summary))
-
-
-# --------------------------------------------------------------------------- schedule
-def cli_schedule(argv) -> int:
-    p = argparse.ArgumentParser(prog="deepspec schedule", description="threshold sweep, STS calibration, Algorithm 1")
-    add_config_args(p)
-    p.add_argument("--method", default="dspark")
-    p.add_argument("--benchmark", required=True)
-    p.add_argument("--records", help="records CSV (default R/T/eval/<method>/<benchmark>.csv)")
-    p.add_argument("--max-batch-tokens", type=int, default=16, help="SPS profiled for B = 1..this")
-    args = p.parse_args(argv)
-    cfg = config_from_args(args)
-    from ..core.acceptance import conf_logits
-    from ..core.calibration import apply_sts, split_samples, sts_before_after
-    from ..core.decode import profile_target_sps
-    from ..core.scheduler import simulate_schedule, threshold_sweep
-    from .target import target_from_config
-
-    records = Path(args.records) if args.records else RunPaths.of(cfg).records(args.method, args.benchmark)
-    df = pd.read_csv(require_file(records, "evaluation records"))
-    x = conf_logits(df)
-    if x.shape[1] == 0 or not np.isfinite(x).any():
-        raise DeepSpecError(f"{records}: no confidence logits (schedule needs a drafter with a confidence head)")
-    if df["sample_id"].nunique() < 2:
-        raise DeepSpecError("calibration needs records from at least 2 samples (raise the benchmark cap)")
-    if cfg["eval"]["confidence_threshold"] > 0:
-        log.warning("records were made with a confidence threshold: the sweep and Algorithm 1 assume full proposals")
-    base = records.with_suffix("")
-    write_csv_atomic(threshold_sweep(df, cfg["ablations"]["thresholds"]), base.with_suffix(".sweep.csv"))
-
-    A, L = df["accepted"].to_numpy(), df["proposal_len"].to_numpy()
-    fit, held = split_samples(df["sample_id"], cfg["eval"]["seed"])
-    cal, temps = sts_before_after(x, A, L, fit)
-    write_csv_atomic(cal, base.with_suffix(".calibration.csv"))
-
-    gamma = x.shape[1]
-    sizes = list(range(1, max(args.max_batch_tokens, gamma + 1) + 1))
-    sps = profile_target_sps(target_from_config(cfg), sizes, context_len=min(256, cfg["data"]["max_length"]))
-    full = held & (L == gamma) & np.isfinite(x).all(1)  # realised acceptance of full proposals
-    c = apply_sts(x[full], temps)
-    sims = [{"batch": R, **simulate_schedule(c, A[full], sps, batch=R, seed=cfg["eval"]["seed"])}
-            for R in range(1, max(sizes) // (gamma + 1) + 1) if full.sum() >= R]
-    alg1 = {"target": cfg["target"]["name"], "method": args.method, "benchmark": args.benchmark, "gamma": gamma,
-            "sts_temperatures": temps.tolist(), "n_rounds_fit": int(fit.sum()), "n_rounds_eval": int(full.sum()),
-            "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist()},
-            "simulations": sims}
-    write_json_atomic(base.with_suffix(".alg1.json"), json_safe(alg1))
-    for s in sims:
-        log.info("Algorithm 1, %d request(s)/step: %.2f vs fixed %.2f tokens/s (x%.3f), mean verify length %.2f",
-                 s["batch"], s["theta_alg1"], s["theta_fixed"], s["speedup_vs_fixed"], s["mean_verify_len"])
-    return 0

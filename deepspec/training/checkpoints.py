@@ -29,7 +29,7 @@ import torch
 from ..errors import DeepSpecError
 from ..files import read_json, sha256_file, write_json_atomic, write_text_atomic
 
-log = logging.getLogger("deepspec.train")
+log = logging.getLogger(__name__)
 
 LOG_NAME = "train_log.csv"
 CKPT_DIR = "checkpoints"

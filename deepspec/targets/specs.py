@@ -20,7 +20,7 @@ from ..config import REPO_ROOT
 from ..core.target import Target
 from ..errors import DeepSpecError
 from ..paths import RunPaths
-from .target import TINY_SPECS
+from .tiny import TINY_SPECS
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +44,12 @@ def load_facts(cfg: dict) -> tuple[dict, str]:
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
     if t["spec"] in TINY_SPECS:
-        from .target import tiny_config
+        from .tiny import tiny_config
 
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
         c = tiny_config(TINY_SPECS[t["spec"]], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
-        return c.to_dict(), "deepspec/pipeline/target.py:tiny_config (vocabulary of SmolLM2)"
+        return c.to_dict(), "deepspec/targets/loading.py:tiny_config (vocabulary of SmolLM2)"
     raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add {shipped.relative_to(REPO_ROOT)} "
                         f"(the fields of {t['spec']}'s config.json) or prepare the target first")
 

@@ -300,7 +300,7 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
 
 
 def cli_export_checkpoint(argv) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(prog="deepspec export-checkpoint",
                                 description="write a deepspec drafter in DeepSeek's (deepspec) or the EAGLE-3 layout")
@@ -319,7 +319,7 @@ def cli_export_checkpoint(argv) -> int:
     check_out_apart(args.src, args.out)
     cfg = config_from_args(args)
     from ..drafters import load_drafter
-    from .target import target_from_config
+    from ..targets.loading import target_from_config
 
     target = target_from_config(cfg)
     d = load_drafter(args.src, target)

@@ -1,5 +1,5 @@
 """The paper's training recipe as arithmetic (paper-notes §3), for the train
-rule's loop (`deepspec.pipeline.train`): steps per epoch and in total, the
+rule's loop (`deepspec.training.loop`): steps per epoch and in total, the
 warmup + cosine learning rate, AdamW, the global batch split over processes and
 micro batches, the deterministic data order, and the per-micro-batch seeds that
 make N processes follow the same trajectory as one.
@@ -63,7 +63,7 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_
     (8 bytes per trainable parameter / processes instead of 8) and updating that
     share, which it then broadcasts; the update of every parameter is the same
     AdamW step. Its state_dict needs `consolidate_state_dict` on every process first
-    (deepspec.pipeline.checkpoints) and is then an ordinary AdamW state."""
+    (deepspec.training.checkpoints) and is then an ordinary AdamW state."""
     params = list(params)
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
     kw = dict(lr=float(train_cfg["lr"]), weight_decay=float(train_cfg["weight_decay"]), fused=fused or None)

@@ -22,8 +22,8 @@ from ..core.acceptance import domain_position_table
 from ..errors import DeepSpecError
 from ..files import read_json, save_figure, write_csv_atomic, write_text_atomic
 from ..paths import RunPaths
-from . import published as paper
-from .prompts import speed_benchmarks
+from . import paper
+from ..data.prompts import speed_benchmarks
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ OUTPUTS = {
 
 
 def cli_report(argv) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(prog="deepspec report", description=__doc__)
     add_config_args(p)

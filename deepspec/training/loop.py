@@ -2,7 +2,7 @@
 CPU laptop to a multi-GPU node.
 
 The loop knows nothing about drafters; its arithmetic is
-`deepspec.pipeline.recipe`. It takes a model (a ``PreTrainedModel`` whose
+`deepspec.training.recipe`. It takes a model (a ``PreTrainedModel`` whose
 frozen parts have ``requires_grad=False``), a map-style dataset of samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
 metrics)``, and implements the paper's recipe (paper-notes §3):
 
@@ -28,7 +28,7 @@ metrics)``, and implements the paper's recipe (paper-notes §3):
   ``<out>/checkpoints/step_N/`` (``save_pretrained`` model, optimiser,
   scheduler, trainer state, the log so far, and per-process RNG states:
   python, numpy, torch, CUDA and the anchor generator handed to ``step_fn``),
-  plus a ``latest`` pointer written atomically (`deepspec.pipeline.checkpoints`).
+  plus a ``latest`` pointer written atomically (`deepspec.training.checkpoints`).
   Resuming restores all of it, so
   a killed run ends with bit-identical weights to an uninterrupted one.
   SIGTERM (SLURM's warning ahead of the time limit, the slurm profile) makes
@@ -39,7 +39,7 @@ metrics)``, and implements the paper's recipe (paper-notes §3):
   with ``config.json`` moved in last, marking completion.
 
 ``python -m deepspec train`` (`cli_train`) wires in the target, the dataset of
-`deepspec.pipeline.train_data` and a drafter of `deepspec.drafters`, whose
+`deepspec.data.datasets` and a drafter of `deepspec.drafters`, whose
 `training_step` (`deepspec.core.train_step`) is the step function.
 """
 from __future__ import annotations
@@ -64,15 +64,13 @@ from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
 from .launch import direct_command, free_port
-from .recipe import (  # noqa: F401 - the loop's arithmetic, also used as train.<name>
+from .recipe import (
     StepSampler,
     accumulation_steps,
-    lr_factor,
     make_optimizer,
     micro_seed,
     plan_steps,
     split_batch,
-    warmup_steps,
 )
 from .checkpoints import (
     CKPT_DIR,
@@ -444,13 +442,13 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     """Load the target, build the dataset and drafter, train (the CLI's body).
 
     `method` is eagle3, dflash, dspark or an ablation variant name
-    (deepspec.pipeline.methods, e.g. dspark-l2); the default output directory is
+    (deepspec.methods, e.g. dspark-l2); the default output directory is
     <results>/<target>/drafters/<method>.
     """
     from .. import drafters
-    from .methods import resolve_method
-    from .target import target_from_config
-    from .train_data import make_train_dataset, token_counts, train_collate
+    from ..methods import resolve_method
+    from ..targets.loading import target_from_config
+    from ..data.datasets import make_train_dataset, token_counts, train_collate
 
     base, cfg = resolve_method(cfg, method)
     device = cfg["target"]["device"]
@@ -474,12 +472,12 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
 
 
 def cli_train(argv=None) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(prog="deepspec train", description="train a drafter (eagle3, dflash, dspark)")
     add_config_args(p)
     p.add_argument("--method", required=True,
-                   help="eagle3 | dflash | dspark, or an ablation variant such as dspark-l2 (deepspec.pipeline.methods)")
+                   help="eagle3 | dflash | dspark, or an ablation variant such as dspark-l2 (deepspec.methods)")
     p.add_argument("--out", default=None, help="output directory (default: <results>/<target>/drafters/<method>)")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
                    help="resume from <out>/checkpoints/latest (default: when it exists); --no-resume starts afresh")

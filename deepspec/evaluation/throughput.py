@@ -32,11 +32,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..cli import add_config_args, config_from_args
+from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..files import read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
-from .prompts import benchmark_prompt_ids
+from ..data.prompts import benchmark_prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def cli_throughput(argv) -> int:
     cfg = config_from_args(args)
     from ..drafters import load_drafter
     from .evaluate import drafter_path
-    from .target import target_from_config
+    from ..targets.loading import target_from_config
 
     method = args.method or cfg["throughput"]["method"]
     out = Path(args.out) if args.out else RunPaths.of(cfg).table("throughput.csv")

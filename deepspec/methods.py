@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import re
 
-from ..errors import DeepSpecError
+from .errors import DeepSpecError
 
 BASES = {"eagle3": ("eagle3", {}), "dflash": ("dflash", {}), "dspark": ("dspark", {}),
          "dspark_rnn": ("dspark", {"markov_head_type": "rnn"})}

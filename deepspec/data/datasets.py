@@ -1,5 +1,5 @@
 """The train rule's data: datasets over the target cache
-(`deepspec.pipeline.cache`), or over the same features computed from the
+(`deepspec.data.cache`), or over the same features computed from the
 target on the fly (``cache.mode: online``), and their batches.
 
 The cache's samples are ``input_ids`` long [L], ``loss_mask`` bool [L],
@@ -145,7 +145,7 @@ def make_train_dataset(
     t, c = cfg["target"], cfg["cache"]
     if c["mode"] == "online":
         if target is None:
-            from .target import target_from_config
+            from ..targets.loading import target_from_config
 
             target = target_from_config(cfg)
         samples, _ = tokenized_samples(cfg, target.tokenizer, conversations or RunPaths.of(cfg).conversations())

@@ -191,7 +191,7 @@ def serve(target, *, host: str, port: int, name: str, max_tokens: int,
 
 
 def cli_serve(argv) -> int:
-    from .target import load_target
+    from ..targets.loading import load_target
 
     p = argparse.ArgumentParser(prog="deepspec serve", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a prepared target directory, a builtin spec (tiny, smollm2-135m) or a hub id")

@@ -1,6 +1,6 @@
 """The build_cache rule (workflow/rules/cache.smk): the target cache (paper §3,
 "Target cache"); the training datasets over it are in
-`deepspec.pipeline.train_data`.
+`deepspec.data.datasets`.
 
 Per sample the drafters need: ``input_ids``, the assistant ``loss_mask``, the
 concatenated outputs of the preset's feature layers (``features`` [L, m*d]) and
@@ -22,7 +22,7 @@ lengths (a shard closes once it holds cache.shard_tokens tokens); inside a
 shard, forward batches are the samples sorted by length, cache.batch_size at a
 time (padded for the forward, stored unpadded). A forward's numbers depend on
 the batch it ran in (padding changes the kernels' blocking). Online mode
-(`deepspec.pipeline.train_data.OnlineFeatures`) runs one forward per training
+(`deepspec.data.datasets.OnlineFeatures`) runs one forward per training
 micro batch instead and rounds through the same dtype: at train.micro_batch 1
 its features are bit-identical to a cache built at cache.batch_size 1 (and
 share its fingerprint); otherwise they agree up to that rounding.
@@ -136,7 +136,7 @@ def _read_state(path: Path) -> dict:
         return {}
 
 
-def _bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
+def bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
     """int32 id + uint8 mask + (m*d + d) hidden values (offsets are per sample, negligible)."""
     return 4 + 1 + (n_layers + 1) * hidden * DTYPES[dtype].itemsize
 
@@ -151,7 +151,7 @@ def _hidden_size(cfg: dict, target=None) -> int:
     return AutoConfig.from_pretrained(src).get_text_config().hidden_size
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}"
@@ -190,7 +190,7 @@ def build_cache(
     dry_run: bool = False,
 ) -> dict:
     """Build (or finish) the target cache; returns the manifest (the estimate with dry_run)."""
-    from .target import load_tokenizer
+    from ..targets.loading import load_tokenizer
 
     paths = RunPaths.of(cfg)
     conversations = Path(conversations) if conversations else paths.conversations()
@@ -199,10 +199,10 @@ def build_cache(
     samples, stats = tokenized_samples(cfg, target.tokenizer if target is not None else load_tokenizer(cfg), conversations)
     lengths = samples.lengths()
     n_tokens, hidden = sum(lengths), _hidden_size(cfg, target)
-    bpt = _bytes_per_token(len(t["feature_layers"]), hidden, c["dtype"])
+    bpt = bytes_per_token(len(t["feature_layers"]), hidden, c["dtype"])
     estimate = {"samples": len(samples), "tokens": n_tokens, "bytes_per_token": bpt, "estimated_bytes": bpt * n_tokens}
     msg = (f"target cache estimate: {len(samples)} samples, {n_tokens} tokens x {bpt} bytes/token = "
-           f"{_human(bpt * n_tokens)} ({bpt * n_tokens} bytes)")
+           f"{human_bytes(bpt * n_tokens)} ({bpt * n_tokens} bytes)")
     if dry_run:
         print(msg)
         return estimate
@@ -214,7 +214,7 @@ def build_cache(
     if progress is None:  # up to date
         return read_manifest(out)
     if target is None:
-        from .target import target_from_config
+        from ..targets.loading import target_from_config
 
         target = target_from_config(cfg)
     t0 = time.perf_counter()
@@ -224,7 +224,7 @@ def build_cache(
     write_json_atomic(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     log.info("cache %s: %d samples, %d tokens, %s (%.1f bytes/token); %d shard(s) computed, %d new tokens in %.1f s = %.0f tok/s",
-             out, len(samples), n_tokens, _human(manifest["bytes"]), manifest["bytes"] / n_tokens, written, new_tokens,
+             out, len(samples), n_tokens, human_bytes(manifest["bytes"]), manifest["bytes"] / n_tokens, written, new_tokens,
              secs, new_tokens / secs if secs > 0 else 0.0)
     return manifest
 
@@ -379,7 +379,7 @@ def validate_cache(cache_dir: str | os.PathLike, *, checksums: bool = True) -> d
 
 
 def cli_build_cache(argv) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(prog="deepspec build-cache", description="cache the target's feature-layer and final hidden states")
     add_config_args(p)
@@ -398,5 +398,5 @@ def cli_validate_cache(argv) -> int:
     args = p.parse_args(argv)
     m = validate_cache(args.cache_dir, checksums=not args.no_checksums)
     print(f"ok: {args.cache_dir}: {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shard(s), "
-          f"{_human(m['bytes'])} ({m['bytes_per_token']} bytes/token), target {m['target_id']}, layers {m['feature_layers']}, {m['dtype']}")
+          f"{human_bytes(m['bytes'])} ({m['bytes_per_token']} bytes/token), target {m['target_id']}, layers {m['feature_layers']}, {m['dtype']}")
     return 0

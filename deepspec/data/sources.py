@@ -48,7 +48,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_path, sha256_file, write_text_atomic
 from .prompts import data_root
 
-log = logging.getLogger("deepspec.prepare_data")
+log = logging.getLogger(__name__)
 
 SUMS_FILE = "SHA256SUMS"
 BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -443,7 +443,7 @@ def prepare_data(cfg: dict, files: Optional[list] = None, mirror: Optional[Path]
 
 
 def cli_prepare_data(argv) -> int:
-    from ..cli import add_config_args, config_from_args
+    from ..config import add_config_args, config_from_args
 
     p = argparse.ArgumentParser(
         prog="deepspec prepare-data",

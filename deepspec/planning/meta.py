@@ -1,5 +1,5 @@
 """Running a training step at paper dimensions without weights: the `meta`
-device with value shadows (used by `deepspec.pipeline.plan`).
+device with value shadows (used by `deepspec.planning.plan`).
 
 Meta tensors have shapes but no values, so the few data-dependent operations
 of a training step cannot run on them as they are: `.item()` (anchor counts),
