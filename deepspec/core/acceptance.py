@@ -344,3 +344,69 @@ def confidence_selfcheck(df: pd.DataFrame) -> Dict[str, float]:
         "measured_tau": float(df["emitted"].to_numpy(np.float64)[ok].mean()),
         "n_rounds": int(ok.sum()),
     }
+
+
+# ---------------------------------------------------------------- paired contrasts
+
+
+def _ids(df: pd.DataFrame) -> np.ndarray:
+    """The sample ids in the row order of `_per_sample`'s sums."""
+    return pd.factorize(df["sample_id"])[1].to_numpy()
+
+
+def sample_sums(df: pd.DataFrame, kind: str, K: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sample ids [S], numerator [S, K'], denominator [S, K']) per sample of
+    one benchmark's records: ``rb`` (Figure 2, Rao-Blackwellised, K' = K),
+    ``count`` (Figure 2, accepted / attempts) or ``tau`` (emitted / rounds, K' = 1)."""
+    _check(df)
+    if kind == "rb":
+        den, num = per_sample_rb_sums(df, K)
+    elif kind == "count":
+        den, num = per_sample_position_counts(df, K)
+    elif kind == "tau":
+        num, den = _per_sample(df, df[["emitted"]].to_numpy(np.float64), np.ones((len(df), 1)))
+    else:
+        raise ValueError(f"unknown kind {kind!r}: rb, count or tau")
+    return _ids(df), num, den
+
+
+def paired_replicates(records: Dict[str, Sequence[pd.DataFrame]], kind: str, K: int, *, n_boot: int = 1000,
+                      seed: int = 0) -> Dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per method, (estimate [K'], bootstrap replicates [n_boot, K']) of a
+    ratio of sums (`sample_sums`) averaged without weights over benchmarks, with
+    the SAME resamples of prompts for every method: ``records[method][i]`` is
+    benchmark i's records, and benchmark i's prompts (the union of the sample
+    ids of all methods, a prompt a method has no rounds for counting zero) are
+    resampled with seed + i. Differences of two methods' replicates are then
+    a paired bootstrap over prompts, and differences of two positions of one
+    method a bootstrap of that contrast."""
+    methods = list(records)
+    n_bench = {len(v) for v in records.values()}
+    if len(n_bench) != 1:
+        raise ValueError("paired_replicates: every method needs the same benchmarks")
+    est, reps = {m: [] for m in methods}, {m: [] for m in methods}
+    for i in range(n_bench.pop()):
+        sums = {m: sample_sums(records[m][i], kind, K) for m in methods}
+        union = np.array(sorted(set().union(*(set(s[0].tolist()) for s in sums.values()))), dtype=object)
+        w = bootstrap_weights(len(union), n_boot, seed + i)
+        for m, (ids, num, den) in sums.items():
+            pos = pd.Index(union).get_indexer(ids)
+            full_num, full_den = np.zeros((len(union), num.shape[1])), np.zeros((len(union), den.shape[1]))
+            full_num[pos], full_den[pos] = num, den
+            with np.errstate(invalid="ignore", divide="ignore"):
+                est[m].append(full_num.sum(0) / full_den.sum(0))
+                reps[m].append((w @ full_num) / (w @ full_den))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # positions no benchmark reached stay NaN
+        return {m: (np.nanmean(np.stack(est[m]), 0), np.nanmean(np.stack(reps[m]), 0)) for m in methods}
+
+
+def contrast(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], alpha: float = 0.05):
+    """Estimate and percentile interval of a - b, where a and b are
+    (estimate, replicates) from the same resamples (`paired_replicates`;
+    scalars or one column each)."""
+    d = np.asarray(a[0] - b[0], dtype=np.float64).reshape(())
+    r = np.asarray(a[1] - b[1], dtype=np.float64).reshape(-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(d), float(np.nanquantile(r, alpha / 2)), float(np.nanquantile(r, 1 - alpha / 2))

@@ -27,3 +27,21 @@ _T1 = {
     ("Gemma4-12B", "dspark"): [6.05, 5.78, 5.12, 5.11, 5.64, 4.51, 3.49, 3.35, 2.92],
 }
 TABLE1 = {(t, m, b): v for (t, m), vals in _T1.items() for b, v in zip(BENCHMARK_ORDER, vals)}
+
+# Figure 2 (paper p. 12): conditional acceptance per draft position 1..7,
+# Qwen3-4B, averaged over each domain's benchmarks (read off the figure's
+# vector paths; 1 + sum_k prod_{i<=k} c_i reproduces Table 1's domain means).
+FIG2_TARGET = "Qwen3-4B"
+FIG2 = {
+    ("Math", "dflash"): [0.885, 0.827, 0.820, 0.834, 0.841, 0.839, 0.828],
+    ("Math", "eagle3"): [0.811, 0.823, 0.838, 0.844, 0.851, 0.856, 0.850],
+    ("Math", "dspark"): [0.905, 0.890, 0.888, 0.885, 0.887, 0.891, 0.882],
+    ("Code", "dflash"): [0.865, 0.815, 0.797, 0.801, 0.810, 0.801, 0.777],
+    ("Code", "eagle3"): [0.771, 0.774, 0.781, 0.791, 0.787, 0.794, 0.784],
+    ("Code", "dspark"): [0.886, 0.872, 0.860, 0.861, 0.858, 0.859, 0.851],
+    ("Chat", "dflash"): [0.718, 0.648, 0.638, 0.661, 0.682, 0.692, 0.688],
+    ("Chat", "eagle3"): [0.534, 0.589, 0.642, 0.678, 0.709, 0.729, 0.733],
+    ("Chat", "dspark"): [0.735, 0.738, 0.740, 0.744, 0.758, 0.766, 0.761],
+}
+# Sec. 4.2: DSpark's macro tau gain over each baseline on Qwen3-4B, percent.
+MACRO_GAIN_QWEN3_4B = {"dflash": 16.3, "eagle3": 30.9}

@@ -23,6 +23,7 @@ from ..errors import DeepSpecError
 from ..files import read_json, save_figure, write_csv_atomic, write_text_atomic
 from ..paths import RunPaths
 from . import paper
+from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
 from ..data.prompts import speed_benchmarks
 
 log = logging.getLogger(__name__)
@@ -78,20 +79,27 @@ def build_table1(cfg) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"])
 
 
-def build_fig2(cfg, gamma: int | None = None) -> pd.DataFrame:
-    """Figure 2 per method and domain (`core.acceptance.domain_position_table`:
-    each benchmark's conditional acceptance averaged over the domain, count and
-    Rao-Blackwellised estimates, bootstrap intervals of the average)."""
-    gamma = gamma or cfg["drafter"]["block_size"]
+def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
+    """Per method and domain, the per-round records of the domain's benchmarks
+    (in the preset's order, the same for every method)."""
     paths = RunPaths.of(cfg)
     domains: dict[str, list[str]] = {}
     for bench, spec in cfg["data"]["benchmarks"].items():
         domains.setdefault(spec["domain"], []).append(bench)
+    return {m: {d: [pd.read_csv(_require(paths.records(m, b))) for b in benches] for d, benches in domains.items()}
+            for m in cfg["train"]["methods"]}
+
+
+def build_fig2(cfg, gamma: int | None = None, records: dict | None = None) -> pd.DataFrame:
+    """Figure 2 per method and domain (`core.acceptance.domain_position_table`:
+    each benchmark's conditional acceptance averaged over the domain, count and
+    Rao-Blackwellised estimates, bootstrap intervals of the average)."""
+    gamma = gamma or cfg["drafter"]["block_size"]
+    records = records or load_records(cfg)
     parts = []
-    for method in cfg["train"]["methods"]:
-        for domain, benches in domains.items():
-            records = [pd.read_csv(_require(paths.records(method, b))) for b in benches]
-            table = domain_position_table(records, gamma, n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
+    for method, by_domain in records.items():
+        for domain, recs in by_domain.items():
+            table = domain_position_table(recs, gamma, n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
             parts.append(table.assign(target=cfg["target"]["name"], method=method, domain=domain))
     return pd.concat(parts, ignore_index=True)[FIG2_COLUMNS + FIG2_RB_COLUMNS]
 
@@ -136,12 +144,15 @@ def fig2_curves(fig2: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return out, ("Rao-Blackwellised" if rb else "count")
 
 
-def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str = "", min_attempts: int = 10) -> None:
-    """The paper's Figure 2 layout. The line and band are the Rao-Blackwellised
-    estimate and its 95 % interval when the records carry it (`fig2_curves`);
-    hollow markers are the count estimate (accepted / attempts). Positions with
-    fewer than `min_attempts` (expected) attempts pooled over the domain are
-    not drawn: their rates are noise."""
+def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str = "", min_attempts: int = 10,
+              paper_reference: bool = False, claims_line: str = "") -> None:
+    """The paper's Figure 2 layout, the domains on one shared y-axis. The line
+    and band are the Rao-Blackwellised estimate and its 95 % interval when the
+    records carry it (`fig2_curves`); hollow markers are the count estimate
+    (accepted / attempts). Positions with fewer than `min_attempts` (expected)
+    attempts pooled over the domain are not drawn: their rates are noise.
+    `paper_reference` draws the paper's Figure 2 (Qwen3-4B) as faint dashed
+    lines; `claims_line` (which claims hold) goes under the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +162,7 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     markers = {"dflash": "s", "eagle3": "^", "dspark": "o"}
     curves, kind = fig2_curves(fig2)
     domains = [d for d in ["Math", "Code", "Chat"] if d in set(fig2["domain"])]
-    fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.6), squeeze=False, sharey=True)
     for ax, domain in zip(axes[0], domains):
         sub = curves[curves["domain"] == domain]
         for method in [m for m in paper.METHOD_ORDER if m in set(sub["method"])] + \
@@ -165,6 +176,9 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
                 e = d[d["attempts"] >= min_attempts]
                 ax.plot(e["position"], e["acceptance"], ls="none", marker=markers.get(method, "o"), ms=7,
                         mfc="none", mec=c, alpha=0.7)
+            ref = paper.FIG2.get((domain, method)) if paper_reference else None
+            if ref:
+                ax.plot(range(1, len(ref) + 1), ref, ls="--", lw=1.0, color=c, alpha=0.35)
         ax.set_title(domain)
         ax.set_xlabel("Draft position")
         ax.set_xlim(0.7, fig2["position"].max() + 0.3)
@@ -173,67 +187,28 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     axes[0][0].set_ylabel("Conditional acceptance")
     axes[0][-1].legend(loc="lower right", fontsize=8)
     note = (f"lines: {kind} estimate, 95 % bootstrap band" + ("; hollow: accepted / attempts" if kind != "count" else "")
+            + (f"; dashed: the paper ({paper.FIG2_TARGET})" if paper_reference else "")
             + f"; positions with < {min_attempts} {'expected ' if kind != 'count' else ''}attempts omitted")
     fig.suptitle((title + "\n" if title else "") + note, fontsize=8)
-    fig.tight_layout()
+    if claims_line:
+        fig.text(0.5, 0.01, claims_line, ha="center", va="bottom", fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.06 if claims_line else 0, 1, 1))
     save_figure(fig, pdf, *([png] if png else []))
     plt.close(fig)
 
 
-MIN_ATTEMPTS = 30  # a position enters the shape claims only with this many attempts
-
-
-def _claims(fig2: pd.DataFrame, t1: pd.DataFrame) -> list[str]:
-    """The paper's qualitative claims (Sec. 4.3.1), checked on our numbers.
-    Shape claims use only positions with at least MIN_ATTEMPTS (expected)
-    attempts, on the curve of `fig2_curves`."""
+def _estimator_notes(fig2: pd.DataFrame) -> list[str]:
+    """What the claims below rest on: the estimator and the widest interval at the last position."""
     curves, kind = fig2_curves(fig2)
     n_word = "expected attempts" if kind != "count" else "attempts"
     out = [f"Estimator: the {kind} estimate of the conditional acceptance"
            + (" (every verified round counts at every position, weighted by the probability that it got there; "
               "same quantity as accepted / attempts, lower variance)." if kind != "count" else ".")]
-    ok = curves[curves["n"] >= MIN_ATTEMPTS]
-    f = ok.pivot_table(index=["domain", "position"], columns="method", values="rate")
-    p1 = curves[curves["position"] == 1].groupby("method")["rate"].min()
-    out.append("Position-1 acceptance (lowest domain) per drafter: "
-               + ", ".join(f"{paper.METHOD_LABEL.get(m, m)} {v:.2f}" for m, v in p1.items())
-               + f" ({'all' if (p1 > 0.3).all() else 'not all'} above 0.3; below that the curves are dominated by an "
-               "undertrained drafter, not by the drafting paradigm).")
     last = curves[curves["position"] == curves["position"].max()]
     half = ((last["high"] - last["low"]) / 2).fillna(np.inf).max()
     out.append(f"Widest 95 % half-interval at position {int(curves['position'].max())}: "
                + (f"±{half:.2f}" if np.isfinite(half) else "undefined (too few attempts)")
-               + f" (target ±0.05; {last['n'].min():.{0 if kind == 'count' else 1}f} {n_word} in the sparsest domain × drafter).")
-    both = f.dropna(subset=[m for m in ("dspark", "dflash", "eagle3") if m in f.columns])
-    if {"dspark", "dflash", "eagle3"} <= set(f.columns) and len(both):
-        best = both["dspark"] >= both[["dflash", "eagle3"]].max(axis=1)
-        out.append(f"DSpark highest at every position in each domain: {'holds' if best.all() else 'does not hold'} "
-                   f"({int(best.sum())}/{len(best)} domain×position points with ≥ {MIN_ATTEMPTS} {n_word}).")
-    for domain in sorted(set(fig2["domain"])):
-        d = f.loc[domain] if domain in f.index.get_level_values(0) else pd.DataFrame()
-        if len(d) < 2:
-            out.append(f"{domain}: fewer than two positions with ≥ {MIN_ATTEMPTS} {n_word}; shapes not judged.")
-            continue
-        for m, verb, paper_says in (("dflash", "drops after position 1", "suffix decay"),
-                                    ("eagle3", "rises with position", "rises"), ("dspark", "is flat", "flat")):
-            if m not in d or d[m].notna().sum() < 2:
-                continue
-            c = d[m].dropna()
-            if m == "dflash":
-                v, holds = c.iloc[0] - c.iloc[1:].min(), c.iloc[0] - c.iloc[1:].min() > 0
-            elif m == "eagle3":
-                v, holds = c.iloc[-1] - c.iloc[0], c.iloc[-1] > c.iloc[0]
-            else:
-                v, holds = c.max() - c.min(), c.max() - c.min() <= 0.05
-            out.append(f"{domain}: {paper.METHOD_LABEL[m]} {verb} over positions {int(c.index.min())}-"
-                       f"{int(c.index.max())}: {v:+.3f} ({'holds' if holds else 'does not hold'}; paper: {paper_says}).")
-    macro = t1[t1["tau"].notna()].groupby("method")["tau"].mean()
-    for base in ("dflash", "eagle3"):
-        if "dspark" in macro and base in macro:
-            gain = macro["dspark"] / macro[base] - 1
-            out.append(f"DSpark macro τ vs {paper.METHOD_LABEL[base]}: {gain:+.1%} "
-                       f"({'holds' if gain > 0 else 'does not hold'}; paper Qwen3-4B: "
-                       f"{'+16.3' if base == 'dflash' else '+30.9'} %).")
+               + f" ({last['n'].min():.{0 if kind == 'count' else 1}f} {n_word} in the sparsest domain × drafter).")
     return out
 
 
@@ -247,7 +222,7 @@ def _speed_scope(cfg) -> str:
     return f"timed on the first {n} prompts of {which}" if n != 1 else f"timed on the first prompt of {which}"
 
 
-def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path) -> None:
+def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None) -> None:
     drafts = t1[t1["tau"].notna()]
     macro = drafts.groupby("method")[["tau", "tau_selfcheck", "speedup"]].mean()
     f2 = fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance").round(3)
@@ -278,7 +253,11 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path) -> None:
            .pivot_table(index=["method", "domain"], columns="position", values="h").round(3).to_string(), ""]
           if has_rb else []),
         "## The paper's qualitative claims at this scale", "",
-        *[f"- {c}" for c in _claims(fig2, t1)], "",
+        *[f"- {c}" for c in _estimator_notes(fig2)], "",
+        "Each claim with the 95 % interval of its difference (a paired bootstrap over prompts: every drafter's "
+        "rates recomputed on the same resampled prompts); it holds when the interval excludes 0 on the claimed "
+        f"side. Points with fewer than {MIN_ATTEMPTS} (expected) attempts are not judged.", "",
+        *[f"- **{c.name}: {verdict(c.holds)}.** {c.text}" for c in (claims or [])], "",
     ]
     write_text_atomic(path, "\n".join(lines))
 
@@ -306,11 +285,14 @@ def cli_report(argv) -> int:
     paths = RunPaths.of(cfg)
     out = {flag: Path(getattr(args, flag.replace("-", "_")) or default(paths)) for flag, default in OUTPUTS.items()}
     t1 = build_table1(cfg)
-    fig2 = build_fig2(cfg)
+    records = load_records(cfg)
+    fig2 = build_fig2(cfg, records=records)
+    claims, _ = judge_claims(records, cfg["drafter"]["block_size"], n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
     write_csv_atomic(t1, out["table1"])
     write_csv_atomic(fig2, out["fig2-csv"])
     write_text_atomic(out["table1-md"], table1_markdown(t1, cfg))
-    plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{cfg['target']['name']}: conditional acceptance per position")
-    write_report(cfg, t1, fig2, out["report"])
+    plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{cfg['target']['name']}: conditional acceptance per position",
+              paper_reference=cfg["target"].get("paper_name") is not None, claims_line=figure_line(claims))
+    write_report(cfg, t1, fig2, out["report"], claims)
     log.info("wrote %s, %s, %s", out["table1"], out["fig2-pdf"], out["report"])
     return 0
