@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue #13 §4): correctness on the accelerator, then
+"""The prepared GPU check: correctness on the accelerator, then
 costs at the paper's dimensions without weights, compared with `plan`.
 
     bash benchmarks/device_check.sh OUTDIR               # one CUDA GPU, <= 8 minutes

@@ -1,4 +1,4 @@
-"""The paper's training recipe as arithmetic (paper-notes §3), for the train
+"""The paper's training recipe as arithmetic (paper Sec. 4.1), for the train
 rule's loop (`deepspec.training.loop`): steps per epoch and in total, the
 warmup + cosine learning rate, AdamW, the global batch split over processes and
 micro batches, the deterministic data order, and the per-micro-batch seeds that
