@@ -8,6 +8,7 @@
 * `pip install ...`: extras exist in pyproject.toml, any other requirement is
   the one `.ci/run` installs; the README's install-and-test line is `.ci/run`'s.
 * `python benchmarks/<script>.py ...`: the script exists and defines each flag.
+* The README's ```python block runs on tables with the report's columns.
 The README shows nothing else, so every command in it is checked.
 """
 import argparse
@@ -126,3 +127,23 @@ def test_documented_benchmark_flags(argv):
     src = script.read_text()
     for flag in (a.split("=")[0] for a in argv[1:] if a.startswith("--")):
         assert f'"{flag}"' in src, f"{argv[0]} has no {flag}"
+
+
+def test_readme_python_snippet_reads_the_report_tables(tmp_path, monkeypatch):
+    """The README's pandas lines run on tables with the report's own columns."""
+    import pandas as pd
+
+    from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
+
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks
+    tables = tmp_path / "results" / "tables"
+    tables.mkdir(parents=True)
+    rows = [dict(zip(TABLE1_COLUMNS, ["t", m, "gsm8k", "Math", 1, 1, 1.5, 1, 2, 0.5, 1.0, 1.0])) for m in ("dflash", "dspark")]
+    pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"]).to_csv(tables / "table1.csv")
+    cols = FIG2_COLUMNS + FIG2_RB_COLUMNS
+    rows = [dict.fromkeys(cols, 0.5) | {"target": "t", "method": "dspark", "domain": "Math", "position": k} for k in (1, 2)]
+    pd.DataFrame(rows, columns=cols).to_csv(tables / "fig2.csv")
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
