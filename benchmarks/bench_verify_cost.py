@@ -2,7 +2,7 @@
 
 Speculative decoding pays off only when tau exceeds the ratio
 cost(verify gamma+1 tokens) / cost(decode 1 token) (plus the drafter's cost),
-so this ratio sizes what a drafter must reach on this machine.
+so this ratio sizes what a drafter must reach on the machine it runs on.
 
     python benchmarks/bench_verify_cost.py [--preset smollm2-135m] [--context 256]
 

@@ -1,4 +1,4 @@
-"""The prepared GPU check (issue #13 §4): correctness on the accelerator, then
+"""The prepared GPU check: correctness on the accelerator, then
 costs at the paper's dimensions without weights, compared with `plan`.
 
     bash benchmarks/device_check.sh OUTDIR               # one CUDA GPU, <= 8 minutes
@@ -283,7 +283,7 @@ def check_engine_batch32(dev, small):
     return _engine_round(tiny_target(dev, "qwen3"), tiny_cfg(), dev, 32, 6 if small else 16)
 
 
-# The tiny Gemma4 architectures checked, one check each (pipeline/target.build_tiny):
+# The tiny Gemma4 architectures checked, one check each (targets/tiny.py:build_tiny):
 # gemma4, and gemma4_unified, the released gemma-4-12B-it's (audit C7; transformers
 # releases without it fail that check alone). --gemma4-archs picks others.
 GEMMA4_ARCHS = ("gemma4", "gemma4_unified")

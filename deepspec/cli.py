@@ -1,6 +1,6 @@
 """`python -m deepspec <command>`: one entry point; each command lives in the
-pipeline module of its rule file (workflow/rules/<rule>.smk ->
-deepspec/pipeline/<module>.py).
+module of its stage (workflow/rules/evaluate.smk ->
+deepspec/evaluation/evaluate.py; COMMANDS below names them).
 
 The top-level parser only lists commands; the chosen command's module is
 imported lazily (torch import costs seconds) and parses its own arguments with

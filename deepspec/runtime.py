@@ -8,7 +8,7 @@ temporaries and DSpark's dense [49k, 256] Markov-embedding gradient. With mmap
 off, they come from the heap and freed memory is kept for reuse (given back to
 the OS only when more than 1 GiB is free at the top). Measured on the CPU
 default: a DSpark step spent ~15 % of its time in the kernel, and the setting
-took 1.5 -> 1.1-1.2 s a step (README "CPU presets"). GPU runs leave glibc as it is.
+took 1.5 -> 1.1-1.2 s a step (docs/RESULTS.md). GPU runs leave glibc as it is.
 """
 from __future__ import annotations
 

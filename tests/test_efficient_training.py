@@ -1,4 +1,4 @@
-"""GPU-efficient training, checked on CPU (issue #13, part 3).
+"""GPU-efficient training, checked on CPU.
 
 * Attention: the block drafters' training mask as a flex_attention BlockMask
   (`dflash.block_flex_mask`, the CUDA path) expresses exactly the dense mask of

@@ -8,7 +8,7 @@ verify_time_s`` plus, for DSpark, ``conf_logit_1 .. conf_logit_gamma`` (raw
 confidence-head logits, NaN when the drafter has no confidence head).
 
 * tau (Table 1) is the mean of ``emitted`` per round: accepted draft tokens plus
-  the bonus/correction token (notes §0.1, Eq. 1). A round that ends on an
+  the bonus/correction token (paper footnote 3, Eq. 1). A round that ends on an
   accepted EOS emits no bonus, so emitted == accepted there.
 * Confidence intervals are percentile bootstraps that resample *samples*
   (``sample_id``) with replacement, because rounds within a sample are
@@ -145,7 +145,7 @@ def summarize_rounds(df: pd.DataFrame, *, n_boot: int = 1000, seed: int = 0) -> 
     * ``tau`` = mean(emitted) over all rounds (round-pooled, as in the reference).
     * ``verify_rate`` = Σ emitted / (Σ proposal_len + rounds): tokens kept over
       tokens verified, both counting the bonus slot. This is the acceptance rate
-      of Figure 5 (6.11 / 7.95 = 76.9 % at threshold 0, notes §1.5), so the
+      of Figure 5 (6.11 / 7.95 = 76.9 % at threshold 0, paper p. 15), so the
       numerator includes the bonus token. ``draft_accept_rate`` = Σ accepted /
       Σ proposal_len counts draft tokens only.
     * ``tau_selfcheck`` = expected_tau(c) = 1 + Σ_k Π_{i≤k} c_i with c the measured
@@ -243,7 +243,7 @@ def position_table(
     Columns: ``position`` (1..gamma), ``attempts`` (rounds that proposed ≥ k and
     accepted 1..k-1), ``accepted`` (of those, rounds that accepted k),
     ``acceptance`` = accepted / attempts, the *conditional* rate
-    P(k accepted | 1..k-1 accepted) of Figure 2 (notes §0.4), ``ci_low``/``ci_high``
+    P(k accepted | 1..k-1 accepted) of Figure 2 (paper p. 12), ``ci_low``/``ci_high``
     (95 % percentile bootstrap over sample_id) and ``survival`` = P(accepted ≥ k |
     proposed ≥ k), the unconditional rate the reference prints as accept_rate@k-1.
     With the per-position ``accept_prob_k``/``alpha_k`` columns it adds the

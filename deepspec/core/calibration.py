@@ -1,4 +1,4 @@
-"""Calibration of the confidence head (paper Sec. 3.2.1, Figure 6; notes §1.6).
+"""Calibration of the confidence head (paper Sec. 3.2.1, Figure 6).
 
 * The cumulative survival a_k = Π_{i≤k} σ(c_i) is scored against the realised
   prefix acceptance 1[accepted ≥ k]: ECE with 20 equal-width bins and an exact
@@ -29,7 +29,8 @@ def ece(pred, label, n_bins: int = 20) -> float:
 
     ECE = Σ_b (n_b / N) |mean(pred)_b − mean(label)_b| (bins weighted by count; the
     last bin is closed at 1). 20 bins follow the reference's reliability helper
-    (notes §1.6). NaN for empty input.
+    (DeepSpec's
+    deepspec/eval/dspark/confidence_head.py). NaN for empty input.
     """
     p = np.asarray(pred, dtype=np.float64).ravel()
     y = np.asarray(label, dtype=np.float64).ravel()
@@ -83,7 +84,7 @@ def apply_sts(conf_logits, temps) -> np.ndarray:
 
 
 def calibration_table(conf_logits, accepted, proposal_len, temperatures=None, n_bins: int = 20) -> pd.DataFrame:
-    """Reliability of the cumulative survival per position (Figure 6, notes §1.6).
+    """Reliability of the cumulative survival per position (Figure 6, paper p. 15).
 
     For each position k, over rounds with proposal_len ≥ k: pred = Π_{i≤k} ĉ_i
     (ĉ = σ(logit / T), T = 1 unless ``temperatures`` are given, e.g. from

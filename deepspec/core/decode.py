@@ -1,4 +1,5 @@
-"""The speculative decode loop and its baselines, batch size 1 (paper Sec. 2.1, notes §2, §4).
+"""The speculative decode loop and its baselines, batch size 1 (paper Sec. 2.1;
+DeepSpec's deepspec/eval/base_evaluator.py).
 
 `speculative_generate` drives every drafter through the API of docs/INTERFACES.md,
 one `speculative_round` at a time:

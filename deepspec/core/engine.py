@@ -1,5 +1,5 @@
 """Batched speculative decoding over R concurrent requests (paper Sec. 2.1 and
-3.2.2; notes §2): the engine that Algorithm 1 schedules.
+3.2.2): the engine that Algorithm 1 schedules.
 
 Each round, for the R active requests:
 

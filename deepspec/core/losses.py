@@ -1,4 +1,4 @@
-"""The training losses, as pure functions of tensors (paper Eqs. 8-12; notes §2).
+"""The training losses, as pure functions of tensors (paper Eqs. 8-12).
 
 DSpark (Eq. 12):  L = a_ce L_ce + a_tv L_tv + a_conf L_conf, a = (0.1, 0.9, 1.0)
   * L_ce (Eq. 9)   = weighted mean of -log p_d^k(x*_k);
@@ -9,8 +9,8 @@ DSpark (Eq. 12):  L = a_ce L_ce + a_tv L_tv + a_conf L_conf, a = (0.1, 0.9, 1.0)
   the frozen target head's distribution at the position that predicts the same
   token. "Weighted mean" is sum(w*l)/sum(w) over valid positions with
   w_k = exp(-(k-1)/decay), decay = 4.0: the paper writes the sums of Eqs. 9-11
-  and the block size as the decay, the reference code (followed here, notes
-  §0.5) normalises by sum(w) and uses loss_decay_gamma = 4.0.
+  and the block size as the decay, the reference code (followed here, DeepSpec's
+  deepspec/modeling/dspark/loss.py) normalises by sum(w) and uses loss_decay_gamma = 4.0.
 DFlash: the same weighted CE alone (the reference's ce alpha 1.0, others 0).
 Eagle3: soft-label CE against p_t at each of the ttt_length chained steps,
   step weight 0.8^s (`chain_loss`); which rows count at step s
@@ -55,7 +55,7 @@ def position_weights(gamma: int, decay: float = 4.0, device=None) -> torch.Tenso
     """Loss weights w_k = exp(-(k-1)/decay), k = 1..gamma.
 
     The paper writes exp(-(k-1)/gamma) with gamma overloaded as the block size;
-    the reference configs use loss_decay_gamma = 4.0 (notes §0.5), which we follow.
+    the reference configs use loss_decay_gamma = 4.0 (DeepSpec's config/dspark/*.py), which we follow.
     """
     return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / decay)
 

@@ -1,9 +1,9 @@
 """How many draft tokens to verify: DSpark's verify-smarter side.
 
-* Static threshold truncation (Figure 5, notes §1.5): the reference cuts each
+* Static threshold truncation (Figure 5, paper p. 15): the reference cuts each
   proposal at the first position whose *per-position* confidence σ(c_k) falls
   below the threshold; `threshold_sweep` replays it offline on records.
-* Algorithm 1 (Sec. 3.2.2, notes §2): the hardware-aware prefix scheduler that
+* Algorithm 1 (Sec. 3.2.2): the hardware-aware prefix scheduler that
   maximises Θ = τ·SPS(B) over a batch of requests, plus SPS profiling and an
   offline simulator.
 
@@ -28,7 +28,8 @@ SPSLike = Union[Callable[[int], float], Dict[int, float], Sequence[float], np.nd
 
 # --------------------------------------------------------------------------- truncation
 def truncate_by_threshold(conf_probs, threshold: float):
-    """Proposal lengths under a static confidence threshold (reference rule, notes §1.5).
+    """Proposal lengths under a static confidence threshold (reference rule,
+    DeepSpec's deepspec/eval/dspark/draft_ops.py).
 
     ``conf_probs`` [..., gamma] are per-position probabilities σ(c_k) (numpy or
     torch). The length is the 0-based index of the first position with
@@ -91,7 +92,7 @@ def sps_fn(sps: SPSLike) -> Callable[[int], float]:
 
 
 def schedule_prefix(c, sps: SPSLike, early_stop: bool = True) -> Tuple[np.ndarray, float]:
-    """Algorithm 1: hardware-aware prefix scheduling (paper Sec. 3.2.2, notes §2).
+    """Algorithm 1: hardware-aware prefix scheduling (paper Sec. 3.2.2).
 
     ``c`` [R, gamma] are conditional acceptance probabilities (calibrated
     confidences); ``sps`` maps the forward batch size B (tokens) to engine steps/s
@@ -101,7 +102,7 @@ def schedule_prefix(c, sps: SPSLike, early_stop: bool = True) -> Tuple[np.ndarra
     descending a (ties: smaller j first, then smaller r, so j-1 precedes j).
     Starting from ℓ = 0, B = R, τ* = R, Θ_best = R·SPS(R), each candidate sets
     ℓ_r = j, B += 1, τ* += a and Θ = τ*·SPS(B); a strict improvement records ℓ,
-    otherwise the scan stops (``early_stop=True``, non-anticipating, notes §1.8).
+    otherwise the scan stops (``early_stop=True``, non-anticipating, paper Appendix A).
     ``early_stop=False`` scans all candidates (the retrospective / production
     variant, Appendix A and Sec. 5.2); since the top-m greedy prefix maximises τ
     for each B, its result is the exact optimum of Θ over all ℓ with

@@ -1,4 +1,4 @@
-"""Verification (paper Sec. 2.1, Eqs. 1 and 8; notes §2): rejection sampling
+"""Verification (paper Sec. 2.1, Eqs. 1 and 8): rejection sampling
 of a drafted chain against the target, the acceptance probability of Eq. 8
 and the expected accepted length. Pure tensor code, batched over B rows; the
 single source of this math for the decode loop, the losses and the metrics.

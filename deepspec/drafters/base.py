@@ -1,4 +1,4 @@
-"""What the three drafters share (paper Sec. 3; notes §2 Eq. 2, §3-4).
+"""What the three drafters share (paper Sec. 3, Eq. 2; Sec. 4.1).
 
 * `DrafterBase` - a transformers `PreTrainedModel` whose config is a copy of
   the target's config (same hidden size, heads, MLP; `num_hidden_layers` = draft

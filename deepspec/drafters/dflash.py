@@ -1,4 +1,5 @@
-"""DFlash block drafter as used by DeepSpec (notes §2 Eqs. 2-3; §0.2, §6.4).
+"""DFlash block drafter as used by DeepSpec (paper Eqs. 2-3; DeepSpec's
+deepspec/modeling/dspark/, block 7 with the anchor predicting draft token 1).
 
 One forward pass drafts a whole block of gamma tokens: the inputs are the anchor
 token (the last emitted token) followed by gamma-1 mask embeddings, and the

@@ -1,5 +1,5 @@
-"""DSpark: the DFlash block backbone plus a sequential head (paper Sec. 3.1-3.2;
-notes §2 Eqs. 4-8).
+"""DSpark: the DFlash block backbone plus a sequential head (paper Sec. 3.1-3.2,
+Eqs. 4-8).
 
 * Markov head (Eq. 5): B(x_{k-1}, .) = W1[x_{k-1}] W2, rank r
   (cfg.drafter.markov_rank, paper 256), added to the base logits U_k *before*

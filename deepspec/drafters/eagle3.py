@@ -1,4 +1,5 @@
-"""Eagle3 chain drafter: the standard EAGLE-3 layer (notes §3-4, §6.4; EAGLE-3 with
+"""Eagle3 chain drafter: the standard EAGLE-3 layer (paper Sec. 4.1; DeepSpec's
+deepspec/modeling/eagle3/; EAGLE-3 with
 training-time test, 7 steps, chain drafting, full vocabulary by default).
 
 The layer (`Eagle3Layer`), as in DeepSeek's `Qwen3Eagle3DecoderLayer`, SpecForge's

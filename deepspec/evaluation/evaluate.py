@@ -1,6 +1,7 @@
 """The rules of workflow/rules/evaluate.smk: `evaluate` (speculative decoding
 with a drafter) and `baseline` (plain and prompt-lookup decoding); `schedule`
-(threshold sweep, STS calibration, Algorithm 1) is in schedule.py. Paper Sec. 4; notes §1.5, §1.6, §3.
+(threshold sweep, STS calibration, Algorithm 1) is in schedule.py. Paper Sec. 4.1-4.2, Figures 5-6;
+the protocol of DeepSpec's eval.py.
 
 `evaluate` runs all of a method's benchmarks in one process: the first
 eval.speed_prompts prompts of each benchmark are decoded alone by the batch-1

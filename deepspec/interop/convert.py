@@ -1,5 +1,5 @@
 """The convert-checkpoint command: load DeepSeek's released Eagle3 / DFlash / DSpark drafters (the
-reference DeepSpec layout, notes §0.7 and §4; docs/FORMATS.md) into deepspec drafters.
+reference DeepSpec layout of its deepspec/modeling/{dspark,eagle3}/; docs/FORMATS.md) into deepspec drafters.
 
 An Eagle3 checkpoint (`architectures: [Qwen3Eagle3Model | Gemma4Eagle3Model]`,
 `target_layer_ids`, `ttt_length`, `num_hidden_layers`) has exactly our Eagle3's names

@@ -1,6 +1,6 @@
 """What the DSpark paper publishes, for comparison in the report: its
-benchmark and method names and Table 1 (paper-notes.md §1: accepted length tau
-per round, bonus included, T = 1.0, block 7).
+benchmark and method names and Table 1 (paper p. 11, Sec. 4.1-4.2: accepted length
+tau per round, bonus included (footnote 3), T = 1.0, block 7).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ CPU laptop to a multi-GPU node.
 The loop knows nothing about drafters; its arithmetic is
 `deepspec.training.recipe`. It takes a model (a ``PreTrainedModel`` whose
 frozen parts have ``requires_grad=False``), a map-style dataset of samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
-metrics)``, and implements the paper's recipe (paper-notes §3):
+metrics)``, and implements the paper's recipe (paper Sec. 4.1; DeepSpec's deepspec/trainer/base_trainer.py):
 
 * AdamW (lr 6e-4, weight decay 0) over the trainable parameters only, linear
   warmup over ``ceil(warmup_ratio * total)`` updates then cosine to 0, gradient

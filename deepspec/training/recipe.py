@@ -1,4 +1,4 @@
-"""The paper's training recipe as arithmetic (paper-notes §3), for the train
+"""The paper's training recipe as arithmetic (paper Sec. 4.1), for the train
 rule's loop (`deepspec.training.loop`): steps per epoch and in total, the
 warmup + cosine learning rate, AdamW, the global batch split over processes and
 micro batches, the deterministic data order, and the per-micro-batch seeds that
@@ -56,7 +56,7 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_
     The fused AdamW kernel (one pass per tensor instead of the for-loop's
     several) where torch has it for these tensors' devices: the same update up to
     rounding (~1e-7), 7x faster on CPU, where the for-loop over DSpark's 12.6 M
-    Markov-embedding parameters cost ~0.1 s a step (README "CPU presets").
+    Markov-embedding parameters cost ~0.1 s a step (docs/RESULTS.md).
 
     shard (train.shard_optimizer, with more than one process): ZeroRedundancyOptimizer,
     each process keeping the AdamW moments of its share of the parameters only

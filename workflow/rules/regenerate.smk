@@ -6,7 +6,7 @@
 # With regenerate.shards = N > 1, N jobs each regenerate every N-th prompt (from
 # the I-th) into regen/shards/, and `regenerate` merges them: on CPU two
 # one-thread jobs decode 1.36x faster than one two-thread job (the decode
-# matmuls are too small to share; README "CPU presets"), on GPUs or SLURM each
+# matmuls are too small to share; docs/RESULTS.md), on GPUs or SLURM each
 # shard is a job of its own. Every record has its own seed, so its answer does
 # not depend on the shard it is in.
 #
