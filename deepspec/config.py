@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 import yaml
 
@@ -205,10 +206,16 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
 # checkpoint cadence, GPU counts), which do not change what a rule computes.
 _TARGET = ["target.spec", "target.revision", "target.dtype"]
 _TOKENS = ["data.max_length", "data.min_loss_tokens", "data.system_prompt"]
+# What a target cache's bytes depend on besides the target and the token data:
+# {name in the cache's fingerprint (deepspec.data.cache.data_fingerprint): dotted path}.
+CACHE_BYTES_SETTINGS = {
+    "revision": "target.revision", "target_dtype": "target.dtype", "layers": "target.feature_layers",
+    "dtype": "cache.dtype", "shard_tokens": "cache.shard_tokens", "batch_size": "cache.batch_size",
+}
 RULE_SETTINGS = {
     "prepare_target": ["target.spec", "target.revision"],
     "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
-    "build_cache": _TARGET + ["target.feature_layers", *_TOKENS, "cache.dtype", "cache.shard_tokens", "cache.batch_size"],
+    "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), *_TOKENS],
     "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
     "evaluate": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
     "baseline": _TARGET + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.temperature",
@@ -229,11 +236,62 @@ EXECUTION_KEYS = {"regenerate.urls", "regenerate.server", "regenerate.connect_ti
                   "eval.baseline_jobs"}
 
 
-def _pick(cfg: dict, dotted: str):
+@functools.lru_cache(maxsize=1)
+def _schema_for_lookup() -> dict:
+    """The schema, read once, for `schema_node` (never mutated)."""
+    return _schema()
+
+
+def schema_node(dotted: str) -> Optional[dict]:
+    """The schema of the config key at `dotted` (e.g. "train.lr"), or None when
+    the schema has no such key."""
+    node = _schema_for_lookup()
+    for part in dotted.split("."):
+        props = node.get("properties", {})
+        if part in props:
+            node = props[part]
+        elif isinstance(node.get("additionalProperties"), dict):
+            node = node["additionalProperties"]
+        else:
+            return None
+    return node
+
+
+def _may_be_absent(dotted: str) -> bool:
+    """True when a validated config can lack `dotted`: the schema leaves the key
+    (or one of its parents) optional without a default."""
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        parent = _schema_for_lookup() if i == 0 else schema_node(".".join(parts[:i]))
+        sub = schema_node(".".join(parts[:i + 1]))
+        if parent is None or sub is None:
+            return False
+        if part not in parent.get("required", []) and "default" not in sub:
+            return True
+    return False
+
+
+def pick(cfg: Mapping, dotted: str):
+    """The value at dotted path `dotted` of a validated config. A path the schema
+    does not have is an error (a misspelled RULE_SETTINGS entry would otherwise
+    fingerprint None and never rerun its rule); a key the schema leaves optional
+    without a default reads as None when absent."""
+    if schema_node(dotted) is None:
+        raise DeepSpecError(f"config key '{dotted}' is not in {SCHEMA_PATH.name}")
     node = cfg
     for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, Mapping) or part not in node:
+            if _may_be_absent(dotted):
+                return None
+            raise DeepSpecError(f"config key '{dotted}' is missing (the config was not validated)")
+        node = node[part]
     return node
+
+
+def unknown_setting_paths() -> list[str]:
+    """The RULE_SETTINGS and EXECUTION_KEYS paths that are not in the schema."""
+    paths = {p for keys in RULE_SETTINGS.values() for p in keys} | set(EXECUTION_KEYS)
+    return sorted(p for p in paths if schema_node(p) is None)
 
 
 def _drop_execution_keys(node, prefix: str):
@@ -244,7 +302,11 @@ def _drop_execution_keys(node, prefix: str):
 
 def rule_settings(cfg: dict, rule: str) -> dict:
     """The part of the (validated) config that rule `rule` depends on."""
-    return {key: _drop_execution_keys(_pick(cfg, key), key) for key in RULE_SETTINGS[rule]}
+    unknown = unknown_setting_paths()
+    if unknown:
+        raise DeepSpecError(f"RULE_SETTINGS / EXECUTION_KEYS name keys that are not in {SCHEMA_PATH.name}: "
+                            + ", ".join(unknown))
+    return {key: _drop_execution_keys(pick(cfg, key), key) for key in RULE_SETTINGS[rule]}
 
 
 def settings_fingerprint(cfg: dict, rule: str) -> str:

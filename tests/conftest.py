@@ -18,7 +18,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("DEEPSPEC_DATA", REPO.parent / "shared" / "data"))
+# The prompt data: $DEEPSPEC_DATA, else a prepared copy next to the clone, exported so that
+# every test, command and subprocess (Snakemake's jobs included) reads it rather than data/.
+if not os.environ.get("DEEPSPEC_DATA") and (REPO.parent / "shared" / "data").is_dir():
+    os.environ["DEEPSPEC_DATA"] = str(REPO.parent / "shared" / "data")
+SHARED_DATA = Path(os.environ.get("DEEPSPEC_DATA") or REPO.parent / "shared" / "data")
 
 torch.set_num_threads(2)
 

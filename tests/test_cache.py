@@ -196,3 +196,37 @@ def test_training_reads_only_intact_shards(setup, tmp_path):
     with pytest.raises(DeepSpecError, match=r"shard-00000\.safetensors is corrupt: sha256 mismatch"):
         data[0]
     assert make_train_dataset(setup["cfg"], cache_dir=setup["ref"]).fingerprint == data.fingerprint
+
+
+# The cache fingerprints of the presets' settings before CACHE_BYTES_SETTINGS named them
+# (target id "target-id", token digest "abc123"): an existing cache stays valid.
+_FINGERPRINTS = {
+    "tiny": "8d69a7867ed64202d2ab11b24fc2b53c8364391b015365d6ac74835086658197",
+    "smollm2-135m": "9a48fac6a857294244069f1cc7477eec94bd9412b85f43f79a577c3f27d52b51",
+    "qwen3-4b": "070277808ed821fae982b8371679e57c577b1088b3a7c72dd20c657b7c120bcc",
+    "gemma4-12b": "bfa20bce0cf01e72266b7689a9e79b11df1ec67aa976e6d3db6af971c2086d53",
+}
+
+
+@pytest.mark.parametrize("preset", sorted(_FINGERPRINTS))
+def test_cache_fingerprint_is_unchanged(preset):
+    from types import SimpleNamespace
+
+    cfg = load_config(preset)
+    assert cache.data_fingerprint(cfg, "target-id", SimpleNamespace(digest="abc123")) == _FINGERPRINTS[preset]
+
+
+def test_cache_fingerprint_settings_are_build_cache_settings():
+    """Each setting of the cache's fingerprint reruns build_cache and changes the fingerprint."""
+    from types import SimpleNamespace
+
+    from deepspec.config import CACHE_BYTES_SETTINGS, RULE_SETTINGS, settings_fingerprint
+
+    cfg = load_config("tiny")
+    fp = cache.data_fingerprint(cfg, "t", SimpleNamespace(digest="d"))
+    for path in CACHE_BYTES_SETTINGS.values():
+        assert path in RULE_SETTINGS["build_cache"]
+        section, key = path.split(".")
+        other = {**cfg, section: {**cfg[section], key: [7] if key == "feature_layers" else "changed"}}
+        assert cache.data_fingerprint(other, "t", SimpleNamespace(digest="d")) != fp, path
+        assert settings_fingerprint(other, "build_cache") != settings_fingerprint(cfg, "build_cache"), path

@@ -142,3 +142,75 @@ def test_every_documented_override_works(kind, item):
 def test_readme_has_override_examples():
     kinds = {k for k, _ in _readme_overrides()}
     assert kinds == {"config", "set"} and len(_readme_overrides()) >= 4
+
+
+# --------------------------------------------------------------------------- RULE_SETTINGS paths
+
+
+def _schema_misses(paths) -> list:
+    """The dotted paths that workflow/schemas/config.schema.yaml does not have
+    (walked here independently of deepspec.config)."""
+    import yaml
+
+    from deepspec.config import SCHEMA_PATH
+
+    schema = yaml.safe_load(SCHEMA_PATH.read_text())
+    misses = []
+    for path in paths:
+        node = schema
+        for part in path.split("."):
+            node = node.get("properties", {}).get(part)
+            if node is None:
+                misses.append(path)
+                break
+    return sorted(misses)
+
+
+def _setting_paths():
+    from deepspec import config as C
+
+    return {p for keys in C.RULE_SETTINGS.values() for p in keys} | set(C.EXECUTION_KEYS)
+
+
+def test_every_rule_setting_and_execution_key_is_in_the_schema(monkeypatch):
+    from deepspec import config as C
+
+    assert _schema_misses(_setting_paths()) == []
+    assert C.unknown_setting_paths() == []
+    # a typo is caught, by this test and by the config module
+    monkeypatch.setitem(C.RULE_SETTINGS, "train", [*C.RULE_SETTINGS["train"], "train.learning_rate"])
+    monkeypatch.setattr(C, "EXECUTION_KEYS", C.EXECUTION_KEYS | {"eval.gpu"})
+    assert _schema_misses(_setting_paths()) == ["eval.gpu", "train.learning_rate"]
+    assert C.unknown_setting_paths() == ["eval.gpu", "train.learning_rate"]
+
+
+@pytest.mark.parametrize("where", ["rule", "execution"])
+def test_a_misspelled_setting_path_stops_the_fingerprint(monkeypatch, where):
+    """A misspelled path used to fingerprint None (the setting never reran its rule)."""
+    from deepspec import config as C
+
+    cfg = load_config("tiny")
+    if where == "rule":
+        monkeypatch.setitem(C.RULE_SETTINGS, "build_cache", [*C.RULE_SETTINGS["build_cache"], "cache.shard_token"])
+        typo = "cache.shard_token"
+    else:
+        monkeypatch.setattr(C, "EXECUTION_KEYS", C.EXECUTION_KEYS | {"train.checkpoint_evry"})
+        typo = "train.checkpoint_evry"
+    with pytest.raises(DeepSpecError, match=typo):
+        C.settings_fingerprint(cfg, "build_cache")
+
+
+def test_only_optional_keys_without_default_may_be_absent():
+    """data.benchmarks is optional without a default: absent, it reads as None.
+    target.revision has a default, so a config lacking it was not validated."""
+    from deepspec.config import pick, settings_fingerprint
+
+    cfg = load_config("tiny")
+    del cfg["data"]["benchmarks"]
+    assert pick(cfg, "data.benchmarks") is None and pick(cfg, "data.train") == cfg["data"]["train"]
+    assert settings_fingerprint(cfg, "baseline")
+    del cfg["target"]["revision"]
+    with pytest.raises(DeepSpecError, match="'target.revision' is missing"):
+        pick(cfg, "target.revision")
+    with pytest.raises(DeepSpecError, match="'target.revison' is not in config.schema.yaml"):
+        pick(cfg, "target.revison")

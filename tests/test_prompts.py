@@ -68,3 +68,28 @@ def test_non_utf8_prompt_file_is_one_line(tmp_path):
     p.write_bytes(b'{"turns": ["fine"]}\n{"turns": ["caf\xe9"]}\n')
     with pytest.raises(DeepSpecError, match=r"p\.jsonl:2: not UTF-8 text"):
         read_turns_jsonl(p)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "qwen3-4b"])
+def test_default_data_root_is_data_inside_the_repository(preset, monkeypatch, tmp_path):
+    """Without DEEPSPEC_DATA and a data.root override a fresh clone reads and
+    writes its prompt data under <repo>/data (git-ignored), from any directory."""
+    from deepspec.config import REPO_ROOT, load_config
+    from deepspec.data.prompts import data_root
+
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    root = data_root(load_config(preset))
+    assert root == REPO_ROOT / "data" and root.is_absolute()
+    assert "data/" in (REPO_ROOT / ".gitignore").read_text().splitlines()
+    assert data_root(load_config(preset, {"data": {"root": "elsewhere/prompts"}})) == REPO_ROOT / "elsewhere" / "prompts"
+    assert data_root(load_config(preset, {"data": {"root": str(tmp_path / "d")}})) == tmp_path / "d"
+
+
+def test_DEEPSPEC_DATA_overrides_data_root(monkeypatch, tmp_path):
+    from deepspec.config import load_config
+    from deepspec.data.prompts import data_root
+
+    monkeypatch.setenv("DEEPSPEC_DATA", str(tmp_path / "env"))
+    assert data_root(load_config("tiny")) == tmp_path / "env"
+    assert data_root(load_config("tiny", {"data": {"root": str(tmp_path / "cfg")}})) == tmp_path / "env"

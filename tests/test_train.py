@@ -450,3 +450,20 @@ def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, 
     assert plan["training"]["methods"]["dspark"]["online_target_forwards"] == summary["online_target_forwards"]
     totals = plan["training"]["totals"]["dspark"]
     assert totals["total_flops_online"] - totals["total_flops_offline"] == 6 * plan["training"]["target_forward_flops_per_micro_batch"]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "qwen3-4b"])
+def test_train_settings_are_the_presets_train_keys(preset):
+    """TrainSettings reads each field from the train key of the same name."""
+    import dataclasses
+
+    from deepspec.config import load_config, schema_node
+    from deepspec.training.state import TrainSettings
+
+    train = load_config(preset)["train"]
+    settings = TrainSettings.of(train)
+    for f in dataclasses.fields(TrainSettings):
+        assert schema_node(f"train.{f.name}") is not None, f.name
+        assert getattr(settings, f.name) == train[f.name], f.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.seed = 1

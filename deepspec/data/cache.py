@@ -46,6 +46,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..config import CACHE_BYTES_SETTINGS, pick
 from ..errors import DeepSpecError
 from ..files import atomic_path, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
@@ -115,14 +116,12 @@ def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSampl
 
 
 def data_fingerprint(cfg: dict, target_id: str, samples: TokenArrays) -> str:
-    """Everything the cache's bytes depend on: settings and the exact token data
+    """Everything the cache's bytes depend on: the settings of config.CACHE_BYTES_SETTINGS
+    (part of the build_cache rule's settings) and the exact token data
     (the digest of the token arrays)."""
-    t, c = cfg["target"], cfg["cache"]
     h = hashlib.sha256()
-    settings = dict(
-        version=VERSION, target_id=target_id, revision=t.get("revision"), target_dtype=t["dtype"],
-        layers=list(t["feature_layers"]), dtype=c["dtype"], shard_tokens=c["shard_tokens"], batch_size=c["batch_size"],
-    )
+    settings = dict(version=VERSION, target_id=target_id,
+                    **{name: pick(cfg, path) for name, path in CACHE_BYTES_SETTINGS.items()})
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(samples.digest.encode())
     return h.hexdigest()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ..config import REPO_ROOT
 from ..errors import DeepSpecError
 from ..files import iter_jsonl
 
@@ -31,7 +32,14 @@ class Prompt:
 
 
 def data_root(cfg: dict) -> Path:
-    return Path(os.environ.get("DEEPSPEC_DATA") or cfg["data"]["root"])
+    """The prompt data directory: $DEEPSPEC_DATA when set, else `data.root`, whose
+    relative paths (the default `data`, git-ignored) are under the repository
+    (config.REPO_ROOT), wherever the command runs."""
+    env = os.environ.get("DEEPSPEC_DATA")
+    if env:
+        return Path(env)
+    root = Path(cfg["data"]["root"])
+    return root if root.is_absolute() else REPO_ROOT / root
 
 
 def read_turns_jsonl(path: str | os.PathLike, source: Optional[str] = None) -> list[Prompt]:

@@ -1,6 +1,7 @@
-"""The prepare_data rule: build the preset's prompt files under `data.root` from
-their public sources when they are missing (a fresh clone has no
-``../shared/data``).
+"""The prepare_data rule: build the preset's prompt files under the data root
+from their public sources when they are missing. The data root
+(`prompts.data_root`) is ``$DEEPSPEC_DATA`` when set, else `data.root`: by
+default ``data/`` inside the repository (git-ignored), empty in a fresh clone.
 
 Every file a preset reads (its `data.train` files and `data.benchmarks` files;
 ``hub:`` sources are read directly and need nothing here) has a known source in
@@ -11,9 +12,10 @@ a GitHub repository at a pinned commit (``github:owner/repo``, downloaded by
 `datasets.DownloadManager`). A preset can change any field per file under
 `data.sources` (e.g. another revision). The formats are DeepSeek's DeepSpec
 ``eval_datasets`` (``{"turns": [...]}`` per line, ``json.dumps(...,
-ensure_ascii=False)``) for the benchmarks and ``../shared/data/README.md`` for
-the training files; with the pinned sources each file is byte-identical to the
-reference copy, whose sha256 `KNOWN_SOURCES` holds.
+ensure_ascii=False)``) for the benchmarks, and for the training files the same
+records plus ``reference`` (the source dataset's response, when it has one);
+with the pinned sources each file is byte-identical to the reference copy (a
+prepared data directory), whose sha256 `KNOWN_SOURCES` holds.
 
 - A file that exists is never rewritten and nothing is downloaded for it.
 - A file's sha256 is pinned: by the reference copy's (`Source.sha256`, or
@@ -64,7 +66,7 @@ class Source:
     config: Optional[str] = None
     split: str = "train"
     files: tuple = ()  # files of the repository; () = datasets.load_dataset(hub, config, split)
-    sha256: Optional[str] = None  # the reference copy's sha256 (../shared/data)
+    sha256: Optional[str] = None  # the reference copy's sha256
     lenient: bool = False  # skip malformed JSONL lines of the source (counted in the log)
     dedup: bool = False  # drop records whose turns repeat an earlier record's
 
@@ -140,7 +142,7 @@ KNOWN_SOURCES: dict[str, Source] = {
                                 sha256="98b2449571c23886d67f99224ecdb4e48ad6cf74955b2908f70fbea9d66dead7"),
     "eval/aime25.jsonl": Source("MathArena/aime_2025", "problem_boxed",
                                 sha256="b8835996839caa1d982c5bb9ecaeca636424f0b8ed9f33a40b084feb1c1766d0"),
-    # DeepSpec's alpaca.jsonl is all 52,002 rows; ../shared/data holds a 1,000-row stand-in (no reference sha).
+    # DeepSpec's alpaca.jsonl is all 52,002 rows; the reference copy is a 1,000-row stand-in (no reference sha).
     "eval/alpaca.jsonl": Source("tatsu-lab/alpaca", "alpaca", "dce01c9b08f87459cf36a430d809084718273017"),
     "eval/mt-bench.jsonl": Source("HuggingFaceH4/mt_bench_prompts", "prompt_turns",
                                   sha256="df05defbcea350dff39f7d2996a7cba8a029e6e06069dfcdab11ceb998d743b0"),
@@ -155,7 +157,7 @@ KNOWN_SOURCES: dict[str, Source] = {
     "eval/arena-hard-v2.jsonl": Source("lmarena-ai/arena-hard-auto", "prompt",
                                        files=("data/arena-hard-v2.0/question.jsonl",),
                                        sha256="e5fcce94ffb1a2ef2082b5c63ac36608f2b7faf00da13ecb94ce2adc649b7b91"),
-    # Training prompts (../shared/data/README.md); each conversion reproduces the shared copy byte for byte.
+    # Training prompts ({turns, reference}); each conversion reproduces the reference copy byte for byte.
     "train/gsm8k_train.jsonl": Source("openai/gsm8k", "question_answer", _GSM8K_REV, "main", "train",
                                       sha256="7cc806e66157aa7a779027ab1e58cca0660c2c46804ba7e20bde6017467852cb"),
     "train/code_alpaca_2k.jsonl": Source("github:sahil280114/codealpaca", "instruction_output",

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import DeepSpecError
 from ..files import read_json, sha256_file, write_json_atomic, write_text_atomic
+from .state import TrainRun
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +142,12 @@ def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
         raise DeepSpecError(f"checkpoint {directory} lacks trainable weights: {', '.join(lost[:5])}")
 
 
-def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: int, n: int, train_cfg: dict,
-                    elapsed: float, fingerprint: str) -> None:
-    """<out>/checkpoints/step_N/ (built under a temporary name, then renamed)
-    and the `latest` pointer, written atomically; the trainer state (written
-    last) holds the fingerprint and every file's sha256."""
+def save_checkpoint(run: TrainRun, step: int, elapsed: float) -> None:
+    """<out>/checkpoints/step_N/ of `run` after update `step` (built under a
+    temporary name, then renamed) and the `latest` pointer, written atomically;
+    the trainer state (written last) holds the fingerprint and every file's
+    sha256. elapsed: seconds trained so far."""
+    acc, model, opt, sched, out = run.acc, run.model, run.opt, run.sched, run.out
     root = out / CKPT_DIR
     final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
     if acc.is_main_process:
@@ -153,7 +155,7 @@ def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: in
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    torch.save(rng_state(gen), tmp / f"rng_{acc.process_index}.pt")
+    torch.save(rng_state(run.gen), tmp / f"rng_{acc.process_index}.pt")
     if hasattr(opt, "consolidate_state_dict"):  # a sharded optimizer: its whole state on process 0
         opt.consolidate_state_dict(to=0)
     if acc.is_main_process:
@@ -166,9 +168,9 @@ def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: in
     if acc.is_main_process:
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         write_json_atomic(tmp / TRAINER_STATE, {
-            "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "step": step, "total_steps": total,
-            "num_samples": n, "world_size": acc.num_processes, "global_batch": int(train_cfg["global_batch"]),
-            "seed": int(train_cfg["seed"]), "elapsed_s": elapsed, "files": files,
+            "format_version": FORMAT_VERSION, "fingerprint": run.fingerprint, "step": step, "total_steps": run.total,
+            "num_samples": len(run.dataset), "world_size": acc.num_processes, "global_batch": run.settings.global_batch,
+            "seed": run.settings.seed, "elapsed_s": elapsed, "files": files,
         })
     acc.wait_for_everyone()
     if acc.is_main_process:
@@ -176,7 +178,7 @@ def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: in
             shutil.rmtree(final)
         os.replace(tmp, final)
         write_text_atomic(root / LATEST, final.name + "\n")
-        prune_checkpoints(root, train_cfg.get("keep_checkpoints"))
+        prune_checkpoints(root, run.settings.keep_checkpoints)
         log.info("checkpoint %s", final)
     acc.wait_for_everyone()
 
@@ -189,17 +191,19 @@ def prune_checkpoints(root: Path, keep: Optional[int]) -> None:
         shutil.rmtree(root / f"step_{s}")
 
 
-def resume_checkpoint(ckpt: Path, st: dict, model, opt, sched, gen, out: Path, rank: int, main: bool):
-    """Restore weights, optimiser, scheduler, RNG states and the log from an
-    intact checkpoint (`check_checkpoint`'s state st); return (step, elapsed
-    seconds before the interruption)."""
+def resume_checkpoint(ckpt: Path, st: dict, run: TrainRun) -> tuple[int, float]:
+    """Restore `run`'s weights, optimiser, scheduler, this process's RNG states
+    and the log from an intact checkpoint (`check_checkpoint`'s state st);
+    return (step, elapsed seconds before the interruption)."""
+    model, opt, sched, out = run.model, run.opt, run.sched, run.out
+    rank, main = run.acc.process_index, run.acc.is_main_process
     load_model_weights(model, ckpt)
     dev = next(model.parameters()).device
     opt.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=dev, weights_only=False))
     sched.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=False))
     rng = ckpt / f"rng_{rank}.pt"
     if rng.exists():
-        set_rng_state(torch.load(rng, weights_only=False), gen)
+        set_rng_state(torch.load(rng, weights_only=False), run.gen)
     else:
         log.warning("%s missing (world size was %d): RNG states of process %d are not restored",
                     rng.name, st["world_size"], rank)

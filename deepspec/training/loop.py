@@ -82,12 +82,11 @@ from .checkpoints import (
     training_lock,
 )
 
+from .state import StepFn, TrainRun, TrainSettings
 from .stopping import StopOnSigterm, TrainingStopped, any_process
 from .train_log import TrainLog
 
 log = logging.getLogger(__name__)
-
-StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
 
 # --------------------------------------------------------------------------- loop
 
@@ -147,31 +146,6 @@ def process_device(device: str) -> torch.device:
     return PartialState(cpu=_use_cpu(device)).device
 
 
-@dataclass
-class _Loop:
-    """What every step of a run needs, fixed before the first one."""
-
-    acc: object  # the Accelerator
-    model: torch.nn.Module
-    params: list
-    opt: object
-    sched: object
-    gen: torch.Generator  # the anchor generator handed to step_fn
-    dataset: object
-    collate_fn: Callable[[list], dict]
-    step_fn: StepFn
-    train_cfg: dict
-    out: Path
-    sampler: StepSampler
-    per_epoch: int
-    total: int
-    fingerprint: str
-
-    @property
-    def world(self) -> int:
-        return self.acc.num_processes
-
-
 def train(
     model: torch.nn.Module,
     dataset,
@@ -216,22 +190,23 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
 
     world = PartialState(cpu=_use_cpu(device)).num_processes
     acc = make_accelerator(device, accumulation_steps(train_cfg, world))
+    settings = TrainSettings.of(train_cfg)
     n = len(dataset)
     per_epoch, total = plan_steps(n, train_cfg)
-    g = int(train_cfg["global_batch"])
+    g = settings.global_batch
     if n < g:
         log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
     params = _trainable_params(model, acc)
-    opt, sched = make_optimizer(params, train_cfg, total, shard=bool(train_cfg.get("shard_optimizer")) and world > 1)
+    opt, sched = make_optimizer(params, train_cfg, total, shard=settings.shard_optimizer and world > 1)
     gen = torch.Generator(device=acc.device)  # reseeded for every micro batch (micro_seed)
-    run = _Loop(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, train_cfg, out,
-                StepSampler(n, g, int(train_cfg["seed"])), per_epoch, total, fingerprint)
+    run = TrainRun(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, settings, out,
+                   StepSampler(n, g, settings.seed), per_epoch, total, fingerprint)
     start, elapsed_before = _start_or_resume(run, resume)
     log.info(
         "training: %d samples, %d steps/epoch, %d steps (epochs %s, max_steps %s), global batch %d = "
         "%d processes x %d micro x %d accumulation, %.2fM trainable / %.2fM frozen params, %s, %s",
         n, per_epoch, total, train_cfg["epochs"], train_cfg.get("max_steps"), g, world,
-        int(train_cfg["micro_batch"]), acc.gradient_accumulation_steps, sum(p.numel() for p in params) / 1e6,
+        settings.micro_batch, acc.gradient_accumulation_steps, sum(p.numel() for p in params) / 1e6,
         sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6, acc.device, acc.mixed_precision,
     )
     t_run = time.perf_counter()
@@ -276,7 +251,7 @@ def _trainable_params(model: torch.nn.Module, acc) -> list:
     return params
 
 
-def _start_or_resume(run: _Loop, resume: Optional[bool]) -> tuple[int, float]:
+def _start_or_resume(run: TrainRun, resume: Optional[bool]) -> tuple[int, float]:
     """(first step, seconds trained before): resume from the newest intact
     checkpoint with this run's fingerprint, or start afresh (resume False
     deletes old checkpoints; True requires a checkpoint to resume)."""
@@ -299,8 +274,7 @@ def _start_or_resume(run: _Loop, resume: Optional[bool]) -> tuple[int, float]:
     acc.wait_for_everyone()
     start, elapsed_before = 0, 0.0
     if ckpt is not None:
-        start, elapsed_before = resume_checkpoint(ckpt, st, run.model, run.opt, run.sched, run.gen, out,
-                                                  acc.process_index, acc.is_main_process)
+        start, elapsed_before = resume_checkpoint(ckpt, st, run)
         log.info("resumed from %s at step %d/%d", ckpt, start, run.total)
     elif acc.is_main_process:
         (out / LOG_NAME).unlink(missing_ok=True)
@@ -308,48 +282,45 @@ def _start_or_resume(run: _Loop, resume: Optional[bool]) -> tuple[int, float]:
     return start, elapsed_before
 
 
-def _run_steps(run: _Loop, start: int, elapsed_before: float, t_run: float) -> float:
+def _run_steps(run: TrainRun, start: int, elapsed_before: float, t_run: float) -> float:
     """Optimiser steps start..total with logging and checkpoints; returns the
     positions this process predicted."""
     from tqdm.auto import tqdm
 
-    acc, cfg = run.acc, run.train_cfg
-    train_log = TrainLog(run.out / LOG_NAME, enabled=acc.is_main_process)
-    bar = tqdm(total=run.total, initial=start, disable=not acc.is_main_process, desc="train", dynamic_ncols=True)
-    every_s = float(cfg.get("checkpoint_minutes") or 0) * 60
-    last_ckpt = time.monotonic()
+    train_log = TrainLog(run.out / LOG_NAME, enabled=run.acc.is_main_process)
+    bar = tqdm(total=run.total, initial=start, disable=not run.acc.is_main_process, desc="train", dynamic_ncols=True)
     with StopOnSigterm() as stop:
-        positions_run = _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, last_ckpt)
+        positions_run = _steps(run, start, elapsed_before, t_run, train_log, bar, stop)
     bar.close()
     return positions_run
 
 
-def _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, last_ckpt) -> float:
-    acc, cfg = run.acc, run.train_cfg
+def _steps(run: TrainRun, start, elapsed_before, t_run, train_log, bar, stop) -> float:
+    acc, cfg = run.acc, run.settings
+    every_s = float(cfg.checkpoint_minutes or 0) * 60
+    last_ckpt = time.monotonic()
     positions_run = 0.0
     for step in range(start, run.total):
         t0 = time.perf_counter()
         done = step + 1
-        log_step = done % int(cfg["log_every"]) == 0 or done == run.total or done == 1
+        log_step = done % cfg.log_every == 0 or done == run.total or done == 1
         sums, positions = _accumulate(run, step, log_step)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, float(cfg["grad_clip"])))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip))
         lr = run.sched.get_last_lr()[0]
         run.opt.step()
         run.sched.step()
         run.opt.zero_grad(set_to_none=True)
         positions_run += positions
         if log_step:
-            row = _log_row(acc, run.world, done, run.per_epoch, lr, sums, grad_norm, positions,
-                           int(cfg["global_batch"]), time.perf_counter() - t0,
+            row = _log_row(run, done, lr, sums, grad_norm, positions, time.perf_counter() - t0,
                            elapsed_before + time.perf_counter() - t_run)
             train_log.write(row)
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "tau_expected") if k in row}, refresh=False)
         bar.update(1)
         timed, stopping = any_process(acc, run.world, every_s > 0 and time.monotonic() - last_ckpt >= every_s,
                                        stop.requested)
-        if done % int(cfg["checkpoint_every"]) == 0 or done == run.total or timed or stopping:
-            save_checkpoint(acc, run.model, run.opt, run.sched, run.gen, run.out, done, run.total,
-                            len(run.dataset), cfg, elapsed_before + time.perf_counter() - t_run, run.fingerprint)
+        if done % cfg.checkpoint_every == 0 or done == run.total or timed or stopping:
+            save_checkpoint(run, done, elapsed_before + time.perf_counter() - t_run)
             last_ckpt = time.monotonic()
         if stopping and done < run.total:
             raise TrainingStopped(f"stopped by SIGTERM after step {done}/{run.total}: checkpoint "
@@ -357,17 +328,17 @@ def _steps(run, start, elapsed_before, t_run, train_log, bar, stop, every_s, las
     return positions_run
 
 
-def _accumulate(run: _Loop, step: int, log_step: bool) -> tuple[dict, float]:
+def _accumulate(run: TrainRun, step: int, log_step: bool) -> tuple[dict, float]:
     """Forward and backward of this process's micro batches of update `step`,
     gradients averaged over processes. Returns ({metric: [sum, micro batches
     reporting it]}, predicted positions)."""
     acc = run.acc
     sums: dict[str, list] = {}
     positions = 0.0
-    micro = int(run.train_cfg["micro_batch"])
+    micro = run.settings.micro_batch
     for k, idx in split_batch(run.sampler.indices(step), acc.process_index, run.world, micro):
         batch = _to_device(run.collate_fn([run.dataset[i] for i in idx]), acc.device)
-        run.gen.manual_seed(micro_seed(int(run.train_cfg["seed"]), step, k))
+        run.gen.manual_seed(micro_seed(run.settings.seed, step, k))
         with acc.autocast():
             loss, metrics = run.step_fn(run.model, batch, run.gen, log_step=log_step)
         if not torch.isfinite(loss):
@@ -387,9 +358,11 @@ def _accumulate(run: _Loop, step: int, log_step: bool) -> tuple[dict, float]:
     return sums, positions
 
 
-def _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g, step_s, elapsed) -> dict:
+def _log_row(run: TrainRun, done: int, lr: float, sums: dict, grad_norm: float, positions: float, step_s: float,
+             elapsed: float) -> dict:
     """One train_log row: each metric is its mean over the micro batches (of all
     processes) that reported it; positions are summed over processes."""
+    acc, world, g = run.acc, run.world, run.settings.global_batch
     keys = list(sums)
     if world > 1:  # the union of the processes' metric names, in first-seen order
         gathered = [None] * world
@@ -401,7 +374,7 @@ def _log_row(acc, world, done, per_epoch, lr, sums, grad_norm, positions, g, ste
     metrics = {k: float(vec[2 * i] / vec[2 * i + 1]) if vec[2 * i + 1] > 0 else float("nan")
                for i, k in enumerate(keys)}
     positions = float(vec[-1])
-    row = {"step": done, "epoch": done / per_epoch, "lr": lr, "loss": metrics.get("loss", float("nan"))}
+    row = {"step": done, "epoch": done / run.per_epoch, "lr": lr, "loss": metrics.get("loss", float("nan"))}
     row.update({k: v for k, v in metrics.items() if k != "loss"})
     row.update(grad_norm=grad_norm, positions_per_s=positions / step_s, sequences_per_s=g / step_s, elapsed_s=elapsed)
     return row
