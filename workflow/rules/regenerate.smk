@@ -100,8 +100,6 @@ rule regenerate_shard:
         PATHS.job_benchmark("regenerate_{shard}")
     params:
         settings=settings("regenerate"),
-        shards=REGEN_SHARDS,
-        omp=lambda wc, threads: 1 if REGEN_SERVER else threads,
     group:
         "regenerate" if REGEN_SERVER else None
     # beside a server a shard only sends requests: no core of its own
@@ -111,8 +109,9 @@ rule regenerate_shard:
     resources:
         **REGEN_RESOURCES,
     shell:
-        "OMP_NUM_THREADS={params.omp} {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
-        "--shard {wildcards.shard}/{params.shards} --out {output:q} > {log:q} 2>&1"
+        # the same command text for a given N (a changed text would rerun finished shards: the code trigger)
+        "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
+        "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
 
 
 rule regenerate:
