@@ -98,6 +98,8 @@ def res(rule, key, default):
 # ---------------------------------------------------------------- shared inputs
 
 TARGET_CONFIG = PATHS.target_checkpoint() / "config.json"  # the prepared target (prepare_target)
+# the training prompt files on disk (hub: sources are read directly)
+TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
 # the benchmarks with a batch-1 timed sample, and so a baseline (eval.speed_benchmarks)
 SPEED_BENCHMARKS = speed_benchmarks(CFG)
 # the benchmark prompt files on disk (a hub: benchmark is read from the hub)
@@ -154,8 +156,6 @@ def train_port(wc):
     not collide): train.main_process_port + crc32(method) % 1000."""
     return int(CFG["train"]["main_process_port"]) + zlib.crc32(wc.method.encode()) % 1000
 
-
-TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
 
 
 def eval_inputs(wc):
