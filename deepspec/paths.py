@@ -2,22 +2,25 @@
 
 The deepspec commands take their default paths from here, and
 workflow/rules/common.smk builds every rule's inputs and outputs from the same
-methods (with the target name "{target}" and wildcard names such as
-"{method}" they return Snakemake patterns), then passes `{output}` to the
-commands. R = results_dir, T = target name:
+methods (given wildcard names such as "{method}" they return Snakemake
+patterns), then passes `{output}` to the commands. R = results_dir, T = target name:
 
   resources/targets/T/                 prepared target checkpoint   (prepare_target)
   resources/drafters/T/<name>/         converted released drafters  (convert)
   R/T/plan.json                        the run's cost estimate      (python -m deepspec plan)
-  R/T/regen/conversations.jsonl        regenerated answers          (regenerate)
+  R/T/regen/conversations.jsonl        regenerated answers          (regenerate: the merged shards)
+  R/T/regen/shards/conversations.I-of-N.jsonl  shard I of regenerate.shards = N  (regenerate_shard)
+  R/T/regen/server.{service,pid}       the regeneration server's marker and pid (regenerate_server)
   R/T/cache/manifest.json              target cache                 (build_cache)
   R/T/drafters/<method>/               trained drafter + train_log  (train)
   R/T/eval/<method>/<benchmark>.csv    per-round records, .json summary      (evaluate)
   R/T/eval/baseline/<benchmark>.json   plain / prompt-lookup tokens/s (+ .csv) (baseline)
+  R/T/eval/baseline/part.I-of-N.done   baseline job I of eval.baseline_jobs = N finished (baseline)
   R/T/eval/dspark/<benchmark>.{sweep.csv,calibration.csv,alg1.json}          (schedule)
   R/tables/{table1.csv,table1.md,fig2.csv}, figures/fig2.{pdf,png}, R/REPORT.md (report)
   R/tables/figN.csv, figures/figN.pdf  ablations                    (fig3 .. fig6)
-  logs/T/<job>.log                     one log per job
+  logs/T/<job>.log                     one log per job (logs/T/<job>/<sub>.log per file of a job
+                                       family, e.g. prepare_data); logs/T/<job>.benchmark.tsv its timing
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ class RunPaths:
     results: str = "results"
     figures: str = "figures"
     resources: str = "resources"
-    target: str = "{target}"  # the target name, or the Snakemake wildcard
+    target: str = "{target}"  # the target name (RunPaths.of(cfg) fills it in)
     logs: str = LOGS
 
     @classmethod
@@ -64,8 +67,16 @@ class RunPaths:
         return self.run / "regen" / "conversations.jsonl"
 
     def conversations_shard(self, shard, shards: int) -> Path:
-        """Shard `shard` of `shards` of the regenerated conversations (regenerate.shards > 1)."""
+        """Shard `shard` of `shards` (regenerate.shards) of the regenerated conversations."""
         return self.run / "regen" / "shards" / f"conversations.{shard}-of-{shards}.jsonl"
+
+    def server_service(self) -> Path:
+        """The regeneration server's service-job marker (Snakemake removes it when the group ends)."""
+        return self.run / "regen" / "server.service"
+
+    def server_pid(self) -> Path:
+        """`<host> <pid>` of the regeneration server, which the merge waits on."""
+        return self.run / "regen" / "server.pid"
 
     def cache_dir(self) -> Path:
         return self.run / "cache"
@@ -83,8 +94,15 @@ class RunPaths:
     def summary(self, method: str, benchmark: str) -> Path:
         return self.records(method, benchmark).with_suffix(".json")
 
+    def baseline_dir(self) -> Path:
+        return self.eval_dir() / "baseline"
+
     def baseline(self, benchmark: str) -> Path:
-        return self.eval_dir() / "baseline" / f"{benchmark}.json"
+        return self.baseline_dir() / f"{benchmark}.json"
+
+    def baseline_part(self, part, parts: int) -> Path:
+        """The flag of baseline job `part` of `parts` (eval.baseline_jobs): its benchmarks are timed."""
+        return self.baseline_dir() / f"part.{part}-of-{parts}.done"
 
     def schedule(self, benchmark: str, kind: str, method: str = "dspark") -> Path:
         """kind: sweep.csv, calibration.csv or alg1.json."""
@@ -100,8 +118,13 @@ class RunPaths:
     def report(self) -> Path:
         return Path(self.results) / "REPORT.md"
 
-    def log(self, job: str) -> Path:
-        return Path(self.logs) / self.target / f"{job}.log"
+    def log(self, job: str, sub: str | None = None) -> Path:
+        """logs/T/<job>.log, or with `sub` logs/T/<job>/<sub>.log (one per file of a job family)."""
+        return Path(self.logs) / self.target / (f"{job}/{sub}.log" if sub else f"{job}.log")
+
+    def job_benchmark(self, job: str) -> Path:
+        """The job's Snakemake benchmark (wall time, memory): logs/T/<job>.benchmark.tsv."""
+        return Path(self.logs) / self.target / f"{job}.benchmark.tsv"
 
 
 # Files beside a regeneration output (conversations.jsonl -> .errors.jsonl, .settings.json).

@@ -262,9 +262,8 @@ def test_missing_file_without_a_source_fails_at_plan_time(tmp_path, monkeypatch)
 
 
 def test_the_dag_builds_only_missing_files(tmp_path, shared_data):
-    for name in ["Snakefile", "workflow", "config"]:
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    for name in ["workflow", "config"]:
+        shutil.copytree(REPO / name, tmp_path / name)
     data = tmp_path / "data"
     for rel in ["train/gsm8k_train.jsonl", "train/chat_alpaca_libre.jsonl", "eval/gsm8k.jsonl", "eval/mt-bench.jsonl"]:
         (data / rel).parent.mkdir(parents=True, exist_ok=True)

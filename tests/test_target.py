@@ -162,15 +162,15 @@ def test_prepare_target_rule_is_local_and_passes_the_revision(tmp_path):
     import shutil
 
     repo = Path(__file__).resolve().parents[1]
-    for name in ["Snakefile", "workflow", "config"]:
-        (shutil.copytree if (repo / name).is_dir() else shutil.copy)(repo / name, tmp_path / name)
+    for name in ["workflow", "config"]:
+        shutil.copytree(repo / name, tmp_path / name)
     code = ("from pathlib import Path\n"
             "from snakemake.api import SnakemakeApi\n"
             "from snakemake.settings.types import OutputSettings, ConfigSettings, ResourceSettings, StorageSettings\n"
             "with SnakemakeApi(OutputSettings()) as api:\n"
             "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
             "                      config_settings=ConfigSettings(config={'preset': 'qwen3-4b'}),\n"
-            "                      snakefile=Path('Snakefile'), workdir=Path('.'))\n"
+            "                      snakefile=Path('workflow/Snakefile'), workdir=Path('.'))\n"
             "    print('LOCAL', sorted(wf._workflow._localrules))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert "'prepare_target'" in next((ln for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), ""), \

@@ -11,16 +11,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from deepspec.config import PRESETS_DIR
+from deepspec.config import PRESETS_DIR, load_config
 from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _copy_workflow(dst: Path) -> None:
-    for name in ["Snakefile", "workflow", "config"]:
-        src = REPO / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst / name)
+    """The DAG (workflow/, with workflow/Snakefile) and the presets: run from `dst`
+    as from the repository root."""
+    for name in ["workflow", "config"]:
+        shutil.copytree(REPO / name, dst / name)
 
 
 def _snakemake(cwd, *args, env=None, timeout=600):
@@ -113,7 +114,7 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
 
 EVAL = {"evaluate": 3, "report": 1}  # one evaluate job per method (all benchmarks)
 CHANGES = {  # tiny preset: 3 drafters, 3 benchmarks
-    "eval={max_new_tokens: 12}": {"baseline_0": 1, "baseline_1": 1, **EVAL},  # eval.baseline_jobs: 2
+    "eval={max_new_tokens: 12}": {"baseline": 2, **EVAL},  # eval.baseline_jobs: 2
     "regenerate={temperature: 0.5}": {"regenerate_shard": 2, "regenerate": 1, "build_cache": 1, "train": 3, **EVAL},
     "cache={shard_tokens: 1000}": {"build_cache": 1, "train": 3, **EVAL},
     "train={lr: 0.001}": {"train": 3, **EVAL},
@@ -122,15 +123,53 @@ CHANGES = {  # tiny preset: 3 drafters, 3 benchmarks
 }
 
 
-def _planned(cwd, env, override) -> dict:
-    """{rule: jobs} that `snakemake -n` plans with one extra --config entry."""
-    r = _snakemake(cwd, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", override, env=env)
+def _planned(cwd, env, *overrides) -> dict:
+    """{rule: jobs} that `snakemake -n` plans with extra --config entries."""
+    r = _snakemake(cwd, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", *overrides, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     if "Nothing to be done" in out:
         return {}
     stats = out.split("Job stats:", 1)[1].split("total", 1)[0]
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", stats, re.M) if m.group(1) != "all"}
+
+
+def test_rules_do_not_change_with_the_job_counts(tmp_path, shared_data):
+    """regenerate.shards 1 and eval.baseline_jobs 1 plan the same rules as any other
+    count: one regenerate_shard job that regenerate merges, one baseline job timing
+    every timed benchmark in one process."""
+    _copy_workflow(tmp_path)
+    env = dict(os.environ, DEEPSPEC_DATA=str(shared_data))
+    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "2", "--config", "preset=tiny",
+                   "regenerate={shards: 1}", "eval={baseline_jobs: 1}", env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    stats = out.split("Job stats:", 1)[1].split("total", 1)[0]
+    jobs = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", stats, re.M)}
+    assert {k: jobs.get(k) for k in ("regenerate_shard", "regenerate", "baseline")} == \
+        {"regenerate_shard": 1, "regenerate": 1, "baseline": 1}, jobs
+    cmds = _shell_commands(out)
+    assert any("--shard 0/1 --out results/tiny/regen/shards/conversations.0-of-1.jsonl" in c
+               for c in cmds)
+    assert any("--merge results/tiny/regen/shards/conversations.0-of-1.jsonl" in c for c in cmds)
+    assert [c for c in cmds if "deepspec baseline" in c and "--benchmark gsm8k --benchmark mt-bench --out-dir" in c]
+
+
+def test_cheap_rules_run_where_snakemake_runs(tmp_path):
+    """The rules that only convert, download or plot are local rules: on SLURM they
+    run beside Snakemake (which has the internet) instead of waiting for a node."""
+    _copy_workflow(tmp_path)
+    code = ("from pathlib import Path\n"
+            "from snakemake.api import SnakemakeApi\n"
+            "from snakemake.settings.types import OutputSettings, ConfigSettings, ResourceSettings, StorageSettings\n"
+            "with SnakemakeApi(OutputSettings()) as api:\n"
+            "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
+            "                      config_settings=ConfigSettings(config={'preset': 'qwen3-4b'}),\n"
+            "                      snakefile=Path('workflow/Snakefile'), workdir=Path('.'))\n"
+            "    print('LOCAL', ' '.join(sorted(wf._workflow._localrules)))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    local = next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), None)
+    assert local == ["ablation", "fig7", "prepare_data", "prepare_target", "report"], r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def _shell_commands(out: str) -> list[str]:
@@ -159,6 +198,10 @@ def test_gpu_jobs_claim_their_own_gpus(tmp_path):
         assert (want in c) if want else ("claim-gpus" not in c), c
     train = [c for c, k in by.items() if k == "train"]
     assert len(train) == 3 and all("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in c for c in train)
+    # each method its own rendezvous port, a number in the command (not computed by the shell)
+    base = load_config("qwen3-4b")["train"]["main_process_port"]
+    ports = [int(m.group(1)) for c in train for m in [re.search(r"--main_process_port (\d+) -m deepspec train", c)] if m]
+    assert len(ports) == 3 and len(set(ports)) == 3 and all(base <= p < base + 1000 for p in ports), train
 
 
 def test_multi_node_training_plans(tmp_path):
@@ -212,9 +255,9 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     assert "Group job regenerate" in out and "results/tiny/regen/server.service (service)" in out
     assert "exec python -m deepspec serve resources/targets/tiny --host 127.0.0.1 --port 30999" in out
     jobs = re.split(r"\n\s*(?:local)?rule ", out)
-    for name in ("baseline_0:", "baseline_1:", "evaluate:"):
+    for name, n in (("baseline:", 2), ("evaluate:", 3)):
         blocks = [j for j in jobs if j.startswith(name)]
-        assert blocks and all(conv in j.split("\n")[1] for j in blocks), name
+        assert len(blocks) == n and all(conv in j.split("\n")[1] for j in blocks), name
     r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny")
     jobs = re.split(r"\n\s*(?:local)?rule ", r.stdout + r.stderr)
     assert r.returncode == 0 and not any(conv in j.split("\n")[1] for j in jobs if j.startswith("baseline"))

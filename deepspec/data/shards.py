@@ -1,4 +1,4 @@
-"""Regeneration in shards (workflow/rules/regenerate.smk, regenerate.shards = N > 1):
+"""Regeneration in shards (workflow/rules/regenerate.smk, regenerate.shards = N):
 N `regenerate --shard I/N` jobs each answer every N-th training prompt from the
 I-th (`shard_of`), each into its own resumable file under regen/shards/ with its
 own settings and errors files; `regenerate --merge` joins them (`merge_shards`)

@@ -46,9 +46,9 @@ log = logging.getLogger(__name__)
 def launcher(train_cfg: dict, port: str | int | None = None) -> str:
     """The command prefix the train rule puts before `-m deepspec train ...`
     (without the CUDA_VISIBLE_DEVICES prefix, which the rule adds). `port` is
-    the rendezvous port (default train.main_process_port; the rule passes a
-    shell expression that gives each method its own, so that parallel
-    trainers on one machine do not collide)."""
+    the rendezvous port (default train.main_process_port; the rule passes
+    each method its own, so that parallel trainers on one machine do not
+    collide: train_port in workflow/rules/common.smk)."""
     gpus, procs, nodes = int(train_cfg["gpus"]), int(train_cfg["processes"]), int(train_cfg["nodes"])
     port = train_cfg["main_process_port"] if port is None else port
     if nodes > 1:

@@ -4,29 +4,29 @@
 #   snakemake --cores all figures/fig5.pdf   # confidence-threshold sweep
 #   snakemake --cores all figures/fig6.pdf   # calibration before/after STS
 FIG5_BENCHMARKS = [b for b in ("gsm8k", "humaneval", "mt-bench") if b in BENCHMARKS] or BENCHMARKS[:1]
-# Paper Figure 6 uses Alpaca; a preset without it falls back to its first Chat benchmark.
-FIG6_BENCHMARK = CFG["ablations"]["calibration_benchmark"]
-if FIG6_BENCHMARK not in BENCHMARKS:
-    FIG6_BENCHMARK = next((b for b in BENCHMARKS if CFG["data"]["benchmarks"][b]["domain"] == "Chat"), BENCHMARKS[0])
 ABLATION_INPUTS = {
     "fig3": all_records(FIG3_METHODS),
     "fig4": all_records(FIG4_METHODS),
-    "fig5": [str(PATHS.schedule(b, "sweep.csv")) for b in FIG5_BENCHMARKS],
-    "fig6": [str(PATHS.schedule(FIG6_BENCHMARK, "calibration.csv"))],
+    "fig5": [PATHS.schedule(b, "sweep.csv") for b in FIG5_BENCHMARKS],
+    "fig6": [PATHS.schedule(FIG6_BENCHMARK, "calibration.csv")],  # FIG6_BENCHMARK: common.smk
 }
+
+
+localrules:
+    ablation,
 
 
 rule ablation:
     input:
         lambda wc: ABLATION_INPUTS[wc.fig],
     output:
-        pdf=report(str(PATHS.figure("{fig}.pdf")), category="Ablations"),
-        png=str(PATHS.figure("{fig}.png")),
-        csv=str(PATHS.table("{fig}.csv")),
+        pdf=report(PATHS.figure("{fig}.pdf"), category="Ablations"),
+        png=PATHS.figure("{fig}.png"),
+        csv=PATHS.table("{fig}.csv"),
     wildcard_constraints:
         fig="fig3|fig4|fig5|fig6",
     log:
-        str(PATHS.log("{fig}")),
+        PATHS.log("{fig}"),
     params:
         settings=settings("ablation"),
     shell:

@@ -4,17 +4,17 @@
 # and are checksum-verified and kept by the rerun.
 rule build_cache:
     input:
-        conversations=str(P.conversations()),
-        target=target_checkpoint,
+        conversations=PATHS.conversations(),
+        target=TARGET_CONFIG,
     output:
-        str(P.cache_dir() / "manifest.json"),
+        PATHS.cache_dir() / "manifest.json",
     log:
-        str(P.log("build_cache")),
+        PATHS.log("build_cache"),
     benchmark:
-        str(P.log("build_cache").with_suffix(".benchmark.tsv"))
+        PATHS.job_benchmark("build_cache")
     params:
         settings=settings("build_cache"),
-        out=lambda wc, output: str(Path(output[0]).parent),
+        out=PATHS.cache_dir(),
         env=gpu_env(res("build_cache", "gpu", 0)),  # its own GPUs on one machine
     threads: res("build_cache", "threads", 2)
     resources:

@@ -1,16 +1,20 @@
 # Shared setup: load and validate the preset, the path layout (deepspec/paths.py,
 # the same one the commands use), wildcard constraints, input functions, the
-# config arguments every rule passes to `python -m deepspec` ({CONFIG_ARGS} in
-# its shell command) and, as params.settings, the fingerprint of exactly the
-# settings the rule depends on (deepspec.config.RULE_SETTINGS): Snakemake's
-# params trigger then reruns the rules whose settings changed, and only those.
+# globals more than one rule file reads, the config arguments every rule passes
+# to `python -m deepspec` ({CONFIG_ARGS} in its shell command) and, as
+# params.settings, the fingerprint of exactly the settings the rule depends on
+# (deepspec.config.RULE_SETTINGS): Snakemake's params trigger then reruns the
+# rules whose settings changed, and only those.
+#
+# The preset is validated by deepspec.config.load_config against
+# workflow/schemas/config.schema.yaml (not snakemake.utils.validate): the
+# commands run outside Snakemake validate the same way, presets and --set
+# overrides included.
 import json
 import re
 import shlex
-import sys
-from pathlib import Path
+import zlib
 
-sys.path.insert(0, str(Path(workflow.basedir)))
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
@@ -46,9 +50,7 @@ CONFIG_ARGS = " ".join(
     + [f"--set {shlex.quote(k + '=' + json.dumps(v))}" for k, v in _flatten(_OVERRIDES)]
 )
 
-TARGET = CFG["target"]["name"]
-PATHS = RunPaths.of(CFG)  # this preset's files
-P = RunPaths.of(CFG, target="{target}")  # the same layout as rule patterns
+PATHS = RunPaths.of(CFG)  # this preset's files (given wildcards such as "{method}": rule patterns)
 METHODS = list(CFG["train"]["methods"])
 FIG3_METHODS = fig3_methods(CFG)
 FIG4_METHODS = fig4_methods(CFG)
@@ -74,7 +76,6 @@ def _one_of(names):
 
 
 wildcard_constraints:
-    target=_one_of([TARGET]),
     method=_one_of(ALL_METHODS),
     benchmark=_one_of(BENCHMARKS),
 
@@ -94,19 +95,54 @@ def res(rule, key, default):
 # inside a SLURM job it picks among the ids SLURM set); "" for n = 0.
 
 
+# ---------------------------------------------------------------- shared inputs
+
+TARGET_CONFIG = PATHS.target_checkpoint() / "config.json"  # the prepared target (prepare_target)
+# the training prompt files on disk (hub: sources are read directly)
+TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
+# the benchmarks with a batch-1 timed sample, and so a baseline (eval.speed_benchmarks)
+SPEED_BENCHMARKS = speed_benchmarks(CFG)
+# the benchmark prompt files on disk (a hub: benchmark is read from the hub)
+BENCHMARK_FILES = [DATA_ROOT / f for f in (CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS)
+                   if not f.startswith("hub:")]
+# The baselines of the timed benchmarks run in eval.baseline_jobs jobs (evaluate.smk),
+# job I timing every N-th of them from the I-th.
+BASELINE_JOBS = min(int(CFG["eval"]["baseline_jobs"]), len(SPEED_BENCHMARKS))
+BASELINES = [PATHS.baseline_part(i, BASELINE_JOBS) for i in range(BASELINE_JOBS)]
+# Paper Figure 6 uses Alpaca; a preset without it falls back to its first Chat benchmark
+# (the calibration of ablations.smk, which throughput.smk's Algorithm 1 reads).
+FIG6_BENCHMARK = CFG["ablations"]["calibration_benchmark"]
+if FIG6_BENCHMARK not in BENCHMARKS:
+    FIG6_BENCHMARK = next((b for b in BENCHMARKS if CFG["data"]["benchmarks"][b]["domain"] == "Chat"), BENCHMARKS[0])
+
+REGEN_SERVER = CFG["regenerate"]["server"]
+# The merged conversations, for the GPU jobs that must not start beside a
+# running regeneration server (baseline, evaluate of released checkpoints,
+# throughput; regenerate.smk): nothing without regenerate.server or when every
+# method of train.methods is a released checkpoint (Table 1 from the released
+# drafters needs no regeneration; the ablations' extra methods do not count).
+_TRAINED = [m for m in METHODS if m not in CFG["eval"]["released_checkpoints"]]
+REGENERATION_DONE = [PATHS.conversations()] if REGEN_SERVER and _TRAINED else []
+
+# The evaluation jobs (evaluate, baseline, schedule, throughput): on GPU presets
+# each takes a GPU no other job holds (gpu_env: claim-gpus).
+EVAL_GPUS = int(CFG["eval"]["gpus"])
+EVAL_ENV = gpu_env(min(EVAL_GPUS, 1))
+EVAL_RESOURCES = dict(
+    mem_mb=res("evaluate", "mem_mb", 4000),
+    runtime=res("evaluate", "runtime", 120),
+    gpu=res("evaluate", "gpu", EVAL_GPUS),
+)
+
+
 # ---------------------------------------------------------------- input functions
-
-
-def target_checkpoint(wc):
-    return str(P.target_checkpoint() / "config.json").format(target=wc.target)
 
 
 def train_data(wc):
     """The cache manifest, or with cache.mode: online the conversations themselves."""
-    paths = RunPaths.of(CFG, target=wc.target)
     if CFG["cache"]["mode"] == "online":
-        return str(paths.conversations())
-    return str(paths.cache_dir() / "manifest.json")
+        return PATHS.conversations()
+    return PATHS.cache_dir() / "manifest.json"
 
 
 def train_priority(wc):
@@ -115,16 +151,11 @@ def train_priority(wc):
     return 1 + (len(first) - first.index(wc.method) if wc.method in first else 0)
 
 
-def train_prompt_files(wc):
-    """The training prompt files (hub: sources are read directly)."""
-    return [str(DATA_ROOT / e["path"]) for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
+def train_port(wc):
+    """Each method its own rendezvous port (parallel trainers on one machine do
+    not collide): train.main_process_port + crc32(method) % 1000."""
+    return int(CFG["train"]["main_process_port"]) + zlib.crc32(wc.method.encode()) % 1000
 
-
-# the benchmarks with a batch-1 timed sample, and so a baseline (eval.speed_benchmarks)
-SPEED_BENCHMARKS = speed_benchmarks(CFG)
-# the benchmark prompt files on disk (a hub: benchmark is read from the hub)
-BENCHMARK_FILES = [str(DATA_ROOT / f) for f in (CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS)
-                   if not f.startswith("hub:")]
 
 
 def eval_inputs(wc):
@@ -132,13 +163,11 @@ def eval_inputs(wc):
     benchmark's baseline so that its summaries carry speedup_vs_plain. A method with a
     released checkpoint (eval.released_checkpoints) is evaluated from the hub
     and needs no trained drafter."""
-    paths = RunPaths.of(CFG, target=wc.target)
-    inputs = {"target": target_checkpoint(wc), "baselines": [str(paths.baseline(b)) for b in SPEED_BENCHMARKS],
-              "prompts": BENCHMARK_FILES}
+    inputs = {"target": TARGET_CONFIG, "baselines": BASELINES, "prompts": BENCHMARK_FILES}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
-        inputs["drafter"] = str(paths.drafter_dir(wc.method) / "config.json")
+        inputs["drafter"] = PATHS.drafter_dir(wc.method) / "config.json"
     return inputs
 
 
 def all_records(methods):
-    return [str(PATHS.records(m, b)) for m in methods for b in BENCHMARKS]
+    return [PATHS.records(m, b) for m in methods for b in BENCHMARKS]

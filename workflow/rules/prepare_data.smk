@@ -13,9 +13,9 @@ localrules:
 
 rule prepare_data:
     output:
-        str(DATA_ROOT / "{datafile}"),
+        DATA_ROOT / "{datafile}",
     log:
-        str(PATHS.log("prepare_data")).removesuffix(".log") + "/{datafile}.log",
+        PATHS.log("prepare_data", "{datafile}"),
     wildcard_constraints:
         datafile=_one_of(DATA_FILES),
     threads: 1

@@ -3,12 +3,12 @@
 # in <output>.partial, which Snakemake does not delete on failure; a rerun
 # skips finished records.
 #
-# With regenerate.shards = N > 1, N jobs each regenerate every N-th prompt (from
-# the I-th) into regen/shards/, and `regenerate` merges them: on CPU two
-# one-thread jobs decode 1.36x faster than one two-thread job (the decode
-# matmuls are too small to share; docs/RESULTS.md), on GPUs or SLURM each
-# shard is a job of its own. Every record has its own seed, so its answer does
-# not depend on the shard it is in.
+# regenerate.shards = N jobs (regenerate_shard) each regenerate every N-th
+# prompt (from the I-th) into regen/shards/, and `regenerate` merges them into
+# the conversations file, in the training prompts' order (for N = 1 the merge
+# copies the one shard): on CPU two one-thread jobs decode 1.36x faster than one
+# two-thread job (the decode matmuls are too small to share; docs/RESULTS.md), on GPUs or SLURM each shard is a job of its own. Every record has
+# its own seed, so its answer does not depend on the shard it is in.
 #
 # With regenerate.server set, the DAG starts the server itself: the rule
 # regenerate_server runs its command line as a Snakemake service job (output
@@ -19,7 +19,7 @@
 # (server.health_timeout_s). Snakemake terminates the service once every shard
 # is done; the merge, outside the group, then waits for the server process to
 # be gone (regen/server.pid), and baseline/evaluate wait for the merge
-# (regeneration_done), so no GPU job shares GPUs with a running server.
+# (REGENERATION_DONE, common.smk), so no GPU job shares GPUs with a running server.
 # Snakemake docs: service rules and group-local service jobs,
 # https://snakemake.readthedocs.io/en/stable/snakefiles/rules.html#service-rules-jobs ;
 # group jobs (one connected component per group job, resources summed over the
@@ -28,19 +28,19 @@
 # here (one server, one node; on SLURM the shards then share its job instead
 # of being jobs of their own); --group-components is not needed.
 REGEN_SHARDS = int(CFG["regenerate"]["shards"])
-REGEN_SERVER = CFG["regenerate"]["server"]
 REGEN_RESOURCES = dict(
     mem_mb=res("regenerate", "mem_mb", 4000),
     runtime=res("regenerate", "runtime", 60),
     gpu=res("regenerate", "gpu", 0),
 )
 REGEN_ENV = gpu_env(REGEN_RESOURCES["gpu"])  # each job (shard) its own GPUs on one machine
-SERVER_PID = str(PATHS.conversations().parent / "server.pid")
 
 if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
     raise WorkflowError("config error: regenerate.server is set but regenerate.backend is "
                         f"{CFG['regenerate']['backend']!r}: set regenerate.backend=server (or regenerate.server=null)")
 
+# The server rule exists only when there is a server to start (regenerate.server);
+# the shards then take its service as an input (regen_server_input).
 if REGEN_SERVER:
     _srv = REGEN_SERVER
     try:
@@ -56,15 +56,15 @@ if REGEN_SERVER:
 
     rule regenerate_server:
         input:
-            target=target_checkpoint,
+            target=TARGET_CONFIG,
         output:
-            service(str(P.conversations().parent / "server.service")),
+            service(PATHS.server_service()),
         log:
-            str(P.log("regenerate_server")),
+            PATHS.log("regenerate_server"),
         params:
             command=SERVER_COMMAND,
             env=gpu_env(int(_srv["gpus"])),
-            pid=SERVER_PID,
+            pid=PATHS.server_pid(),
         group:
             "regenerate"
         threads: int(_srv["threads"])
@@ -81,81 +81,50 @@ if REGEN_SERVER:
 
 
 def regen_server_input(wc):
-    return {"server": str(P.conversations().parent / "server.service").format(target=wc.target)} if REGEN_SERVER else {}
+    return {"server": PATHS.server_service()} if REGEN_SERVER else {}
 
 
-def regeneration_done(wc):
-    """The merged conversations, for the GPU jobs that must not start beside a
-    running regeneration server (baseline, evaluate of released checkpoints);
-    nothing without regenerate.server or when every method of train.methods is
-    a released checkpoint (Table 1 from the released drafters needs no
-    regeneration; the ablations' extra methods do not count)."""
-    trained = [m for m in METHODS if m not in CFG["eval"]["released_checkpoints"]]
-    return [str(PATHS.conversations())] if REGEN_SERVER and trained else []
+rule regenerate_shard:
+    input:
+        unpack(regen_server_input),
+        target=TARGET_CONFIG,
+        prompts=TRAIN_PROMPT_FILES,
+    output:
+        PATHS.conversations_shard("{shard}", REGEN_SHARDS),
+    wildcard_constraints:
+        shard=r"\d+",
+    log:
+        PATHS.log("regenerate_{shard}"),
+    benchmark:
+        PATHS.job_benchmark("regenerate_{shard}")
+    params:
+        settings=settings("regenerate"),
+    group:
+        "regenerate" if REGEN_SERVER else None
+    # beside a server a shard only sends requests: no core of its own
+    threads: 0 if REGEN_SERVER else res("regenerate", "threads", 2)
+    # the critical path: the shards start before the baselines, which fill the cores later
+    priority: 1
+    resources:
+        **REGEN_RESOURCES,
+    shell:
+        # the same command text for a given N (a changed text would rerun finished shards: the code trigger)
+        "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
+        "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
 
 
-if REGEN_SHARDS == 1 and not REGEN_SERVER:
-
-    rule regenerate:
-        input:
-            target=target_checkpoint,
-            prompts=train_prompt_files,
-        output:
-            str(P.conversations()),
-        log:
-            str(P.log("regenerate")),
-        benchmark:
-            str(P.log("regenerate").with_suffix(".benchmark.tsv"))
-        params:
-            settings=settings("regenerate"),
-        threads: res("regenerate", "threads", 2)
-        priority: 1
-        resources:
-            **REGEN_RESOURCES,
-        shell:
-            "OMP_NUM_THREADS={threads} {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} --out {output:q} > {log:q} 2>&1"
-
-else:
-
-    rule regenerate_shard:
-        input:
-            unpack(regen_server_input),
-            target=target_checkpoint,
-            prompts=train_prompt_files,
-        output:
-            str(P.conversations_shard("{shard}", REGEN_SHARDS)),
-        wildcard_constraints:
-            shard=r"\d+",
-        log:
-            str(P.log("regenerate_{shard}")),
-        benchmark:
-            str(P.log("regenerate_{shard}").with_suffix(".benchmark.tsv"))
-        params:
-            settings=settings("regenerate"),
-        group:
-            "regenerate" if REGEN_SERVER else None
-        # beside a server a shard only sends requests: no core of its own
-        threads: 0 if REGEN_SERVER else res("regenerate", "threads", 2)
-        # the critical path: the shards start before the baselines, which fill the cores later
-        priority: 1
-        resources:
-            **REGEN_RESOURCES,
-        shell:
-            "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
-            "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
-
-    rule regenerate:
-        input:
-            shards=[str(P.conversations_shard(i, REGEN_SHARDS)) for i in range(REGEN_SHARDS)],
-            prompts=train_prompt_files,
-        output:
-            str(P.conversations()),
-        log:
-            str(P.log("regenerate")),
-        params:
-            settings=settings("regenerate"),
-            wait=f"--wait-server-exit {shlex.quote(SERVER_PID)}" if REGEN_SERVER else "",
-        threads: 1
-        priority: 1
-        shell:
-            "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} {params.wait} --out {output:q} > {log:q} 2>&1"
+rule regenerate:
+    input:
+        shards=[PATHS.conversations_shard(i, REGEN_SHARDS) for i in range(REGEN_SHARDS)],
+        prompts=TRAIN_PROMPT_FILES,
+    output:
+        PATHS.conversations(),
+    log:
+        PATHS.log("regenerate"),
+    params:
+        settings=settings("regenerate"),
+        wait=f"--wait-server-exit {shlex.quote(str(PATHS.server_pid()))}" if REGEN_SERVER else "",
+    threads: 1
+    priority: 1
+    shell:
+        "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} {params.wait} --out {output:q} > {log:q} 2>&1"

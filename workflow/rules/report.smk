@@ -1,19 +1,23 @@
 # Table 1, Figure 2 and REPORT.md from every (method, benchmark) evaluation
 # (deepspec/reporting/report.py).
+localrules:
+    report,
+
+
 rule report:
     input:
         records=all_records(METHODS),
-        summaries=[str(PATHS.summary(m, b)) for m in METHODS for b in BENCHMARKS],
-        baselines=[str(PATHS.baseline(b)) for b in SPEED_BENCHMARKS],
+        summaries=[PATHS.summary(m, b) for m in METHODS for b in BENCHMARKS],
+        baselines=BASELINES,
     output:
-        table1=report(str(PATHS.table("table1.csv")), category="Table 1"),
-        table1_md=str(PATHS.table("table1.md")),
-        fig2_csv=str(PATHS.table("fig2.csv")),
-        fig2=report(str(PATHS.figure("fig2.pdf")), category="Figure 2"),
-        fig2_png=str(PATHS.figure("fig2.png")),
-        report=str(PATHS.report()),
+        table1=report(PATHS.table("table1.csv"), category="Table 1"),
+        table1_md=PATHS.table("table1.md"),
+        fig2_csv=PATHS.table("fig2.csv"),
+        fig2=report(PATHS.figure("fig2.pdf"), category="Figure 2"),
+        fig2_png=PATHS.figure("fig2.png"),
+        report=PATHS.report(),
     log:
-        str(PATHS.log("report")),
+        PATHS.log("report"),
     params:
         settings=settings("report"),
     shell:

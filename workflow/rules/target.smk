@@ -9,14 +9,14 @@ localrules:
 
 rule prepare_target:
     output:
-        str(P.target_checkpoint() / "config.json"),
+        TARGET_CONFIG,
     log:
-        str(P.log("prepare_target")),
+        PATHS.log("prepare_target"),
     params:
         settings=settings("prepare_target"),
         spec=CFG["target"]["spec"],
         revision=f"--revision {shlex.quote(CFG['target']['revision'])} " if CFG["target"].get("revision") else "",
-        out=lambda wc, output: str(Path(output[0]).parent),
+        out=PATHS.target_checkpoint(),
     resources:
         mem_mb=res("prepare_target", "mem_mb", 4000),
         runtime=res("prepare_target", "runtime", 120),

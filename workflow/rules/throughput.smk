@@ -9,14 +9,12 @@ THROUGHPUT_METHOD = CFG["throughput"]["method"]
 
 def throughput_inputs(wc):
     """The target, the benchmarks' prompts and the drafter (trained, unless it is a released checkpoint)."""
-    files = [CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS]
-    inputs = {"target": str(PATHS.target_checkpoint() / "config.json"),
-              "prompts": [str(DATA_ROOT / f) for f in files if not f.startswith("hub:")]}
-    inputs["regenerated"] = regeneration_done(wc)  # no GPU job beside the regeneration server
+    inputs = {"target": TARGET_CONFIG, "prompts": BENCHMARK_FILES,
+              "regenerated": REGENERATION_DONE}  # no GPU job beside the regeneration server
     if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
-        inputs["drafter"] = str(PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json")
+        inputs["drafter"] = PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json"
     if THROUGHPUT_METHOD == "dspark":  # Algorithm 1 on STS-calibrated confidences (the schedule rule's fit)
-        inputs["sts"] = str(PATHS.schedule(FIG6_BENCHMARK, "alg1.json"))
+        inputs["sts"] = PATHS.schedule(FIG6_BENCHMARK, "alg1.json")
     return inputs
 
 
@@ -28,11 +26,11 @@ rule throughput:
     input:
         unpack(throughput_inputs),
     output:
-        csv=str(PATHS.table("throughput.csv")),
+        csv=PATHS.table("throughput.csv"),
     log:
-        str(PATHS.log("throughput")),
+        PATHS.log("throughput"),
     benchmark:
-        str(PATHS.log("throughput").with_suffix(".benchmark.tsv"))
+        PATHS.job_benchmark("throughput")
     params:
         settings=settings("throughput"),
         env=EVAL_ENV,
@@ -45,14 +43,18 @@ rule throughput:
         "--method {THROUGHPUT_METHOD} {params.sts} --out {output.csv:q} > {log:q} 2>&1"
 
 
+localrules:
+    fig7,
+
+
 rule fig7:
     input:
-        csv=str(PATHS.table("throughput.csv")),
+        csv=PATHS.table("throughput.csv"),
     output:
-        pdf=report(str(PATHS.figure("fig7.pdf")), category="Figure 7"),
-        png=str(PATHS.figure("fig7.png")),
+        pdf=report(PATHS.figure("fig7.pdf"), category="Figure 7"),
+        png=PATHS.figure("fig7.png"),
     log:
-        str(PATHS.log("fig7")),
+        PATHS.log("fig7"),
     params:
         settings=settings("fig7"),
     shell:

@@ -16,10 +16,8 @@ if res("train", "nodes", TRAIN_NODES) != TRAIN_NODES:
                         f"train.nodes ({TRAIN_NODES}): set train.nodes only")
 # resources.train.gpu is per node: the job (SLURM's --gpus, a total) gets it x train.nodes
 TRAIN_JOB_GPUS = res("train", "gpu", TRAIN_GPUS) * TRAIN_NODES
-# each method its own rendezvous port: train.main_process_port + cksum(method) % 1000
-TRAIN_PORT = '$(({} + $(printf %s "$DS_METHOD" | cksum | cut -d" " -f1) % 1000))'.format(CFG["train"]["main_process_port"])
 # one machine: the job's own GPU ids (claim-gpus); several nodes: SLURM's
-TRAIN_LAUNCHER = (gpu_env(TRAIN_GPUS) if TRAIN_NODES == 1 else "") + train_launcher(CFG["train"], TRAIN_PORT)
+TRAIN_GPU_ENV = gpu_env(TRAIN_GPUS) if TRAIN_NODES == 1 else ""
 TRAIN_OMP = max(1, res("train", "threads", 2) // TRAIN_PROCS)  # threads per process
 # GPU training: the allocator maps memory in growable segments (less fragmentation
 # when every micro batch has another length)
@@ -31,17 +29,19 @@ TRAIN_ENV += "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 " if TRAIN_PROCS * TRAIN_NODES 
 rule train:
     input:
         data=train_data,
-        target=target_checkpoint,
+        target=TARGET_CONFIG,
     output:
-        drafter=str(P.drafter_dir("{method}") / "config.json"),
-        log=str(P.drafter_dir("{method}") / "train_log.csv"),
+        drafter=PATHS.drafter_dir("{method}") / "config.json",
+        log=PATHS.drafter_dir("{method}") / "train_log.csv",
     log:
-        str(P.log("train_{method}")),
+        PATHS.log("train_{method}"),
     benchmark:
-        str(P.log("train_{method}").with_suffix(".benchmark.tsv"))
+        PATHS.job_benchmark("train_{method}")
     params:
         settings=settings("train"),
-        out=lambda wc, output: str(Path(output.drafter).parent),
+        out=lambda wc, output: Path(output.drafter).parent,
+        # each method its own rendezvous port (train_port, common.smk)
+        launcher=lambda wc: TRAIN_GPU_ENV + train_launcher(CFG["train"], train_port(wc)),
     threads: res("train", "threads", 2)
     # every drafter trains before any evaluation starts: on 2 cores the three
     # evaluations then share both lanes instead of one lane running a drafter's
@@ -54,5 +54,5 @@ rule train:
         gpu=TRAIN_JOB_GPUS,
         nodes=res("train", "nodes", TRAIN_NODES),
     shell:
-        "DS_METHOD={wildcards.method}; {TRAIN_ENV}{TRAIN_LAUNCHER} -m deepspec train {CONFIG_ARGS} "
+        "{TRAIN_ENV}{params.launcher} -m deepspec train {CONFIG_ARGS} "
         "--method {wildcards.method} --out {params.out:q} > {log:q} 2>&1"
