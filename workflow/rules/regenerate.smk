@@ -7,7 +7,8 @@
 # prompt (from the I-th) into regen/shards/, and `regenerate` merges them into
 # the conversations file, in the training prompts' order (for N = 1 the merge
 # copies the one shard): on CPU two one-thread jobs decode 1.36x faster than one
-# two-thread job (the decode matmuls are too small to share; docs/RESULTS.md), on GPUs or SLURM each shard is a job of its own. Every record has
+# two-thread job (the decode matmuls are too small to share; docs/RESULTS.md),
+# on GPUs or SLURM each shard is a job of its own. Every record has
 # its own seed, so its answer does not depend on the shard it is in.
 #
 # With regenerate.server set, the DAG starts the server itself: the rule
