@@ -53,16 +53,13 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json
+from ..files import atomic_dir, read_json
 from ..paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -313,18 +310,8 @@ def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | No
 
 def save_model_atomic(model, out: Path, overwrite: bool) -> None:
     """save_pretrained into a temporary directory beside `out`, then rename."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         model.save_pretrained(str(tmp))
-        if out.exists():
-            if not overwrite:
-                raise DeepSpecError(f"output {out} exists (use --overwrite)")
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json, sha256_file, write_json_atomic, write_text_atomic
+from ..files import read_json, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +172,7 @@ def save_checkpoint(acc, model, opt, sched, gen, out: Path, step: int, total: in
         })
     acc.wait_for_everyone()
     if acc.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # not atomic_dir: every process writes into tmp between barriers
         write_text_atomic(root / LATEST, final.name + "\n")
         prune_checkpoints(root, train_cfg.get("keep_checkpoints"))
         log.info("checkpoint %s", final)
