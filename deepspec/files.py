@@ -139,6 +139,16 @@ def write_csv_atomic(df, path: str | os.PathLike) -> None:
         df.to_csv(tmp, index=False)
 
 
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig, *paths: str | os.PathLike, dpi: int = 150) -> None:
     """A matplotlib figure to each path (format from its suffix), atomically."""
     for out in map(Path, paths):
@@ -168,10 +178,10 @@ def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
             yield lineno, where, rec
 
 
-def require_file(path: str | os.PathLike, what: str = "file") -> Path:
+def require_file(path: str | os.PathLike, what: str = "file", hint: str = "") -> Path:
     p = Path(path)
     if not p.exists():
-        raise DeepSpecError(f"{what} not found: {p}")
+        raise DeepSpecError(f"{what} not found: {p}{hint}")
     return p
 
 

@@ -19,8 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.acceptance import domain_position_table
-from ..errors import DeepSpecError
-from ..files import read_json, save_figure, write_csv_atomic, write_text_atomic
+from ..files import pyplot, read_json, require_file, save_figure, write_csv_atomic, write_text_atomic
 from ..paths import RunPaths
 from . import paper
 from ..data.prompts import speed_benchmarks
@@ -38,10 +37,7 @@ FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted"
 FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
 
 
-def _require(path: Path) -> Path:
-    if not path.exists():
-        raise DeepSpecError(f"evaluation output not found: {path} (run the evaluate rule first)")
-    return path
+_RUN_EVALUATE = " (run the evaluate rule first)"
 
 
 def _baseline_tps(paths: RunPaths, bench: str, which: str) -> float:
@@ -61,7 +57,7 @@ def build_table1(cfg) -> pd.DataFrame:
     for bench, spec in cfg["data"]["benchmarks"].items():
         plain = _baseline_tps(paths, bench, "plain")
         for method in cfg["train"]["methods"]:
-            s = read_json(_require(paths.summary(method, bench)))
+            s = read_json(require_file(paths.summary(method, bench), "evaluation output", _RUN_EVALUATE))
             tps = float(_nan(s.get("tokens_per_s", np.nan)))
             rows.append(dict(target=t, method=method, benchmark=bench, domain=spec["domain"],
                              n_samples=s["n_samples_with_rounds"], rounds=s["rounds"], tau=_nan(s["tau"]),
@@ -90,7 +86,7 @@ def build_fig2(cfg, gamma: int | None = None) -> pd.DataFrame:
     parts = []
     for method in cfg["train"]["methods"]:
         for domain, benches in domains.items():
-            records = [pd.read_csv(_require(paths.records(method, b))) for b in benches]
+            records = [pd.read_csv(require_file(paths.records(method, b), "evaluation output", _RUN_EVALUATE)) for b in benches]
             table = domain_position_table(records, gamma, n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
             parts.append(table.assign(target=cfg["target"]["name"], method=method, domain=domain))
     return pd.concat(parts, ignore_index=True)[FIG2_COLUMNS + FIG2_RB_COLUMNS]
@@ -142,10 +138,7 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     hollow markers are the count estimate (accepted / attempts). Positions with
     fewer than `min_attempts` (expected) attempts pooled over the domain are
     not drawn: their rates are noise."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
     markers = {"dflash": "s", "eagle3": "^", "dspark": "o"}
@@ -233,7 +226,7 @@ def _claims(fig2: pd.DataFrame, t1: pd.DataFrame) -> list[str]:
             gain = macro["dspark"] / macro[base] - 1
             out.append(f"DSpark macro τ vs {paper.METHOD_LABEL[base]}: {gain:+.1%} "
                        f"({'holds' if gain > 0 else 'does not hold'}; paper Qwen3-4B: "
-                       f"{'+16.3' if base == 'dflash' else '+30.9'} %).")
+                       f"{100 * paper.macro_gain('Qwen3-4B', 'dspark', base):+.1f} %).")
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import socket
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ..config import REPO_ROOT
 from ..core.target import Target
 from ..errors import DeepSpecError
 from ..paths import RunPaths
+from ..runtime import hub_offline
 from .tiny import TINY_SPECS
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def load_facts(cfg: dict) -> tuple[dict, str]:
 
 
 def _hub_reachable(timeout: float = 2.0) -> bool:
-    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    if hub_offline():
         return False
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
