@@ -52,8 +52,8 @@ class Proposal:
 def draft_config(method: str, target, cfg: dict):
     """Copy of the target's (text) config with the draft depth and the deepspec_* fields."""
     d = cfg["drafter"]
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    n = int(d["num_layers"][method]) if method in d["num_layers"] else {"eagle3": 1}.get(method, 5)
+    tc = target.text_config
+    n = int(d["num_layers"][method])  # the schema gives every method its default depth
     if blocks_for(tc).family == "gemma4":
         c = gemma4_draft_config(tc, n)
     else:
@@ -181,8 +181,7 @@ class DrafterBase(PreTrainedModel):
         self._shared.lm_head = target.lm_head
         # Gemma-style final-logit soft-capping (z -> cap * tanh(z / cap)) is part
         # of the target's distribution, so drafts and p_t must apply it too.
-        text_cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        self._shared.softcap = getattr(text_cfg, "final_logit_softcapping", None)
+        self._shared.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self._refresh_head()
         return self
 

@@ -109,7 +109,9 @@ def policy_names(cfg: dict) -> list[str]:
 def measure(cfg: dict, target, drafter, method: str, names, temperatures=None) -> pd.DataFrame:
     """Every (concurrency, policy) row of throughput.csv."""
     tp, ev = cfg["throughput"], cfg["eval"]
-    layers = list(drafter.config.deepspec_feature_layers)
+    from .evaluate import feature_layers
+
+    layers = feature_layers(cfg, drafter)
     rows = []
     for c in tp["concurrency"]:
         prompts = load_prompts(cfg, target, max(tp["requests"], c))

@@ -214,7 +214,7 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
     from ..drafters.base import draft_config
     from ..drafters.blocks import blocks_for, same_layers
 
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tc = target.text_config
     mt = ref.get("model_type")
     if mt is not None and not (same_layers(mt, tc.model_type) or mt == getattr(target.config, "model_type", None)):
         raise DeepSpecError(f"{where}: a {ref['model_type']} drafter, the target {target.target_id!r} is {tc.model_type}")

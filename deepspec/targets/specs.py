@@ -155,7 +155,7 @@ def meta_target(cfg: dict, facts: dict, dtype=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..core.target import Target
+    from ..core.target import Target, eos_ids
 
     dtype = torch.bfloat16 if dtype is None else dtype
 
@@ -163,6 +163,4 @@ def meta_target(cfg: dict, facts: dict, dtype=None):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.requires_grad_(False)
-    eos = config.eos_token_id
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos)
+    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos_ids(config.eos_token_id))
