@@ -1,10 +1,9 @@
 """`python -m deepspec <command>`: one entry point; each command lives in the
-module of its stage (workflow/rules/evaluate.smk ->
-deepspec/evaluation/evaluate.py; COMMANDS below names them).
+module of its stage (workflow/rules/<rule>.smk -> deepspec/<stage>/<module>.py).
 
 The top-level parser only lists commands; the chosen command's module is
 imported lazily (torch import costs seconds) and parses its own arguments with
-a function ``cli_<command>(argv)``.
+the function COMMANDS names (``module:cli_<command>(argv)``).
 """
 from __future__ import annotations
 
@@ -17,26 +16,26 @@ import sys
 from .errors import DeepSpecError
 
 COMMANDS = {
-    "show-config": ("deepspec.config", "print a preset with defaults filled in, after validation"),
-    "prepare-data": ("deepspec.data.sources", "build the preset's missing prompt files from the Hugging Face hub"),
-    "prepare-target": ("deepspec.targets.loading", "convert or download a target into a plain HF checkpoint"),
-    "regenerate": ("deepspec.data.regenerate", "answer training prompts with the target itself"),
-    "serve": ("deepspec.data.serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
-    "build-cache": ("deepspec.data.cache", "cache the target's feature-layer and final hidden states"),
-    "validate-cache": ("deepspec.data.cache", "check a target cache's manifest and shard checksums"),
-    "train": ("deepspec.training.loop", "train a drafter (eagle3, dflash, dspark)"),
-    "launch-node": ("deepspec.training.launch", "start accelerate on one node of a SLURM allocation (multi-node training)"),
-    "claim-gpus": ("deepspec.training.launch", "run a command on N GPUs of this machine that no other job holds"),
-    "evaluate": ("deepspec.evaluation.evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
-    "baseline": ("deepspec.evaluation.evaluate", "plain and prompt-lookup decoding baselines on a benchmark"),
-    "schedule": ("deepspec.evaluation.schedule", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
-    "throughput": ("deepspec.evaluation.throughput", "the batched engine under load per policy and concurrency (throughput.csv)"),
-    "fig7": ("deepspec.evaluation.throughput", "Figures 7-8 (throughput vs per-request speed, verify budget vs load) from throughput.csv"),
-    "report": ("deepspec.reporting.report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
-    "plot": ("deepspec.reporting.ablations", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
-    "convert-checkpoint": ("deepspec.interop.convert", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
-    "export-checkpoint": ("deepspec.interop.export", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
-    "plan": ("deepspec.planning.plan", "what a preset will cost (data, cache, parameters, measured training FLOPs, GPU-hours, evaluation) before anything runs"),
+    "show-config": ("deepspec.config:cli_show_config", "print a preset with defaults filled in, after validation"),
+    "prepare-data": ("deepspec.data.sources:cli_prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
+    "prepare-target": ("deepspec.targets.loading:cli_prepare_target", "convert or download a target into a plain HF checkpoint"),
+    "regenerate": ("deepspec.data.regenerate:cli_regenerate", "answer training prompts with the target itself"),
+    "serve": ("deepspec.data.serve:cli_serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
+    "build-cache": ("deepspec.data.cache:cli_build_cache", "cache the target's feature-layer and final hidden states"),
+    "validate-cache": ("deepspec.data.cache:cli_validate_cache", "check a target cache's manifest and shard checksums"),
+    "train": ("deepspec.training.loop:cli_train", "train a drafter (eagle3, dflash, dspark)"),
+    "launch-node": ("deepspec.training.launch:cli_launch_node", "start accelerate on one node of a SLURM allocation (multi-node training)"),
+    "claim-gpus": ("deepspec.training.launch:cli_claim_gpus", "run a command on N GPUs of this machine that no other job holds"),
+    "evaluate": ("deepspec.evaluation.evaluate:cli_evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
+    "baseline": ("deepspec.evaluation.evaluate:cli_baseline", "plain and prompt-lookup decoding baselines on a benchmark"),
+    "schedule": ("deepspec.evaluation.schedule:cli_schedule", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
+    "throughput": ("deepspec.evaluation.throughput:cli_throughput", "the batched engine under load per policy and concurrency (throughput.csv)"),
+    "fig7": ("deepspec.evaluation.throughput:cli_fig7", "Figures 7-8 (throughput vs per-request speed, verify budget vs load) from throughput.csv"),
+    "report": ("deepspec.reporting.report:cli_report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
+    "plot": ("deepspec.reporting.ablations:cli_plot", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
+    "convert-checkpoint": ("deepspec.interop.convert:cli_convert_checkpoint", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
+    "export-checkpoint": ("deepspec.interop.export:cli_export_checkpoint", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
+    "plan": ("deepspec.planning.plan:cli_plan", "what a preset will cost (data, cache, parameters, measured training FLOPs, GPU-hours, evaluation) before anything runs"),
 }
 
 
@@ -59,10 +58,9 @@ def main(argv=None) -> int:
         top.print_help()
         return 2
     setup_logging()
-    module_name, _ = COMMANDS[args.command]
+    module_name, fn_name = COMMANDS[args.command][0].split(":")
     try:
-        module = importlib.import_module(module_name)
-        fn = getattr(module, "cli_" + args.command.replace("-", "_"))
+        fn = getattr(importlib.import_module(module_name), fn_name)
         rc = fn(rest)
     except DeepSpecError as e:
         print(f"deepspec {args.command}: error: {e}", file=sys.stderr)

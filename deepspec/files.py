@@ -8,11 +8,18 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
 from .errors import DeepSpecError
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 @contextlib.contextmanager
@@ -29,13 +36,51 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     try:
         yield tmp
         if tmp.exists():  # mkstemp creates 0600; give the usual umask-based mode
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike, overwrite: bool = True) -> None:
+    """Rename the finished directory `tmp` onto `out`. An existing `out` is
+    removed first when `overwrite`, else is a one-line DeepSpecError."""
+    tmp, out = Path(tmp), Path(out)
+    if out.exists():
+        if not overwrite:
+            raise DeepSpecError(f"output {out} exists (use --overwrite)")
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | os.PathLike, overwrite: bool = False, merge: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory beside `out`; on success it becomes
+    `out` (see `replace_dir`), on failure it is removed.
+
+    merge: `out` is a directory that holds other things (a training run's
+    output); the temporary directory is made inside it, and on success its
+    entries are moved into `out`, config.json last, so that a reader waiting
+    for config.json finds the model complete. Existing entries of the same
+    name are replaced.
+    """
+    out = Path(out)
+    parent = out if merge else out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the mode mkdir would
+    try:
+        yield tmp
+        if merge:
+            names = sorted(p.name for p in tmp.iterdir())
+            for name in [x for x in names if x != "config.json"] + [x for x in names if x == "config.json"]:
+                os.replace(tmp / name, out / name)
+        else:
+            replace_dir(tmp, out, overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -94,6 +139,16 @@ def write_csv_atomic(df, path: str | os.PathLike) -> None:
         df.to_csv(tmp, index=False)
 
 
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig, *paths: str | os.PathLike, dpi: int = 150) -> None:
     """A matplotlib figure to each path (format from its suffix), atomically."""
     for out in map(Path, paths):
@@ -123,10 +178,10 @@ def iter_jsonl(path: str | os.PathLike, what: str = "file", hint: str = ""):
             yield lineno, where, rec
 
 
-def require_file(path: str | os.PathLike, what: str = "file") -> Path:
+def require_file(path: str | os.PathLike, what: str = "file", hint: str = "") -> Path:
     p = Path(path)
     if not p.exists():
-        raise DeepSpecError(f"{what} not found: {p}")
+        raise DeepSpecError(f"{what} not found: {p}{hint}")
     return p
 
 

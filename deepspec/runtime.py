@@ -1,4 +1,10 @@
-"""Process-wide settings for CPU runs.
+"""Process-wide settings: the Hugging Face offline switches, and glibc's
+allocator for CPU runs.
+
+`hub_offline`: any of HF_HUB_OFFLINE, HF_DATASETS_OFFLINE and TRANSFORMERS_OFFLINE
+set to 1 / true / yes / on (any case) means "do not touch the network", for
+every download deepspec makes (prompt sources, the hub check of target facts):
+one switch that the Hugging Face libraries read under different names.
 
 `keep_large_allocations_on_heap`: glibc serves every allocation above its
 largest mmap threshold (32 MB on 64-bit) with a fresh mmap and unmaps it on
@@ -14,7 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def hub_offline() -> bool:
+    """Whether the environment asks for no network (see the module docstring)."""
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in OFFLINE_VARIABLES)
 
 _M_TRIM_THRESHOLD = -1  # glibc malloc.h
 _M_MMAP_MAX = -4

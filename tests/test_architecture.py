@@ -174,3 +174,14 @@ def test_readme_map_entry_exists(concept, module, name):
     obj = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
+
+
+def test_every_command_names_a_function_that_exists():
+    """cli.COMMANDS names each command's function ("module:cli_x"), so grep finds it."""
+    from deepspec.cli import COMMANDS
+
+    for command, (target, _) in COMMANDS.items():
+        module, fn = target.split(":")
+        path = PKG.parent / (module.replace(".", "/") + ".py")
+        defs = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        assert fn in defs, f"{command}: {target} does not exist"

@@ -220,7 +220,8 @@ def test_live_algorithm1_matches_offline_scheduler(tiny_target, drafters):
     # the live confidences are the recorded conf logits, calibrated by STS
     rec = done[0].rounds[0]
     x = np.array([rec[f"conf_logit_{k}"] for k in range(1, d.gamma + 1)])
-    live = LiveAlgorithm1(SPS, temperatures=temps).confidences([(torch.zeros(1, d.gamma), None, torch.from_numpy(x[None]))])
+    live = LiveAlgorithm1(SPS, temperatures=temps).confidences(
+        [decode.Proposal(torch.zeros(1, d.gamma), None, torch.from_numpy(x[None]))])
     np.testing.assert_allclose(live[0], 1 / (1 + np.exp(-x / temps)), rtol=1e-6)
     # what the engine verified: every request's record carries its l_r (verify_tokens = 1 + l_r)
     chosen = Counter(x for _, ell in spy.calls for x in ell)
@@ -363,7 +364,7 @@ def test_padded_algorithm1_picks_the_best_common_width():
     sps = SPSCurve(np.arange(1, 40), 1.0 / (1.0 + 0.1 * np.arange(1, 40)))
     for _ in range(20):
         logits = torch.from_numpy(rng.normal(1.0, 1.5, (3, 4)))
-        props = [(torch.zeros(1, 4), None, logits[r : r + 1]) for r in range(3)]
+        props = [decode.Proposal(torch.zeros(1, 4), None, logits[r : r + 1]) for r in range(3)]
         pol = PaddedAlgorithm1(sps)
         a = np.cumprod(pol.confidences(props), 1)
 
@@ -451,9 +452,9 @@ def test_grouped_attention_is_exact(tiny_target, drafters, plain_greedy, monkeyp
 def test_propose_batch_in_context_length_groups(tiny_target, drafters, monkeypatch):
     """Drafters split the batch by context length (no per-group overhead: every
     length its own group); each row still drafts what it drafts alone."""
-    from deepspec.drafters import dflash
+    from deepspec.core import batch_cache
 
-    monkeypatch.setattr(dflash, "DRAFT_GROUP_OVERHEAD", 0)
+    monkeypatch.setattr(batch_cache, "DRAFT_GROUP_OVERHEAD", 0)
     g = torch.Generator().manual_seed(7)
     for m in ("dflash", "dspark", "eagle3"):
         d = drafters[m]

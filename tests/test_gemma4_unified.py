@@ -76,7 +76,8 @@ def test_plan_builds_the_real_text_model_type():
 
 def test_preflight_refuses_an_unknown_text_model_type(tmp_path, monkeypatch):
     cfg = load_config("tiny")
-    monkeypatch.setattr(pf, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(target_facts, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(target_facts, "FACTS_DIR", tmp_path / "config" / "targets")
     (tmp_path / "config" / "targets").mkdir(parents=True)
     (tmp_path / "config" / "targets" / f"{cfg['target']['name']}.json").write_text(
         '{"model_type": "x", "text_config": {"model_type": "mamba", "num_hidden_layers": 4}}')
@@ -89,7 +90,7 @@ def test_tiny_specs_are_known_at_plan_time():
 
     want = {"tiny": ("llama", 2), "tiny-qwen3": ("qwen3", 3), "tiny-gemma4-unified": ("gemma4_unified_text", 4)}
     for spec in TINY_SPECS:
-        c, _ = pf._offline_text_config(load_config("tiny", {"target": {"spec": spec, "name": "t"}}))
+        c = target_facts.text_dims(load_config("tiny", {"target": {"spec": spec, "name": "t"}}))
         assert (c["model_type"], c["num_hidden_layers"]) == want[spec]
     cfg = load_config("tiny", {"target": {"spec": "tiny-gemma4-unified", "feature_layers": [0, 1, 2]}})
     pf.preflight(cfg)

@@ -177,3 +177,14 @@ def test_training_memory_per_gpu_by_hand():
     assert s["optimizer_shards"] == 8 and s["adam_moments"] == 1_860_000_000
     assert m["total"] - s["total"] == 7 * 1_860_000_000
     assert load_config("qwen3-14b", {})["train"]["shard_optimizer"]  # the 14B preset shards (80 GB GPUs)
+
+
+def test_meta_target_eos_ids_are_normalised_as_a_loaded_targets():
+    """One EOS normalisation (core.target.eos_ids): sorted, unique, an id or a list or None."""
+    from deepspec.core.target import eos_ids
+
+    assert eos_ids(None) == () and eos_ids(7) == (7,) and eos_ids([106, 1, 106]) == (1, 106)
+    cfg = load_config("qwen3-4b", {})
+    facts, _ = S.load_facts(cfg)
+    target = S.meta_target(cfg, dict(facts, eos_token_id=[151645, 151643, 151645]))
+    assert target.eos_token_ids == (151643, 151645)

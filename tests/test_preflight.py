@@ -27,3 +27,31 @@ def test_eval_needs_two_new_tokens():
 @pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "smollm2-135m-full", "qwen3-4b", "gemma4-12b"])
 def test_presets_pass_preflight(preset):
     preflight(load_config(preset))
+
+
+@pytest.mark.parametrize("preset", ["qwen3-4b", "gemma4-12b"])
+def test_one_reader_of_the_target_dimensions(preset, tmp_path):
+    """preflight's depth, the cache estimate's hidden size and plan's facts come
+    from one reader (targets.specs.text_dims), offline, without the target."""
+    from deepspec.data.cache import _hidden_size
+    from deepspec.planning.preflight import target_num_layers
+    from deepspec.targets.specs import load_facts, text_dims
+
+    cfg = load_config(preset, {"resources_dir": str(tmp_path)})  # no prepared target there
+    facts, _ = load_facts(cfg)
+    text = facts.get("text_config") or facts
+    assert text_dims(cfg) == text and text["num_hidden_layers"] > 20
+    assert target_num_layers(cfg) == text["num_hidden_layers"]
+    assert _hidden_size(cfg) == text["hidden_size"]  # was read from the hub
+
+
+def test_batch_divisibility_is_one_check():
+    from deepspec.training.recipe import accumulation_steps
+
+    cfg = load_config("tiny", {"train": {"global_batch": 6, "micro_batch": 4}})
+    with pytest.raises(DeepSpecError) as a:
+        preflight(cfg)
+    with pytest.raises(DeepSpecError) as b:
+        accumulation_steps(cfg["train"], 1)
+    assert str(a.value) == str(b.value) == ("train.global_batch (6) must be a multiple of train.micro_batch (4) "
+                                            "x processes (1)")

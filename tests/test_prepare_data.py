@@ -239,6 +239,29 @@ def test_offline_missing_file_is_one_line(tmp_path, monkeypatch, capsys):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("var", ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_each_offline_variable_stops_downloads(tmp_path, monkeypatch, var):
+    """One offline switch (runtime.hub_offline), read under each of the names the
+    Hugging Face libraries use: the prompt sources and the target-facts check
+    both honour every one."""
+    from deepspec.targets import specs
+
+    monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
+    for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(var, "True")
+
+    def no_network(*a, **k):
+        raise AssertionError("tried the network")
+
+    monkeypatch.setattr(pd_mod, "_open_rows", no_network)
+    monkeypatch.setattr(specs.socket, "create_connection", no_network)
+    cfg = load_config("tiny", {"data": {"root": str(tmp_path / "data")}})
+    with pytest.raises(DeepSpecError, match=f"offline: --offline or .*{var}.* is set"):
+        prepare_data(cfg)
+    assert specs.check_against_hub({}, "x/y") == {"checked": False, "reason": "offline"}
+
+
 def test_unreachable_source_is_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPSPEC_DATA", raising=False)
     cfg = load_config("tiny", {"data": {"root": str(tmp_path / "data")}})

@@ -58,6 +58,10 @@ def _grouped_query_sdpa(on: bool):
 
 RAGGED_ATTENTION = "deepspec_ragged_sdpa"
 GROUP_OVERHEAD = 256  # one more attention call per layer, in (row x key) units of attention work
+# The drafters' (drafters/dflash.py, eagle3.py): a separate block pass per group costs about
+# as much as attending over this many more (request x context position) pairs (2 layers on
+# SmolLM2's width, CPU).
+DRAFT_GROUP_OVERHEAD = 1024
 _ROW_GROUPS: contextvars.ContextVar = contextvars.ContextVar("deepspec_row_groups", default=None)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -52,6 +52,26 @@ def target_forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Se
         logits_to_keep=1 if last_only else 0,
     )
     return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
+
+
+@dataclass
+class Proposal:
+    """A drafter's proposal for one round (docs/INTERFACES.md); per request in the engine."""
+
+    tokens: torch.Tensor  # [1, gamma] long, target-vocab ids
+    probs: Optional[torch.Tensor]  # [1, gamma, V] float, the exact (tempered) distributions, full target vocab
+    # (None only for the engine's plain decoding rows, which draft nothing)
+    conf_logits: Optional[torch.Tensor] = None  # [1, gamma] float, or None without a confidence head
+
+
+class Verified(NamedTuple):
+    """What verification of one request's round decided (`verify_row`)."""
+
+    accepted: int
+    tokens: list[int]  # emitted: the accepted drafts, then the correction or bonus (none after an accepted EOS)
+    proposal_len: int  # stops at an accepted EOS
+    accept_prob: list[float]  # a_k at the reachable positions
+    alpha: list[float]  # alpha_k at the same positions
 
 
 def proposal_length(prop, threshold: float) -> int:
@@ -111,29 +131,28 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     logits, feats = target_forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
     v = verify_row(logits, prop.probs[:, :n].to(device), draft, temperature=temperature,
                    eos_token_ids=target.eos_token_ids, generator=generator)
-    accepted, emitted, proposal_len, a_k, alpha_k = v
-    crop_cache(cache, n_cached + 1 + accepted)  # anchor + accepted drafts are now verified
+    crop_cache(cache, n_cached + 1 + v.accepted)  # anchor + accepted drafts are now verified
     sync_device(device)
     conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
-    return Round(emitted, accepted, proposal_len, a_k, alpha_k, conf, prop.tokens.shape[1], t_verify - t_draft,
-                 time.perf_counter() - t_verify, torch.cat([anchor, draft[:, :accepted]], 1), feats[:, : accepted + 1],
-                 1 + n)
+    return Round(tokens=v.tokens, accepted=v.accepted, proposal_len=v.proposal_len, accept_prob=v.accept_prob,
+                 alpha=v.alpha, conf_logits=conf, gamma=prop.tokens.shape[1], draft_time_s=t_verify - t_draft,
+                 verify_time_s=time.perf_counter() - t_verify, ctx=torch.cat([anchor, draft[:, :v.accepted]], 1),
+                 feats=feats[:, : v.accepted + 1], width=1 + n)
 
 
-def verify_row(logits, probs, draft, *, temperature, eos_token_ids, generator):
+def verify_row(logits, probs, draft, *, temperature, eos_token_ids, generator) -> Verified:
     """Verification of one request's round: logits [1, n+1, V] of anchor + n drafts,
     their draft distributions probs [1, n, V] and tokens draft [1, n]. Chain
     rejection sampling (`verify_chain`) for n > 0, else a plain decoding step.
-    Returns (accepted, emitted tokens, proposal_len, a_k list, alpha_k list);
-    proposal_len stops at an accepted EOS, a_k / alpha_k at the reachable positions."""
+    Returns a `Verified`."""
     n = draft.shape[1]
     if n == 0:  # nothing to verify: a plain decoding step
-        return 0, [int(sample(logits_to_probs(logits[:, 0], temperature), generator))], 0, [], []
+        return Verified(0, [int(sample(logits_to_probs(logits[:, 0], temperature), generator))], 0, [], [])
     res = verify_chain(logits, probs, draft, temperature=temperature, eos_token_ids=eos_token_ids, generator=generator)
     accepted, emitted = int(res.accepted[0]), res.tokens[0, : int(res.num_emitted[0])].tolist()
     reach = int(res.reachable[0])  # positions past a drafted EOS cannot be reached
     a_k, alpha_k = res.accept_prob[0, :reach].tolist(), res.alpha[0, :reach].tolist()
-    return accepted, emitted, (accepted if bool(res.eos_stop[0]) else n), a_k, alpha_k
+    return Verified(accepted, emitted, (accepted if bool(res.eos_stop[0]) else n), a_k, alpha_k)
 
 
 def verify_rows(logits, probs, draft, lengths: Sequence[int], *, temperature, eos_token_ids, generators, extra=None):
@@ -143,7 +162,7 @@ def verify_rows(logits, probs, draft, lengths: Sequence[int], *, temperature, eo
     drafts with its own generator, whose draws are those `verify_row` would make
     (the same uniforms in the same order), so the results are the same bit for
     bit. One host transfer for all rows (with `extra` [R, k], e.g. confidence
-    logits, riding along). Returns (per-row `verify_row` tuples, accepted [R] on
+    logits, riding along). Returns (per-row `Verified`s as `verify_row` returns them, accepted [R] on
     the device, extra's rows as lists or None)."""
     R, g = draft.shape
     dev = draft.device
@@ -176,11 +195,11 @@ def verify_rows(logits, probs, draft, lengths: Sequence[int], *, temperature, eo
     for r, row in enumerate(host):
         acc, emit, stop, reach = (int(x) for x in row[:4])
         if lengths[r] == 0:
-            out.append((0, [int(row[4])], 0, [], []))
+            out.append(Verified(0, [int(row[4])], 0, [], []))
         else:
             a, b = 4 + g + 1, 4 + g + 1 + g
-            out.append((acc, [int(x) for x in row[4 : 4 + emit]], acc if stop else lengths[r], row[a : a + reach],
-                        row[b : b + reach]))
+            out.append(Verified(acc, [int(x) for x in row[4 : 4 + emit]], acc if stop else lengths[r],
+                                row[a : a + reach], row[b : b + reach]))
         more.append(row[4 + g + 1 + 2 * g :])
     return out, accepted, None if extra is None else more
 

@@ -41,7 +41,8 @@ import torch
 
 from ..errors import DeepSpecError
 from .batch_cache import BatchKV, cache_bytes_per_token, engine_cache, has_sliding_window, row_slots
-from .decode import Round, target_forward, sync_device, round_record, verify_rows
+from .decode import Proposal, Round, target_forward, sync_device, round_record, verify_rows
+from .policies import FixedGamma
 from .scheduler import SPSCurve, profile_sps
 from .target import Target
 from .verify import logits_to_probs, sample
@@ -100,8 +101,6 @@ class BatchedEngine:
 
     def __init__(self, target: Target, drafter, *, feature_layers: Sequence[int], temperature: float = 1.0,
                  policy=None, max_batch: int = 8, kv_budget_bytes: Optional[float] = None):
-        from .policies import FixedGamma
-
         self.target, self.drafter, self.temperature = target, drafter, temperature
         self.layers = None if drafter is None else list(feature_layers)
         self.policy = policy or FixedGamma()
@@ -193,7 +192,7 @@ class BatchedEngine:
         return _Row(req, gen, state, [first], ids, feats, t0), cache
 
     def _propose(self, rows) -> list:
-        """One batched drafter call; per-row (tokens [1,g], probs [1,g,V], conf [1,g] | None)."""
+        """One batched drafter call; a `Proposal` per row (tokens [1,g], probs [1,g,V], conf [1,g] | None)."""
         d, T = self.drafter, self.temperature
         anchors = [torch.tensor([[r.out[-1]]], device=r.ctx.device) for r in rows]
         tokens = [torch.cat([r.ctx, a], 1) for r, a in zip(rows, anchors)]
@@ -201,31 +200,28 @@ class BatchedEngine:
             p = d.propose_batch([r.state for r in rows], [r.feats for r in rows], tokens, temperature=T,
                                 generator=[r.generator for r in rows])
             conf = [None] * len(rows) if p.conf_logits is None else p.conf_logits.split(1)
-            return list(zip(p.tokens.split(1), p.probs.split(1), conf))
-        out = []  # per-row fallback: drafters without a batched propose
-        for r, t in zip(rows, tokens):
-            p = d.propose(r.state, r.feats, t, temperature=T, generator=r.generator)
-            out.append((p.tokens, p.probs, p.conf_logits))
-        return out
+            return [Proposal(t, q, c) for t, q, c in zip(p.tokens.split(1), p.probs.split(1), conf)]
+        # per-row fallback: drafters without a batched propose
+        return [d.propose(r.state, r.feats, t, temperature=T, generator=r.generator) for r, t in zip(rows, tokens)]
 
     def _round(self, rows, kv: BatchKV) -> None:
         dev, R = self.target.device, len(rows)
         sync_device(dev)
         t0 = time.perf_counter()
-        props = [(torch.zeros(1, 0, dtype=torch.long), None, None)] * R if self.drafter is None else self._propose(rows)
+        props = [Proposal(torch.zeros(1, 0, dtype=torch.long), None)] * R if self.drafter is None else self._propose(rows)
         ells = [0] * R if self.drafter is None else [int(x) for x in self.policy.lengths(props)]
         sync_device(dev)
         t1 = time.perf_counter()
         W = 1 + max(ells)
         ids = torch.tensor([[r.out[-1]] * W for r in rows], dtype=torch.long, device=dev)
         for i, (p, ell) in enumerate(zip(props, ells)):
-            ids[i, 1 : 1 + ell] = p[0][0, :ell].to(dev)
+            ids[i, 1 : 1 + ell] = p.tokens[0, :ell].to(dev)
         widths = torch.tensor([1 + ell for ell in ells], device=dev)
         start = kv.length
         logits, feats = kv.forward(self.target, ids, widths, self.layers)
         # every row at once, each with its own generator, one host transfer (decode.verify_rows)
-        probs = None if W == 1 or props[0][1] is None else torch.cat([p[1][:, : W - 1].to(dev) for p in props])
-        confs = None if any(p[2] is None for p in props) else torch.cat([p[2].float() for p in props])
+        probs = None if W == 1 or props[0].probs is None else torch.cat([p.probs[:, : W - 1].to(dev) for p in props])
+        confs = None if any(p.conf_logits is None for p in props) else torch.cat([p.conf_logits.float() for p in props])
         results, accepted, conf_rows = verify_rows(logits[:, :W], probs, ids[:, 1:W], ells,
                                                    temperature=self.temperature, eos_token_ids=self.target.eos_token_ids,
                                                    generators=[r.generator for r in rows], extra=confs)
@@ -237,14 +233,16 @@ class BatchedEngine:
         self.stats["max_rows"] = max(self.stats["max_rows"], R)
         self.stats["verify_tokens"] += B
         self.stats["forward_tokens"] += R * W
-        for i, (row, p, res) in enumerate(zip(rows, props, results)):
-            acc, emitted, plen, a_k, alpha_k = res
-            conf = None if p[2] is None else (conf_rows[i] if conf_rows is not None else p[2][0].float().tolist())
-            rnd = Round(emitted, acc, plen, a_k, alpha_k, conf, p[0].shape[1], t1 - t0, t2 - t1,
-                        ids[i : i + 1, : 1 + acc], None if feats is None else feats[i : i + 1, : 1 + acc], 1 + ells[i])
+        for i, (row, p, v) in enumerate(zip(rows, props, results)):
+            conf = None if p.conf_logits is None else (conf_rows[i] if conf_rows is not None
+                                                       else p.conf_logits[0].float().tolist())
+            rnd = Round(tokens=v.tokens, accepted=v.accepted, proposal_len=v.proposal_len, accept_prob=v.accept_prob,
+                        alpha=v.alpha, conf_logits=conf, gamma=p.tokens.shape[1], draft_time_s=t1 - t0,
+                        verify_time_s=t2 - t1, ctx=ids[i : i + 1, : 1 + v.accepted],
+                        feats=None if feats is None else feats[i : i + 1, : 1 + v.accepted], width=1 + ells[i])
             row.rounds.append({**round_record(len(row.rounds), rnd), "batch_size": R, "verify_tokens": rnd.width})
             row.ctx, row.feats = rnd.ctx, rnd.feats
-            row.out.extend(emitted[: row.request.max_new_tokens - len(row.out)])
+            row.out.extend(v.tokens[: row.request.max_new_tokens - len(row.out)])
 
 
 @torch.no_grad()

@@ -12,8 +12,8 @@ request's draft tokens the round's target forward verifies (paper Sec. 3.2).
   (Appendix A's property holds by construction); verification of the chosen
   prefix is the same rejection sampling, so every policy is lossless.
 
-A policy maps the round's per-request proposals (tokens [1, g], probs, conf
-logits [1, g] or None) to lengths l_r.
+A policy maps the round's per-request proposals (`decode.Proposal`: tokens
+[1, g], probs, conf logits [1, g] or None) to lengths l_r.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class FixedGamma:
         self.length = length
 
     def lengths(self, props) -> list[int]:
-        return [int(p[0].shape[1]) if self.length is None else min(int(self.length), int(p[0].shape[1]))
+        return [int(p.tokens.shape[1]) if self.length is None else min(int(self.length), int(p.tokens.shape[1]))
                 for p in props]
 
 
@@ -47,18 +47,7 @@ class StaticThreshold:
         self.threshold = float(threshold)
 
     def lengths(self, props) -> list[int]:
-        out = []
-        for tokens, _, conf in props:
-            n = tokens.shape[1]
-            if self.threshold > 0 and conf is not None:
-                n = proposal_length(_Prop(tokens, conf), self.threshold)
-            out.append(int(n))
-        return out
-
-
-class _Prop:  # the two fields decode.proposal_length reads
-    def __init__(self, tokens, conf_logits):
-        self.tokens, self.conf_logits = tokens, conf_logits
+        return [int(proposal_length(p, self.threshold)) for p in props]
 
 
 class LiveAlgorithm1:
@@ -77,10 +66,10 @@ class LiveAlgorithm1:
 
     def confidences(self, props) -> np.ndarray:
         """c [R, gamma_max]: calibrated conditional confidences, 0 past a row's proposal."""
-        g = max(int(p[0].shape[1]) for p in props)
+        g = max(int(p.tokens.shape[1]) for p in props)
         c = np.zeros((len(props), g))
-        for r, (tokens, _, conf) in enumerate(props):
-            n = tokens.shape[1]
+        for r, p in enumerate(props):
+            n, conf = p.tokens.shape[1], p.conf_logits
             if conf is None:
                 if self.default_confidence is None:
                     raise DeepSpecError("Algorithm 1 needs confidences: this drafter has no confidence head "
@@ -114,4 +103,4 @@ class PaddedAlgorithm1(LiveAlgorithm1):
         a, f = np.cumprod(c, axis=1), sps_fn(self.sps)
         theta = [(R + a[:, :w].sum()) * f(R * (1 + w)) for w in range(g + 1)]
         w = int(np.argmax(theta))
-        return [min(w, int(p[0].shape[1])) for p in props]
+        return [min(w, int(p.tokens.shape[1])) for p in props]

@@ -127,12 +127,18 @@ def render_chat(tokenizer, messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 
 
+def eos_ids(ids) -> tuple[int, ...]:
+    """An eos_token_id field (an id, a list of ids, or None) as sorted unique ids."""
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
 def eos_ids_of(model, tokenizer) -> tuple[int, ...]:
+    """The ids that end generation: the generation config's, else the tokenizer's."""
     ids = model.generation_config.eos_token_id if model.generation_config is not None else None
     if ids is None:
         ids = tokenizer.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    return tuple(sorted(set(int(i) for i in ids)))
+    return eos_ids(ids)
 
 
 def new_cache():

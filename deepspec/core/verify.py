@@ -49,6 +49,15 @@ def sample(probs: torch.Tensor, generator: Optional[Union[torch.Generator, Seque
     return torch.minimum(idx, last).reshape(probs.shape[:-1])
 
 
+def draw(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """Draft indices from probs [R, ..., K]: argmax when greedy; otherwise sampled
+    with `generator`, or row r with generator[r] when it is a list (per-request
+    streams: a row consumes its stream as it would at batch size 1)."""
+    if is_greedy(temperature):
+        return probs.argmax(-1)
+    return sample(probs, generator)
+
+
 def _uniform(n: int, generator: Optional[torch.Generator], device) -> torch.Tensor:
     """n float64 U(0, 1) draws, made on the generator's own device (a CPU generator
     may serve CUDA probabilities, as in regeneration) and moved to `device`."""

@@ -50,6 +50,7 @@ from ..config import CACHE_BYTES_SETTINGS, pick
 from ..errors import DeepSpecError
 from ..files import atomic_path, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
+from ..targets.specs import text_dims
 from .conversations import TokenArrays, TokenizedSample, tokenized_samples
 
 log = logging.getLogger(__name__)
@@ -141,13 +142,7 @@ def bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
 
 
 def _hidden_size(cfg: dict, target=None) -> int:
-    if target is not None:
-        return target.hidden_size
-    from transformers import AutoConfig
-
-    path = RunPaths.of(cfg).target_checkpoint()
-    src = str(path) if (path / "config.json").exists() else cfg["target"]["spec"]
-    return AutoConfig.from_pretrained(src).get_text_config().hidden_size
+    return target.hidden_size if target is not None else text_dims(cfg, download=True)["hidden_size"]
 
 
 def human_bytes(n: float) -> str:

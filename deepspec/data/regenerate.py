@@ -92,7 +92,7 @@ def record_seed(seed: int, record_id: str, turn: int) -> int:
 def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None) -> int:
     from ..targets.loading import target_from_config
 
-    rc, system = cfg["regenerate"], cfg["data"].get("system_prompt")
+    regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
     target = target or target_from_config(cfg)
     tok, limit = target.tokenizer, cfg["data"]["max_prompt_tokens"]
     first = {p.id: len(target.chat_ids(with_system_prompt([{"role": "user", "content": p.turns[0]}], system))) for p in prompts}
@@ -106,8 +106,8 @@ def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None)
             shown = time.perf_counter()
             bar.set_postfix_str(f"{n_tokens} tok, {n_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
 
-    for b in range(0, len(order), rc["batch_size"]):
-        batch = order[b : b + rc["batch_size"]]
+    for b in range(0, len(order), regen["batch_size"]):
+        batch = order[b : b + regen["batch_size"]]
         convs = {p.id: [] for p in batch}
         failed: dict[str, str] = {}
         for turn in range(max(len(p.turns) for p in batch)):
@@ -124,8 +124,8 @@ def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None)
                 ids.append(x)
             if not rows:
                 continue
-            gens = [torch.Generator().manual_seed(record_seed(rc["seed"], p.id, turn)) for p in rows]
-            outs = generate_batch(target.model, ids, gens, rc, eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
+            gens = [torch.Generator().manual_seed(record_seed(regen["seed"], p.id, turn)) for p in rows]
+            outs = generate_batch(target.model, ids, gens, regen, eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
             for p, o in zip(rows, outs):
                 truncated = not (o and o[-1] in target.eos_token_ids)
                 o = [t for t in o if t not in target.eos_token_ids]
@@ -146,14 +146,14 @@ def _chat_url(url: str) -> str:
     return url + ("/chat/completions" if url.endswith("/v1") else "/v1/chat/completions")
 
 
-def server_urls(rc: dict) -> list[str]:
+def server_urls(regen: dict) -> list[str]:
     """The chat-completions URLs of regeneration: the server the workflow
     starts (regenerate.server; its consumers run on its node, so 127.0.0.1
     unless server.host says otherwise), else regenerate.urls."""
-    srv = rc.get("server")
+    srv = regen.get("server")
     if srv:
         return [_chat_url(f"http://{srv['host'] or '127.0.0.1'}:{srv['port']}/v1")]
-    return [_chat_url(u) for u in rc["urls"]]
+    return [_chat_url(u) for u in regen["urls"]]
 
 
 def _models_url(chat_url: str) -> str:
@@ -226,12 +226,12 @@ def _post_json(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read())
 
 
-def _chat(url: str, body: dict, rc: dict) -> tuple[str, bool, int]:
+def _chat(url: str, body: dict, regen: dict) -> tuple[str, bool, int]:
     """One chat completion: (text, cut at max_tokens, completion tokens), with
     retries and exponential backoff on transient errors."""
-    for attempt in range(rc["max_retries"] + 1):
+    for attempt in range(regen["max_retries"] + 1):
         try:
-            resp = _post_json(url, body, rc["request_timeout_s"])
+            resp = _post_json(url, body, regen["request_timeout_s"])
             try:
                 choice = resp["choices"][0]
                 content = choice["message"]["content"]
@@ -242,10 +242,10 @@ def _chat(url: str, body: dict, rc: dict) -> tuple[str, bool, int]:
             tokens = int((resp.get("usage") or {}).get("completion_tokens", 0))
             return content, choice.get("finish_reason") == "length", tokens
         except RECORD_ERRORS as e:
-            if attempt == rc["max_retries"] or not _transient(e):
+            if attempt == regen["max_retries"] or not _transient(e):
                 raise
-            wait = rc["retry_backoff_s"] * 2**attempt
-            log.info("%s: %s; retrying in %.1f s (%d/%d)", url, _reason(e), wait, attempt + 1, rc["max_retries"])
+            wait = regen["retry_backoff_s"] * 2**attempt
+            log.info("%s: %s; retrying in %.1f s (%d/%d)", url, _reason(e), wait, attempt + 1, regen["max_retries"])
             time.sleep(wait)
     raise AssertionError("unreachable")
 
@@ -259,8 +259,8 @@ def _reason(e: Exception) -> str:
 
 
 def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict], int]:
-    rc, system = cfg["regenerate"], cfg["data"].get("system_prompt")
-    model = rc.get("model_name") or cfg["target"]["spec"]
+    regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
+    model = regen.get("model_name") or cfg["target"]["spec"]
     msgs: list[dict] = []
     n = 0
     for turn, text in enumerate(prompt.turns):
@@ -268,16 +268,16 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict]
         body = {
             "model": model,
             "messages": with_system_prompt(msgs, system),
-            "temperature": rc["temperature"],
-            "top_p": rc["top_p"],
-            "top_k": rc["top_k"] if rc["top_k"] > 0 else -1,
-            "min_p": rc["min_p"],
-            "max_tokens": rc["max_new_tokens"],
-            "seed": record_seed(rc["seed"], prompt.id, turn) & 0x7FFFFFFF,
+            "temperature": regen["temperature"],
+            "top_p": regen["top_p"],
+            "top_k": regen["top_k"] if regen["top_k"] > 0 else -1,
+            "min_p": regen["min_p"],
+            "max_tokens": regen["max_new_tokens"],
+            "seed": record_seed(regen["seed"], prompt.id, turn) & 0x7FFFFFFF,
             "n": 1,
             "chat_template_kwargs": {"enable_thinking": False},
         }
-        content, truncated, tokens = _chat(url, body, rc)
+        content, truncated, tokens = _chat(url, body, regen)
         n += tokens
         msg = {"role": "assistant", "content": content}
         msgs.append({**msg, "truncated": True} if truncated else msg)
@@ -285,14 +285,14 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict]
 
 
 def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
-    rc = cfg["regenerate"]
-    urls = server_urls(rc)
+    regen = cfg["regenerate"]
+    urls = server_urls(regen)
     if not urls:
         raise DeepSpecError("regenerate.backend is 'server' but neither regenerate.server nor regenerate.urls is set "
                             "(e.g. --set regenerate.urls=[http://localhost:30000])")
-    wait_for_servers(urls, rc["server"]["health_timeout_s"] if rc.get("server") else rc["connect_timeout_s"])
+    wait_for_servers(urls, regen["server"]["health_timeout_s"] if regen.get("server") else regen["connect_timeout_s"])
     n_tokens = 0
-    with ThreadPoolExecutor(max_workers=rc["concurrency"] * len(urls)) as pool:
+    with ThreadPoolExecutor(max_workers=regen["concurrency"] * len(urls)) as pool:
         futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg): (p, urls[k % len(urls)])
                 for k, p in enumerate(prompts)}
         for fut in as_completed(futs):
@@ -302,7 +302,7 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
             except RECORD_ERRORS as e:
                 if _refused(e):  # the server is gone (e.g. it crashed): stop in one line, not record by record
                     try:
-                        wait_for_servers([url], rc["connect_timeout_s"])
+                        wait_for_servers([url], regen["connect_timeout_s"])
                     except DeepSpecError:
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise

@@ -34,11 +34,11 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits, ids
 
 
-def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], rc: dict) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], regen: dict) -> torch.Tensor:
     """One token per row, row r drawn with generators[r]; greedy when T == 0."""
-    if rc["temperature"] <= 0:
+    if regen["temperature"] <= 0:
         return logits.argmax(-1)
-    cand, ids = filter_logits(logits, rc["temperature"], rc["top_k"], rc["top_p"], rc["min_p"])
+    cand, ids = filter_logits(logits, regen["temperature"], regen["top_k"], regen["top_p"], regen["min_p"])
     # one float64 uniform per row from that row's generator (core.verify.sample)
     return ids.gather(-1, sample(torch.softmax(cand, dim=-1), list(generators))[:, None])[:, 0]
 
@@ -48,7 +48,7 @@ def generate_batch(
     model,
     prompts: list[list[int]],
     generators: Sequence[torch.Generator],
-    rc: dict,
+    regen: dict,
     *,
     eos_ids: Sequence[int],
     pad_id: int,
@@ -57,7 +57,7 @@ def generate_batch(
     """Sample continuations of left-padded `prompts` with a KV cache.
 
     Each row stops at its first EOS (included in the result) or after
-    rc['max_new_tokens']; finished rows are dropped from the batch (and its
+    regen['max_new_tokens']; finished rows are dropped from the batch (and its
     cache) so they cost nothing more. `on_step(n)` reports n new tokens.
     """
     from transformers import DynamicCache
@@ -79,8 +79,8 @@ def generate_batch(
     gens = list(generators)
     results: list[list[int]] = [[] for _ in range(B)]
     eos = set(int(e) for e in eos_ids)
-    for step in range(rc["max_new_tokens"]):
-        toks = sample_next(out.logits[:, -1], gens, rc)
+    for step in range(regen["max_new_tokens"]):
+        toks = sample_next(out.logits[:, -1], gens, regen)
         keep = []
         for j, (r, t) in enumerate(zip(alive, toks.tolist())):
             results[r].append(t)
@@ -88,7 +88,7 @@ def generate_batch(
                 keep.append(j)
         if on_step:
             on_step(len(alive))
-        if not keep or step == rc["max_new_tokens"] - 1:
+        if not keep or step == regen["max_new_tokens"] - 1:
             break
         if len(keep) < len(alive):
             idx = torch.tensor(keep, device=device)

@@ -71,17 +71,17 @@ def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], dict, in
     if not isinstance(kwargs, dict) or kwargs.get("enable_thinking", False):
         raise BadRequest("only chat_template_kwargs.enable_thinking = false is served (the non-thinking template)")
     top_k = _number(body, "top_k", -1, -1, 2**31 - 1, int)
-    rc = {
+    settings = {
         "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
         "top_k": 0 if top_k <= 0 else top_k,  # OpenAI/vLLM -1 (or 0) = no top-k; generate_batch: 0
         "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
         "max_new_tokens": _number(body, "max_tokens", max_tokens_limit, 1, max_tokens_limit, int),
     }
-    if rc["top_p"] <= 0:
+    if settings["top_p"] <= 0:
         raise BadRequest("'top_p' must be > 0")
     seed = _number(body, "seed", 0, -(2**63), 2**63 - 1, int)
-    return [{"role": m["role"], "content": m["content"]} for m in msgs], rc, seed
+    return [{"role": m["role"], "content": m["content"]} for m in msgs], settings, seed
 
 
 class ChatServer:
@@ -98,7 +98,7 @@ class ChatServer:
     def complete(self, body: dict) -> dict:
         from .sampling import generate_batch
 
-        msgs, rc, seed = sampling_of(body, self.max_tokens)
+        msgs, settings, seed = sampling_of(body, self.max_tokens)
         model = body.get("model")
         if model is not None and model != self.name:
             raise BadRequest(f"model {model!r} is not served here (this server: {self.name!r})")
@@ -109,7 +109,7 @@ class ChatServer:
             raise BadRequest(f"the chat template refuses these messages: {e}") from None
         gen = torch.Generator().manual_seed(seed)
         with self.lock:
-            out = generate_batch(t.model, [ids], [gen], rc, eos_ids=t.eos_token_ids, pad_id=t.tokenizer.pad_token_id)[0]
+            out = generate_batch(t.model, [ids], [gen], settings, eos_ids=t.eos_token_ids, pad_id=t.tokenizer.pad_token_id)[0]
             self.served += 1
         stopped = bool(out) and out[-1] in t.eos_token_ids
         toks = [x for x in out if x not in t.eos_token_ids]

@@ -41,13 +41,13 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 from ..errors import DeepSpecError
 from ..files import atomic_path, sha256_file, write_text_atomic
+from ..runtime import OFFLINE_VARIABLES, hub_offline
 from .prompts import data_root
 
 log = logging.getLogger(__name__)
@@ -204,11 +204,6 @@ def check_sources(cfg: dict) -> None:
 
 
 # ---------------------------------------------------------------- reading sources
-
-
-def _offline() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def _local_repo(src: Source, mirror: Optional[Path]) -> Optional[Path]:
@@ -394,8 +389,8 @@ def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool
     if src is None:
         check_sources(cfg)  # raises for a missing file
         raise DeepSpecError(f"prompt file {path}: no known source (give one under data.sources)")
-    if mirror is None and (offline or _offline()):
-        raise _missing(path, src, cfg["preset"], "offline: --offline or HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set")
+    if mirror is None and (offline or hub_offline()):
+        raise _missing(path, src, cfg["preset"], f"offline: --offline or {'/'.join(OFFLINE_VARIABLES)} is set")
     skipped: list = []
     try:
         rows = _open_rows(src, mirror, skipped)

@@ -13,7 +13,7 @@ load_drafter(path, target) -> a saved drafter, checked against `target`
 from __future__ import annotations
 
 from ..errors import DeepSpecError
-from .base import METHODS, Proposal, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
+from .base import METHODS, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
 from .dflash import DFlashDrafter
 from .dspark import DSparkDrafter
 from .eagle3 import Eagle3Drafter

@@ -16,13 +16,12 @@
   `hidden_norm` built by `feature_projection`.
 * Building blocks (attention, RMSNorm, rotary embedding, MLP, decoder layer)
   come from the target's transformers modeling module (`blocks.blocks_for`).
-* `Proposal`: the return value of `propose` (docs/INTERFACES.md).
+* `propose` returns a `core.decode.Proposal` (docs/INTERFACES.md).
 """
 from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
@@ -38,13 +37,6 @@ from .blocks import blocks_for, gemma4_draft_config
 METHODS = ("eagle3", "dflash", "dspark")
 
 
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [1, gamma] long, target-vocab ids
-    probs: torch.Tensor  # [1, gamma, V] float, the exact (tempered) distributions, full target vocab
-    conf_logits: Optional[torch.Tensor] = None  # [1, gamma] float, or None without a confidence head
-
-
 # ----------------------------------------------------------------------------------------------
 # config
 
@@ -52,8 +44,8 @@ class Proposal:
 def draft_config(method: str, target, cfg: dict):
     """Copy of the target's (text) config with the draft depth and the deepspec_* fields."""
     d = cfg["drafter"]
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    n = int(d["num_layers"][method]) if method in d["num_layers"] else {"eagle3": 1}.get(method, 5)
+    tc = target.text_config
+    n = int(d["num_layers"][method])  # the schema gives every method its default depth
     if blocks_for(tc).family == "gemma4":
         c = gemma4_draft_config(tc, n)
     else:
@@ -181,19 +173,18 @@ class DrafterBase(PreTrainedModel):
         self._shared.lm_head = target.lm_head
         # Gemma-style final-logit soft-capping (z -> cap * tanh(z / cap)) is part
         # of the target's distribution, so drafts and p_t must apply it too.
-        text_cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        self._shared.softcap = getattr(text_cfg, "final_logit_softcapping", None)
+        self._shared.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self._refresh_head()
         return self
 
-    def _need(self):
+    def _require_target(self):
         if self._shared.lm_head is None:
             raise DeepSpecError("drafter has no target attached (use build_drafter/load_drafter)")
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The target's (frozen) input embedding; Gemma4's scales by sqrt(d), as the
         reference draft embedding does."""
-        self._need()
+        self._require_target()
         return self._shared.embed(ids.to(self._shared.embed.weight.device)).to(self.d2t.device)
 
     def _refresh_head(self) -> None:
@@ -224,7 +215,7 @@ class DrafterBase(PreTrainedModel):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Frozen (restricted) LM head on draft hidden states: [..., K]."""
-        self._need()
+        self._require_target()
         w, b = self._shared.head_w, self._shared.head_b
         # Cast the activations, not the V x d head: no full-vocab weight copy per call.
         return self._softcap(F.linear(h.to(w.dtype), w, b).to(h.dtype))
@@ -236,7 +227,7 @@ class DrafterBase(PreTrainedModel):
     @torch.no_grad()
     def target_probs(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """p_t = softmax of the frozen full LM head on cached final-norm states [..., V]."""
-        self._need()
+        self._require_target()
         z = self._shared.lm_head(last_hidden.to(self._shared.lm_head.weight.dtype)).float()
         return torch.softmax(self._softcap(z), -1)
 

@@ -43,9 +43,18 @@ import torch
 import torch.nn as nn
 
 from ..core import verify
+from ..core.decode import Proposal
 from ..core.train_step import block_step
-from .base import DrafterBase, Proposal
+from .base import DrafterBase
 from .blocks import attention, rope, stack_padded, uses_flex
+
+
+def heads(lin, norm, x, head_dim: int) -> torch.Tensor:
+    """lin(x) [B, L, H*hd] as heads [B, H, L, hd], each RMS-normed when `norm` is given."""
+    y = lin(x).view(*x.shape[:-1], -1, head_dim)
+    if norm is not None:  # Qwen3's / Gemma4's per-head q/k RMSNorm
+        y = norm(y)
+    return y.transpose(1, 2)
 
 
 class KVInjectionLayer(nn.Module):
@@ -61,11 +70,7 @@ class KVInjectionLayer(nn.Module):
         self._rope_fn = blocks.apply_rotary_pos_emb
 
     def _proj(self, lin, norm, x):
-        a = self.self_attn
-        y = lin(x).view(*x.shape[:-1], -1, a.head_dim)
-        if norm is not None:  # Qwen3's per-head q/k RMSNorm
-            y = norm(y)
-        return y.transpose(1, 2)
+        return heads(lin, norm, x, self.self_attn.head_dim)
 
     def context_kv(self, ctx, cos, sin):
         """K/V of the injected context H_ctx [B, Lc, d] (rotated at context positions)."""
@@ -87,7 +92,7 @@ class KVInjectionLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Gemma4KVInjectionLayer(KVInjectionLayer):
+class Gemma4KVInjectionLayer(nn.Module):
     """The injection layer with Gemma4 semantics (reference: deepseek-ai/DeepSpec
     deepspec/modeling/dspark/gemma4/modeling.py, Gemma4DSparkAttention and
     Gemma4DSparkDecoderLayer), built from transformers' Gemma4 modules:
@@ -103,7 +108,7 @@ class Gemma4KVInjectionLayer(KVInjectionLayer):
     Parameter names match transformers' Gemma4TextDecoderLayer (init_from_target)."""
 
     def __init__(self, config, layer_idx: int, blocks):
-        nn.Module.__init__(self)
+        super().__init__()
         self.self_attn = blocks.Attention(config=config, layer_idx=layer_idx)
         self.mlp = blocks.MLP(config, layer_idx)
         d, eps = config.hidden_size, config.rms_norm_eps
@@ -128,7 +133,7 @@ class Gemma4KVInjectionLayer(KVInjectionLayer):
     def forward(self, x, ctx_k, ctx_v, cos, sin, mask: Optional[torch.Tensor]):
         a = self.self_attn
         h = self.input_layernorm(x)
-        q = self._proj(a.q_proj, a.q_norm, h)
+        q = heads(a.q_proj, a.q_norm, h, a.head_dim)
         k, v = self._kv(h)
         q, k = self._rope_fn(q, k, cos, sin)
         k = torch.cat([ctx_k, k], dim=2)
@@ -265,7 +270,7 @@ class DFlashDrafter(DrafterBase):
     def _sample_block(self, h, anchor, temperature, generator):
         """DFlash: positions are independent given the block pass (h [R,g,d])."""
         probs = verify.logits_to_probs(self.draft_logits(h), temperature)  # [R,g,K]
-        return self.to_target_ids(draw(probs, temperature, generator)), probs, None
+        return self.to_target_ids(verify.draw(probs, temperature, generator)), probs, None
 
     # -- inference ----------------------------------------------------------------------
     def init_state(self) -> BlockState:
@@ -314,9 +319,10 @@ class DFlashDrafter(DrafterBase):
         """`_block_hidden` over groups of requests with similar context lengths
         (core.batch_cache.row_groups; rows are independent), so that one long context
         does not pad every request's context to its length."""
-        from ..core.batch_cache import row_groups
+        from ..core import batch_cache
 
-        groups = row_groups(torch.tensor([s.n for s in states]), DRAFT_GROUP_OVERHEAD) if len(states) > 1 else []
+        groups = (batch_cache.row_groups(torch.tensor([s.n for s in states]), batch_cache.DRAFT_GROUP_OVERHEAD)
+                  if len(states) > 1 else [])
         if len(groups) <= 1:
             return self._block_hidden(states, anchor)
         h = None
@@ -345,11 +351,6 @@ class DFlashDrafter(DrafterBase):
         return self.norm(x)
 
 
-# A separate block pass per group costs about as much as attending over this many
-# more (request x context position) pairs (2 layers on SmolLM2's width, CPU).
-DRAFT_GROUP_OVERHEAD = 1024
-
-
 def _padded(kvs, L: int, layer, x) -> torch.Tensor:
     """Per-request context K or V [1, H, n_r, hd] right-padded to [R, H, L, hd]."""
     if len(kvs) == 1 and kvs[0] is not None:
@@ -359,12 +360,3 @@ def _padded(kvs, L: int, layer, x) -> torch.Tensor:
         a = layer.self_attn
         return x.new_zeros(len(kvs), a.config.num_key_value_heads, 0, a.head_dim)
     return stack_padded(kvs, L)
-
-
-def draw(probs: torch.Tensor, temperature: float, generator) -> torch.Tensor:
-    """Draft indices from probs [R, ..., K]: argmax when greedy; otherwise sampled
-    with `generator`, or row r with generator[r] when it is a list (per-request
-    streams: a row consumes its stream as it would at batch size 1)."""
-    if verify.is_greedy(temperature):
-        return probs.argmax(-1)
-    return verify.sample(probs, generator)

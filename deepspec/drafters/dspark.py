@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..core import verify
-from .dflash import DFlashDrafter, draw
+from .dflash import DFlashDrafter
 
 
 class MarkovHead(nn.Module):
@@ -121,7 +121,7 @@ class DSparkDrafter(DFlashDrafter):
                 bias, e, s = self.markov.step(prev, h[:, k], s)
                 logits = logits + bias.to(logits.dtype)  # before softmax and before temperature
             p = verify.logits_to_probs(logits, temperature)
-            idx = draw(p, temperature, generator)  # [R]: one stream per request when a list
+            idx = verify.draw(p, temperature, generator)  # [R]: one stream per request when a list
             if self.confidence is not None:
                 confs.append(self.confidence(h[:, k], e))
             tok = self.to_target_ids(idx)

@@ -48,7 +48,8 @@ import torch.nn as nn
 from ..core import verify
 from ..core.target import cache_kwarg
 from ..core.train_step import chain_step
-from .base import DrafterBase, Proposal
+from ..core.decode import Proposal
+from .base import DrafterBase
 from .blocks import KVStore, stack_padded
 
 
@@ -188,7 +189,7 @@ class Eagle3Drafter(DrafterBase):
     def _draw(self, g, temperature, generator):
         """Next draft token of every row from the pre-norm hidden g [R, 1, d]: (target ids [R], probs [R, V_d])."""
         p = verify.logits_to_probs(self.draft_logits(self.norm(g))[:, -1], temperature)
-        idx = p.argmax(-1) if verify.is_greedy(temperature) else verify.sample(p, generator)
+        idx = verify.draw(p, temperature, generator)
         return self.to_target_ids(idx), p
 
     @torch.no_grad()
@@ -223,13 +224,13 @@ class Eagle3Drafter(DrafterBase):
         chain. `generator` is one torch.Generator or one per request (a row then
         draws from its stream exactly as it would alone). Returns [R, gamma] tokens
         and [R, gamma, V] probs."""
-        from ..core.batch_cache import row_groups
-        from .dflash import DRAFT_GROUP_OVERHEAD
+        from ..core import batch_cache
 
         for s, f, t in zip(states, feats, tokens):
             self._extend_context(s, f, t)
         R = len(states)
-        groups = row_groups(torch.tensor([s.n for s in states]), DRAFT_GROUP_OVERHEAD) if R > 1 else []
+        groups = (batch_cache.row_groups(torch.tensor([s.n for s in states]), batch_cache.DRAFT_GROUP_OVERHEAD)
+                  if R > 1 else [])
         if len(groups) <= 1:
             toks, probs = self._chain(states, temperature, generator)
         else:

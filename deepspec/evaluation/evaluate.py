@@ -131,13 +131,13 @@ def progress_header(cfg: dict, method: str, drafter, benchmarks: list) -> dict:
             "benchmarks": list(benchmarks)}
 
 
-def _warmup(fn) -> None:
-    """One short untimed run (kernel selection, allocator, lazy init) before timing."""
-    fn()
+def feature_layers(cfg: dict, drafter) -> list:
+    """The target layers a drafter reads: its config's, else the preset's."""
+    return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
 
 
-def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
-                   progress: Progress | None = None):
+def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
+              progress: Progress | None = None):
     """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list).
     Requests already in `progress` are read from it, the others appended to it."""
     from tqdm import tqdm
@@ -146,11 +146,12 @@ def run_evaluation(cfg: dict, target, drafter, prompts, *, method: str, benchmar
 
     ev = cfg["eval"]
     progress = progress or Progress(None)
-    layers = list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
+    layers = feature_layers(cfg, drafter)
     rows, samples = [], []
     if any(progress.get(benchmark, i, p.id) is None for i, (p, _) in enumerate(prompts)):
-        _warmup(lambda: speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
-                                             temperature=ev["temperature"], generator=_generator(cfg, target, 0)))
+        # one short untimed run (kernel selection, allocator, lazy init) before timing
+        speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
+                             temperature=ev["temperature"], generator=_generator(cfg, target, 0))
     for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"{method}/{benchmark}", unit="prompt")):
         if (rec := progress.get(benchmark, idx, p.id)) is not None:
             rows += rec["rows"]
@@ -207,10 +208,6 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, b
     return out
 
 
-def _layers(cfg: dict, drafter) -> list:
-    return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
-
-
 def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict,
                 progress: Progress | None = None):
     """Every prompt of every benchmark b but its first skip[b] through one
@@ -224,7 +221,7 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     thr = ev["confidence_threshold"]
     todo = [(b, i, p, ids) for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
     budget = None if ev["kv_budget_gb"] is None else ev["kv_budget_gb"] * 2**30
-    engine = BatchedEngine(target, drafter, feature_layers=_layers(cfg, drafter), temperature=ev["temperature"],
+    engine = BatchedEngine(target, drafter, feature_layers=feature_layers(cfg, drafter), temperature=ev["temperature"],
                            policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"],
                            kv_budget_bytes=budget)
     out = {b: ([], []) for b in bench_prompts}
@@ -272,14 +269,14 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
 
 def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
     """All benchmarks of a method: the speed sample of each at batch size 1
-    (`run_evaluation`, timed), the rest batched (`run_batched`). Returns
+    (`run_timed`), the rest batched (`run_batched`). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
     out = {}
     for b, prompts in bench_prompts.items():
         domain = cfg["data"]["benchmarks"][b]["domain"]
         speed = speed_sample(cfg, prompts, b)
-        out[b] = run_evaluation(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
-                                progress=progress) if speed else (pd.DataFrame(), [])
+        out[b] = run_timed(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
+                           progress=progress) if speed else (pd.DataFrame(), [])
     batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
                                 skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
@@ -379,7 +376,7 @@ def run_baselines(cfg: dict, target, prompts, kinds, *, warmup: bool = True) -> 
     out = {}
     for kind in kinds:
         if warmup:
-            _warmup(lambda: one(kind, 0, prompts[0][1], 4))
+            one(kind, 0, prompts[0][1], 4)  # untimed: kernel selection, allocator, lazy init
         out[kind] = []
         for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"baseline {kind}", unit="prompt")):
             gen = one(kind, idx, ids, ev["max_new_tokens"])

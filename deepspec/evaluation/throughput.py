@@ -34,7 +34,7 @@ import pandas as pd
 
 from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
-from ..files import read_json, save_figure, write_csv_atomic
+from ..files import pyplot, read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
 from ..data.prompts import benchmark_prompt_ids
 
@@ -109,7 +109,9 @@ def policy_names(cfg: dict) -> list[str]:
 def measure(cfg: dict, target, drafter, method: str, names, temperatures=None) -> pd.DataFrame:
     """Every (concurrency, policy) row of throughput.csv."""
     tp, ev = cfg["throughput"], cfg["eval"]
-    layers = list(drafter.config.deepspec_feature_layers)
+    from .evaluate import feature_layers
+
+    layers = feature_layers(cfg, drafter)
     rows = []
     for c in tp["concurrency"]:
         prompts = load_prompts(cfg, target, max(tp["requests"], c))
@@ -164,10 +166,7 @@ def plot_fig7(df: pd.DataFrame, pdf: Path, png: Path | None = None, title: str =
     """Left (Figure 7): total throughput against per-request speed, one curve per
     policy over the concurrency levels. Right (Figure 8): mean verification
     budget l_r per request against concurrency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     d = best_threshold(df)
     colors = {"plain": "C0", "fixed": "C1", "threshold (best)": "C3", "alg1": "C2", "alg1-padded": "C4"}

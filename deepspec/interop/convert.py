@@ -53,16 +53,13 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json
+from ..files import atomic_dir, read_json
 from ..paths import RunPaths
 
 log = logging.getLogger(__name__)
@@ -217,7 +214,7 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
     from ..drafters.base import draft_config
     from ..drafters.blocks import blocks_for, same_layers
 
-    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    tc = target.text_config
     mt = ref.get("model_type")
     if mt is not None and not (same_layers(mt, tc.model_type) or mt == getattr(target.config, "model_type", None)):
         raise DeepSpecError(f"{where}: a {ref['model_type']} drafter, the target {target.target_id!r} is {tc.model_type}")
@@ -313,18 +310,8 @@ def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | No
 
 def save_model_atomic(model, out: Path, overwrite: bool) -> None:
     """save_pretrained into a temporary directory beside `out`, then rename."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         model.save_pretrained(str(tmp))
-        if out.exists():
-            if not overwrite:
-                raise DeepSpecError(f"output {out} exists (use --overwrite)")
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,12 +24,14 @@ and the config says so (`convert.MASK_ROW_FIELD`).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
 import torch
 
 from ..errors import DeepSpecError
+from ..files import atomic_dir
 from .convert import MASK_ROW_FIELD, NOT_IN_CHECKPOINT, check_out_apart, embed_scale, to_reference
 
 log = logging.getLogger(__name__)
@@ -256,11 +258,6 @@ def _check_eagle3(cfg: dict, sd: dict) -> None:
 def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_token_id=None, engine=None) -> Path:
     """Write drafter d (attached to target) in layout `fmt` at `out`, atomically;
     `engine` (vllm, sglang): refuse what that engine would load wrongly."""
-    import json
-    import os
-    import shutil
-    import tempfile
-
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -280,17 +277,9 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
             _refuse("as eagle3 for SGLang", "SGLang's EAGLE-3 draft class is LlamaForCausalLMEagle3 (Llama layer) only")
         _check_eagle3(cfg, sd)
     cfg["deepspec_exported_from"] = {"target": d.config.deepspec_target_id, "method": d.method, "format": fmt}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     log.info("exported %s drafter as %s (%d tensors) -> %s", d.method, fmt, len(sd), out)
     if "deepspec_serve_vllm" in cfg:
         serve = cfg["deepspec_serve_vllm"]

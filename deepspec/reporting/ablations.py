@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import DeepSpecError
-from ..files import read_json, save_figure, write_csv_atomic
+from ..files import pyplot, read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
 from . import paper
 from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
@@ -36,22 +36,13 @@ def tau_table(cfg, methods: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _save(fig, pdf: Path) -> None:
     save_figure(fig, pdf, pdf.with_suffix(".png"))
 
 
 def fig3(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
     df = tau_table(cfg, fig3_methods(cfg))
-    plt = _plt()
+    plt = pyplot()
     benches = list(cfg["data"]["benchmarks"])
     methods = list(dict.fromkeys(df["method"]))
     fig, ax = plt.subplots(figsize=(10, 3.4))
@@ -76,7 +67,7 @@ def fig4(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
     df["head"] = df["method"].map(lambda m: heads[variant_base(m)])
     df["draft_length"] = df["block_size"] + 1
     dom = df.groupby(["head", "domain", "draft_length"], as_index=False)["tau"].mean()
-    plt = _plt()
+    plt = pyplot()
     domains = [d for d in ["Math", "Code", "Chat"] if d in set(dom.domain)]
     fig, axes = plt.subplots(1, len(domains), figsize=(4 * len(domains), 3.2), squeeze=False)
     for ax, d in zip(axes[0], domains):
@@ -102,7 +93,7 @@ def _per_benchmark_files(cfg, suffix: str) -> dict[str, pd.DataFrame]:
 
 def fig5(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
     sweeps = _per_benchmark_files(cfg, ".sweep.csv")
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(sweeps), figsize=(4.2 * len(sweeps), 3.2), squeeze=False)
     for ax, (bench, s) in zip(axes[0], sweeps.items()):
         x = np.arange(len(s))
@@ -122,7 +113,7 @@ def fig5(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
 
 def fig6(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
     cals = _per_benchmark_files(cfg, ".calibration.csv")
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(cals), figsize=(4.2 * len(cals), 3.2), squeeze=False)
     for ax, (bench, c) in zip(axes[0], cals.items()):
         x = c["position"].to_numpy()

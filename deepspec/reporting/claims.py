@@ -114,7 +114,7 @@ def _macro_tau(r: _Rates, base: str) -> Optional[Claim]:
     label = paper.METHOD_LABEL[base]
     return Claim(f"DSpark tau > {label}", c[1] > 0,
                  f"DSpark macro τ minus {label}'s: {_fmt(c)} ({gain:+.1%}; paper, {paper.FIG2_TARGET}: "
-                 f"+{paper.MACRO_GAIN_QWEN3_4B[base]} %). {verdict(c[1] > 0).capitalize()}.")
+                 f"{100 * paper.macro_gain(paper.FIG2_TARGET, 'dspark', base):+.1f} %). {verdict(c[1] > 0).capitalize()}.")
 
 
 def _position_one(r: _Rates) -> Claim:

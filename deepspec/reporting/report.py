@@ -19,8 +19,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.acceptance import domain_position_table
-from ..errors import DeepSpecError
-from ..files import read_json, save_figure, write_csv_atomic, write_text_atomic
+from ..files import pyplot, read_json, require_file, save_figure, write_csv_atomic, write_text_atomic
 from ..paths import RunPaths
 from . import paper
 from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
@@ -39,10 +38,7 @@ FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted"
 FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
 
 
-def _require(path: Path) -> Path:
-    if not path.exists():
-        raise DeepSpecError(f"evaluation output not found: {path} (run the evaluate rule first)")
-    return path
+_RUN_EVALUATE = " (run the evaluate rule first)"
 
 
 def _baseline_tps(paths: RunPaths, bench: str, which: str) -> float:
@@ -62,7 +58,7 @@ def build_table1(cfg) -> pd.DataFrame:
     for bench, spec in cfg["data"]["benchmarks"].items():
         plain = _baseline_tps(paths, bench, "plain")
         for method in cfg["train"]["methods"]:
-            s = read_json(_require(paths.summary(method, bench)))
+            s = read_json(require_file(paths.summary(method, bench), "evaluation output", _RUN_EVALUATE))
             tps = float(_nan(s.get("tokens_per_s", np.nan)))
             rows.append(dict(target=t, method=method, benchmark=bench, domain=spec["domain"],
                              n_samples=s["n_samples_with_rounds"], rounds=s["rounds"], tau=_nan(s["tau"]),
@@ -86,7 +82,7 @@ def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
     domains: dict[str, list[str]] = {}
     for bench, spec in cfg["data"]["benchmarks"].items():
         domains.setdefault(spec["domain"], []).append(bench)
-    return {m: {d: [pd.read_csv(_require(paths.records(m, b))) for b in benches] for d, benches in domains.items()}
+    return {m: {d: [pd.read_csv(require_file(paths.records(m, b), "evaluation output", _RUN_EVALUATE)) for b in benches] for d, benches in domains.items()}
             for m in cfg["train"]["methods"]}
 
 
@@ -153,10 +149,7 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     attempts pooled over the domain are not drawn: their rates are noise.
     `paper_reference` draws the paper's Figure 2 (Qwen3-4B) as faint dashed
     lines; `claims_line` (which claims hold) goes under the panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
     markers = {"dflash": "s", "eagle3": "^", "dspark": "o"}

@@ -36,7 +36,7 @@ import torch
 from .. import paths
 from ..core.target import Target, eos_ids_of
 from ..errors import DeepSpecError
-from ..files import read_json, write_json_atomic
+from ..files import atomic_dir, read_json, write_json_atomic
 from ..runtime import keep_large_allocations_on_heap
 from .tiny import TINY_SPECS, build_tiny
 
@@ -99,7 +99,7 @@ def _link_checkpoint(src: Path, dst: Path) -> None:
     import fnmatch
     import shutil
 
-    dst.mkdir(parents=True)
+    dst.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.iterdir()):
         if f.is_file() and any(fnmatch.fnmatch(f.name, pat) for pat in CHECKPOINT_FILES):
             real = f.resolve()  # the hub cache's snapshot files are symlinks to its blobs
@@ -116,14 +116,9 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
     cache and a local checkpoint directory taken as it is: their files are linked
     (or copied) into out_dir without loading the weights, and config.json (a new
     file) gains deepspec_target_id."""
-    import shutil
-
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     if spec in BUILTIN:
         if revision:
             raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the builtin {spec!r}")
@@ -137,26 +132,24 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
                 tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
             model = build_tiny(TINY_SPECS[spec], tok)
         model.config.deepspec_target_id = spec
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
+        with atomic_dir(out, overwrite=True) as tmp:  # config.json appears only once everything is written
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+        return out
+    if Path(spec).is_dir():
+        if revision:
+            raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the local path {spec!r}")
+        src = Path(spec)
     else:
-        if Path(spec).is_dir():
-            if revision:
-                raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the local path {spec!r}")
-            src = Path(spec)
-        else:
-            src = _hub_snapshot(spec, revision)
+        src = _hub_snapshot(spec, revision)
+    with atomic_dir(out, overwrite=True) as tmp:
         _link_checkpoint(src, tmp)
         cfg_file = tmp / "config.json"
         if not cfg_file.exists() or not any(tmp.glob("*.safetensors")):
-            shutil.rmtree(tmp)
             raise DeepSpecError(f"target {spec!r} has no config.json or no safetensors weights")
         cfg = read_json(cfg_file)
         cfg["deepspec_target_id"] = spec
         write_json_atomic(cfg_file, cfg)  # a new file: the linked original stays as it was
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)  # config.json appears only once everything is written
     return out
 
 

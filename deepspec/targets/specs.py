@@ -3,24 +3,25 @@ fields of their hub config.json, with `deepspec_source` citing where they were
 read), so that `plan` and the GPU check can build a weightless or random-weight
 target of the real dimensions offline; checked against the hub's config.json
 when it is reachable.
+
+`known_config` is the one reader of a target's config.json fields without
+loading the target (plan, preflight, the cache estimate); this module imports
+no torch, so that the plan-time checks stay light.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
 import socket
 from pathlib import Path
-
-import torch
+from typing import Optional
 
 from ..architectures import check_model_type
 from ..config import REPO_ROOT
-from ..core.target import Target
 from ..errors import DeepSpecError
 from ..paths import RunPaths
-from .tiny import TINY_SPECS
+from ..runtime import hub_offline
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,11 @@ def facts_path(name: str) -> Path:
     return FACTS_DIR / f"{name}.json"
 
 
-def load_facts(cfg: dict) -> tuple[dict, str]:
-    """(config.json fields, where they come from) of the preset's target."""
+def known_config(cfg: dict) -> tuple[Optional[dict], str]:
+    """(config.json fields, where they come from) of the preset's target, known
+    without loading it: the prepared checkpoint's config.json, the shipped facts
+    (by target name, then by builtin spec), or a builtin tiny spec's config (with
+    SmolLM2's vocabulary); (None, "") when none of them knows it."""
     t = cfg["target"]
     prepared = RunPaths.of(cfg).target_checkpoint() / "config.json"
     if prepared.exists():
@@ -43,19 +47,53 @@ def load_facts(cfg: dict) -> tuple[dict, str]:
     for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
-    if t["spec"] in TINY_SPECS:
-        from .tiny import tiny_config
+    from .tiny import TINY_SPECS, tiny_config
 
+    if t["spec"] in TINY_SPECS:
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
         c = tiny_config(TINY_SPECS[t["spec"]], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
         return c.to_dict(), "deepspec/targets/loading.py:tiny_config (vocabulary of SmolLM2)"
-    raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add {shipped.relative_to(REPO_ROOT)} "
-                        f"(the fields of {t['spec']}'s config.json) or prepare the target first")
+    return None, ""
+
+
+def text_fields(fields: dict) -> dict:
+    """The text decoder's fields of a config.json (a multimodal wrapper's text_config)."""
+    return fields.get("text_config") or fields
+
+
+def text_dims(cfg: dict, download: bool = False) -> Optional[dict]:
+    """The target's text-decoder config fields without loading its weights:
+    `known_config`, else the hub's config.json of target.spec (from the local hub
+    cache only unless `download`); None when it cannot be known."""
+    fields, _ = known_config(cfg)
+    if fields is not None:
+        return text_fields(fields)
+    from transformers import AutoConfig
+
+    t = cfg["target"]
+    try:
+        return AutoConfig.from_pretrained(t["spec"], revision=t.get("revision"),
+                                          local_files_only=not download).get_text_config().to_dict()
+    except Exception:
+        if download:
+            raise
+        return None  # not cached here: checked when the target is loaded
+
+
+def load_facts(cfg: dict) -> tuple[dict, str]:
+    """(config.json fields, where they come from) of the preset's target (`known_config`)."""
+    facts, where = known_config(cfg)
+    if facts is not None:
+        return facts, where
+    t = cfg["target"]
+    raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add "
+                        f"{facts_path(t['name']).relative_to(REPO_ROOT)} (the fields of {t['spec']}'s config.json) "
+                        "or prepare the target first")
 
 
 def _hub_reachable(timeout: float = 2.0) -> bool:
-    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    if hub_offline():
         return False
     try:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
@@ -111,14 +149,18 @@ def target_config(facts: dict):
     return AutoConfig.for_model(model_type, **fields)
 
 
-def meta_target(cfg: dict, facts: dict, dtype: torch.dtype = torch.bfloat16) -> Target:
-    """A random-weight target of the preset's architecture on the meta device."""
+def meta_target(cfg: dict, facts: dict, dtype=None):
+    """A random-weight target (core.target.Target) of the preset's architecture
+    on the meta device, in `dtype` (bfloat16 by default)."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    from ..core.target import Target, eos_ids
+
+    dtype = torch.bfloat16 if dtype is None else dtype
 
     config = target_config(facts)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.requires_grad_(False)
-    eos = config.eos_token_id
-    eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos)
+    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos_ids(config.eos_token_id))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json, sha256_file, write_json_atomic, write_text_atomic
+from ..files import read_json, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 from .state import TrainRun
 
 log = logging.getLogger(__name__)
@@ -174,9 +174,7 @@ def save_checkpoint(run: TrainRun, step: int, elapsed: float) -> None:
         })
     acc.wait_for_everyone()
     if acc.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_dir(tmp, final)  # not atomic_dir: every process writes into tmp between barriers
         write_text_atomic(root / LATEST, final.name + "\n")
         prune_checkpoints(root, run.settings.keep_checkpoints)
         log.info("checkpoint %s", final)

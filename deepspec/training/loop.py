@@ -61,7 +61,7 @@ from ..config import EXECUTION_KEYS, rule_settings
 from ..core.losses import LossWeights
 from ..core.train_step import StepSpec
 from ..errors import DeepSpecError
-from ..files import write_json_atomic
+from ..files import atomic_dir, write_json_atomic
 from ..paths import RunPaths
 from .launch import direct_command, free_port
 from .recipe import (
@@ -383,19 +383,13 @@ def _log_row(run: TrainRun, done: int, lr: float, sums: dict, grad_norm: float, 
 def _save_final(model, out: Path, result: TrainResult, train_cfg: dict) -> None:
     """save_pretrained into a temporary directory, move the files into <out>,
     config.json last."""
-    tmp = out / ".final.partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(str(tmp))
-    write_json_atomic(tmp / "train_summary.json", {
-        "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
-        "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
-        **(result.counters or {}),
-    })
-    names = sorted(p.name for p in tmp.iterdir())
-    for name in [x for x in names if x != "config.json"] + ["config.json"]:
-        os.replace(tmp / name, out / name)
-    tmp.rmdir()
+    with atomic_dir(out, merge=True) as tmp:
+        model.save_pretrained(str(tmp))
+        write_json_atomic(tmp / "train_summary.json", {
+            "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
+            "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
+            **(result.counters or {}),
+        })
 
 
 # --------------------------------------------------------------------------- CLI

@@ -2,17 +2,20 @@
 rule's loop (`deepspec.training.loop`): steps per epoch and in total, the
 warmup + cosine learning rate, AdamW, the global batch split over processes and
 micro batches, the deterministic data order, and the per-micro-batch seeds that
-make N processes follow the same trajectory as one.
+make N processes follow the same trajectory as one. torch is imported where it
+is used, so that the plan-time checks (planning/preflight.py) can use the
+arithmetic without it.
 """
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import DeepSpecError
+
+if TYPE_CHECKING:
+    import torch
 
 
 # --------------------------------------------------------------------------- schedule
@@ -47,9 +50,6 @@ def lr_factor(step: int, total_steps: int, num_warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_steps: int, shard: bool = False):
     """AdamW + LambdaLR(warmup, cosine to 0) over `params`.
 
@@ -64,8 +64,11 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_
     share, which it then broadcasts; the update of every parameter is the same
     AdamW step. Its state_dict needs `consolidate_state_dict` on every process first
     (deepspec.training.checkpoints) and is then an ordinary AdamW state."""
+    import torch
+
+    fused_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     params = list(params)
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in fused_dtypes for p in params)
     kw = dict(lr=float(train_cfg["lr"]), weight_decay=float(train_cfg["weight_decay"]), fused=fused or None)
     if shard:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -97,6 +100,8 @@ class StepSampler:
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
+            import torch
+
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             reps = max(1, math.ceil(self.g / self.n))
             self._order = torch.cat([torch.randperm(self.n, generator=gen) for _ in range(reps)])
