@@ -81,7 +81,8 @@ def test_documented_deepspec_command_parses(monkeypatch, argv):
         raise _Parsed
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    fn = getattr(importlib.import_module(COMMANDS[name][0]), "cli_" + name.replace("-", "_"))
+    module, _, function = COMMANDS[name][0].partition(":")
+    fn = getattr(importlib.import_module(module), function)
     with pytest.raises(_Parsed):
         fn(rest)
     ns = parsed["ns"]
