@@ -60,10 +60,12 @@ GAMMA_SHOWN = 3  # positions in the markdown table (the CSV has all of them)
 # ------------------------------------------------------------------ data
 
 
-def heldout_prompts(cfg: dict, per_domain: int, seed: int) -> dict[str, list[dict]]:
+def heldout_prompts(cfg: dict, per_domain: int, seed: int, max_chars: int = 1500) -> dict[str, list[dict]]:
     """Per domain, `per_domain` benchmark prompts that the preset does not
-    evaluate (its subsample of each benchmark is excluded), drawn in turn from
-    the domain's benchmarks in a seeded order."""
+    evaluate (its subsample of each benchmark is excluded), first turns of at
+    most `max_chars` characters (so that prompt and answer fit the preset's
+    data.max_length, and a regeneration batch's KV cache stays small), drawn
+    in turn from the domain's benchmarks in a seeded order."""
     from deepspec.data.prompts import data_root, read_turns_jsonl, subsample
 
     root, out = data_root(cfg), {}
@@ -74,7 +76,7 @@ def heldout_prompts(cfg: dict, per_domain: int, seed: int) -> dict[str, list[dic
                 continue
             rows = read_turns_jsonl(root / b["path"])
             used = {p.id for p in subsample(rows, b.get("cap"), cfg["data"]["seed"])}
-            rest = [p for p in rows if p.id not in used]
+            rest = [p for p in rows if p.id not in used and len(p.turns[0]) <= max_chars]
             random.Random(f"{seed}:{name}").shuffle(rest)
             pools.append(rest)
         picked = []
