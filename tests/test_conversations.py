@@ -104,7 +104,7 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
 
     from deepspec.data import conversations as C
     from deepspec.data.datasets import OnlineDataset
-    from test_train import write_conversations
+    from helpers import write_conversations
 
     path = tmp_path / "regen" / "conversations.jsonl"
     write_conversations(path)

@@ -8,16 +8,15 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from deepspec.interop import convert
 from deepspec.cli import main as cli_main
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.base import DrafterBase
 from deepspec.errors import DeepSpecError
+from helpers import MASK_ID, gemma4_reference_config, reference_config, write_reference
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]
-MASK_ID = 7  # stands in for Qwen3's reserved 151669
 
 
 def _original(method, target, cfg, **drafter):
@@ -32,47 +31,8 @@ def _original(method, target, cfg, **drafter):
     return d
 
 
-def _reference_config(d, target) -> dict:
-    """A reference-style config.json for drafter d (target config + reference fields)."""
-    c = {k: v for k, v in d.config.to_dict().items() if not k.startswith("deepspec_")}
-    r = d.config.deepspec_markov_rank
-    c.update(architectures=["Qwen3DSparkModel"], num_target_layers=target.num_layers,
-             block_size=d.config.deepspec_block_size, target_layer_ids=d.config.deepspec_feature_layers,
-             mask_token_id=MASK_ID, num_anchors=512, enable_confidence_head=d.config.deepspec_confidence_head,
-             markov_rank=r)
-    if d.config.deepspec_confidence_head:
-        c["confidence_head_with_markov"] = d.config.deepspec_confidence_with_markov
-    if r > 0:
-        c["markov_head_type"] = d.config.deepspec_markov_head_type
-    return c
 
 
-def write_reference(d, target, path, *, with_target_copies=False, shards=1, config=None, extra=None, drop=(),
-                    dtype=torch.float32):
-    """Write drafter d in the reference layout (top-level names, reference head names)."""
-    path.mkdir(parents=True)
-    sd = {convert.to_reference(k): v.detach().clone().contiguous()
-          for k, v in d.state_dict().items() if k not in convert.NOT_IN_CHECKPOINT}
-    if with_target_copies:
-        sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
-        sd["lm_head.weight"] = target.lm_head.weight.detach().clone()
-    sd = {k: v.to(dtype) for k, v in sd.items()}
-    sd.update(extra or {})
-    for k in drop:
-        sd.pop(k)
-    (path / "config.json").write_text(json.dumps(config or _reference_config(d, target)))
-    if shards == 1:
-        save_file(sd, str(path / "model.safetensors"))
-        return path
-    names = sorted(sd)
-    weight_map = {}
-    for i in range(shards):
-        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: sd[k] for k in names[i::shards]}
-        save_file(part, str(path / fname))
-        weight_map.update({k: fname for k in part})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +127,7 @@ def _fails(src, target, out, match):
 def test_other_architecture_is_refused(tiny_target, tiny_cfg, tmp_path):
     """(DeepSeek's Eagle3 layout converts: tests/test_export.py.)"""
     d = _original("dflash", tiny_target, tiny_cfg)
-    cfg = dict(_reference_config(d, tiny_target), architectures=["Qwen3MedusaModel"])
+    cfg = dict(reference_config(d, tiny_target), architectures=["Qwen3MedusaModel"])
     src = write_reference(d, tiny_target, tmp_path / "ref", config=cfg)
     _fails(src, tiny_target, tmp_path / "out", "not a DeepSpec Eagle3/DFlash/DSpark drafter")
 
@@ -190,14 +150,14 @@ def test_unexpected_missing_and_misshapen_tensors(tiny_target, tiny_cfg, tmp_pat
     src = write_reference(d, tiny_target, tmp_path / "f", extra={"layers.0.layer_scalar": two})
     _fails(src, tiny_target, tmp_path / "out", "unexpected tensor 'layers.0.layer_scalar'")
     # a gated Markov head has no deepspec counterpart
-    cfg = dict(_reference_config(d, tiny_target), markov_head_type="gated")
+    cfg = dict(reference_config(d, tiny_target), markov_head_type="gated")
     src = write_reference(d, tiny_target, tmp_path / "d", config=cfg)
     _fails(src, tiny_target, tmp_path / "out", "markov_head_type 'gated' is not supported")
 
 
 def test_target_mismatch(tiny_target, tiny_cfg, tmp_path):
     d = _original("dflash", tiny_target, tiny_cfg)
-    ref = _reference_config(d, tiny_target)
+    ref = reference_config(d, tiny_target)
     src = write_reference(d, tiny_target, tmp_path / "a", config=dict(ref, hidden_size=128))
     _fails(src, tiny_target, tmp_path / "out", "hidden_size is 128 but the target 'tiny' has 64")
     src = write_reference(d, tiny_target, tmp_path / "b", config=dict(ref, num_target_layers=36))
@@ -271,28 +231,6 @@ def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_da
 # --------------------------------------------------------------------------- Gemma4
 
 
-def _gemma4_reference_config(d, target, layout) -> dict:
-    """config.json as the reference writes it for Gemma4: the target's text config
-    (head_dim / num_key_value_heads of its sliding layers; the full-attention
-    geometry the draft layers use either as global_head_dim /
-    num_global_key_value_heads fields ("fields") or, from newer transformers, in
-    per_layer_config keyed by target layer ("per_layer")), draft depth, all
-    layers full attention, plus the reference fields."""
-    from deepspec.targets.tiny import TINY_GEMMA4_CONFIG
-
-    tc = target.config.get_text_config().to_dict()
-    if layout == "fields":
-        tc.pop("per_layer_config")
-        tc.update(global_head_dim=TINY_GEMMA4_CONFIG["global_head_dim"],
-                  num_global_key_value_heads=TINY_GEMMA4_CONFIG["num_global_key_value_heads"])
-    assert tc["head_dim"] != d.config.head_dim  # the sliding head, not the draft's
-    n = d.config.num_hidden_layers
-    ref = {k: v for k, v in _reference_config(d, target).items()
-           if k in ("num_target_layers", "block_size", "target_layer_ids", "mask_token_id", "num_anchors",
-                    "enable_confidence_head", "confidence_head_with_markov", "markov_rank", "markov_head_type")}
-    return dict(tc, **ref, architectures=["Gemma4DSparkModel"], target_model_type=tc["model_type"],
-                target_text_model_type=tc["model_type"], num_hidden_layers=n, layer_types=["full_attention"] * n,
-                enable_moe_block=False, hidden_size_per_layer_input=0, tie_word_embeddings=False)
 
 
 G4_CASES = {  # layer_scalar values (None: not in the checkpoint), config layout, write_reference kwargs
@@ -314,7 +252,7 @@ def test_gemma4_converted_drafter_is_identical(gemma4_target, gemma4_cfg, tmp_pa
         for layer, s in zip(d.layers, scalars or [1.0] * len(d.layers)):
             layer.layer_scalar.fill_(s)
     drop = [f"layers.{i}.layer_scalar" for i in range(len(d.layers))] if scalars is None else []
-    src = write_reference(d, gemma4_target, tmp_path / "ref", config=_gemma4_reference_config(d, gemma4_target, layout),
+    src = write_reference(d, gemma4_target, tmp_path / "ref", config=gemma4_reference_config(d, gemma4_target, layout),
                           drop=drop, **write_kw)
     out = convert.convert_reference_checkpoint(src, gemma4_target, tmp_path / "out")
     e = load_drafter(out, gemma4_target)
@@ -328,7 +266,7 @@ def test_gemma4_converted_drafter_is_identical(gemma4_target, gemma4_cfg, tmp_pa
 
 def test_gemma4_mismatches_are_refused(gemma4_target, gemma4_cfg, tmp_path):
     d = _original("dspark", gemma4_target, gemma4_cfg)
-    ref = _gemma4_reference_config(d, gemma4_target, "fields")
+    ref = gemma4_reference_config(d, gemma4_target, "fields")
     src = write_reference(d, gemma4_target, tmp_path / "a", config=dict(ref, global_head_dim=64))
     _fails(src, gemma4_target, tmp_path / "out", "head_dim is 64 but the target 'tiny-gemma4' has 32")
     src = write_reference(d, gemma4_target, tmp_path / "b", config=dict(ref, num_global_key_value_heads=2))

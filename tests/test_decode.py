@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 import torch
-from scipy import stats
 
 from deepspec.core import decode
 from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.errors import DeepSpecError
-from deepspec.core.verify import logits_to_probs, sample, verify_chain
+from deepspec.core.verify import sample, verify_chain
+from helpers import DistortedTargetDrafter, PROMPT, chi2_pvalue
 
-# A short prompt whose first token is near-certain under the tiny target (p = 0.99), so the
-# samples concentrate on a few (t1, t2) cells where the over-confident double's residual
-# differs most from p_t (chosen by a one-off scan of random 5-token prompts).
-PROMPT = [2293, 591, 4056, 15548, 17964]
 N_TOK = 3  # compared tokens: the first comes from prefill, 2 and 3 from one round with 2 drafts
 N_GEN = 400
 P_MIN = 1e-3
@@ -41,51 +36,6 @@ class Proposal:
     conf_logits: Optional[torch.Tensor] = None
 
 
-class DistortedTargetDrafter:
-    """Test double with the drafter API: drafts gamma tokens autoregressively from
-    softmax((target_logits * SHARP + bias[prev]) / T), KV-free (re-reads the full
-    verified context). It asserts the loop's bookkeeping: feats cover exactly the
-    positions verified since the last call, and (if check_feats) equal the target's
-    own features there. Draft distributions are memoised per context (the samples share
-    a handful of contexts), so the double costs almost nothing."""
-
-    SHARP = 2.0  # over-confident: high acceptance, and a residual far from p_t
-
-    def __init__(self, target, layers, gamma=2, check_feats=False, conf=False):
-        self.target, self.layers, self.gamma = target, list(layers), gamma
-        self.check_feats, self.conf = check_feats, conf
-        g = torch.Generator().manual_seed(7)
-        self.bias = 0.3 * torch.randn(64, target.vocab_size, generator=g)  # depends on prev token mod 64
-        self.memo = {}
-
-    def init_state(self):
-        return {"ids": []}
-
-    @torch.no_grad()
-    def propose(self, state, feats, tokens, *, temperature=1.0, generator=None):
-        n = tokens.shape[1] - 1
-        assert feats.shape[:2] == (1, n) and n >= 1, (feats.shape, tokens.shape)
-        state["ids"] += tokens[0, :-1].tolist()
-        if self.check_feats:
-            ref, _ = self.target.features(torch.tensor([state["ids"]]), self.layers)
-            torch.testing.assert_close(feats, ref[:, -n:], rtol=1e-4, atol=1e-4)
-        seq = state["ids"] + [int(tokens[0, -1])]
-        toks, probs = [], []
-        for _ in range(self.gamma):
-            p = self._dist(tuple(seq), temperature)
-            t = int(sample(p, generator))
-            toks.append(t)
-            probs.append(p)
-            seq.append(t)
-        conf = torch.linspace(2.0, -2.0, self.gamma)[None] if self.conf else None
-        return Proposal(torch.tensor([toks]), torch.stack(probs)[None], conf)
-
-    def _dist(self, seq, temperature):
-        key = (seq, temperature, self.SHARP)
-        if key not in self.memo:
-            logits = self.target.model(torch.tensor([seq]), logits_to_keep=1).logits[0, -1]
-            self.memo[key] = logits_to_probs(logits * self.SHARP + self.bias[seq[-1] % 64], temperature)
-        return self.memo[key]
 
 
 def _generate(target, drafter, n, temperature=1.0, max_new=N_TOK + 1, **kw):
@@ -113,16 +63,6 @@ def _exact_cells(target, n_tok, k=12):
     return cells
 
 
-def _chi2_pvalue(samples, exact, min_cells=4) -> float:
-    n = len(samples)
-    cells = [s for s, p in exact.items() if n * p >= 5]
-    counts = Counter(samples)
-    obs = [counts[s] for s in cells]
-    exp = [n * exact[s] for s in cells]
-    obs.append(n - sum(obs))
-    exp.append(n - sum(exp))
-    assert len(cells) >= min_cells, "too few cells for a meaningful test"
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 def _broken_verify_chain(target_logits, draft_probs, draft_tokens, *, temperature=1.0, eos_token_ids=(), generator=None):
@@ -158,7 +98,7 @@ def exact(tiny_target):
 
 def _pvalues(samples, exact):
     """Chi-square p-values of the first 2 and the first N_TOK tokens."""
-    return [_chi2_pvalue([s[:n] for s in samples], exact[n]) for n in (2, N_TOK)]
+    return [chi2_pvalue([s[:n] for s in samples], exact[n]) for n in (2, N_TOK)]
 
 
 def test_lossless_with_test_double(tiny_target, exact, double):
@@ -264,7 +204,7 @@ def test_lossless_with_real_drafters_t1(tiny_target, tiny_cfg, real_drafter, exa
                                    temperature=1.0, generator=torch.Generator().manual_seed(980406 + i)).tokens[:2])
         for i in range(N_GEN_REAL)
     ]
-    assert _chi2_pvalue(samples, exact[2], min_cells=2) > P_MIN
+    assert chi2_pvalue(samples, exact[2], min_cells=2) > P_MIN
 
 
 def test_greedy_real_drafters_equal_plain(tiny_target, tiny_cfg, real_drafter):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from deepspec.training import loop as T
 from deepspec.training.checkpoints import TRAINER_STATE
 from deepspec.training.launch import direct_command, free_port, launcher, node_command
-from test_train import write_conversations
+from helpers import write_conversations
 
 STEPS = 4
 TOL = dict(rtol=1e-4, atol=1e-5)  # gradients are summed in another order across processes

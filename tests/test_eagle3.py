@@ -12,16 +12,15 @@
 * Greedy speculative decoding with the new Eagle3 equals plain decoding (Qwen3).
 """
 import copy
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.losses import chain_normalizer, chain_row_mask
 from deepspec.drafters import build_drafter
 from deepspec.training.loop import step_spec
+from helpers import plain_ttt, randomize
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12]
 
@@ -45,92 +44,19 @@ def tc(kind, request):
     return request.getfixturevalue(name[0]), request.getfixturevalue(name[1])
 
 
-def _randomize(d, seed=0):
-    """Random weights everywhere (norm scales away from 1, layer_scalar != 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            base = 1.0 if p.dim() == 1 else 0.0
-            p.copy_(base + 0.3 * torch.randn(p.shape, generator=g) / (1 if p.dim() == 1 else math.sqrt(p.shape[-1])))
-        for name, b in d.named_buffers():
-            if name.endswith("layer_scalar"):
-                b.fill_(0.7)
-    return d
 
 
 # --------------------------------------------------------------------------- plain-torch equations
 
 
-def rms(x, w=None, eps=1e-6):
-    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return y if w is None else y * w.float()
 
 
-def rot(x, cos, sin):  # x [B, H, L, hd], cos/sin [B, L, hd]
-    x1, x2 = x.chunk(2, -1)
-    return x * cos.unsqueeze(1) + torch.cat([-x2, x1], -1) * sin.unsqueeze(1)
 
 
-def heads(x, n):  # [B, L, n*hd] -> [B, n, L, hd]
-    B, L, _ = x.shape
-    return x.view(B, L, n, -1).transpose(1, 2)
 
 
-def plain_layer(W, p, e, g, cos, sin, keys, vals, allowed, arch, cfg):
-    """One standard EAGLE-3 layer on rows; keys/vals: lists of earlier steps' [B,Hkv,L,hd]."""
-    eps = cfg.rms_norm_eps
-    x = torch.cat([rms(e, W[p + "input_layernorm.weight"], eps), rms(g, W[p + "hidden_norm.weight"], eps)], -1)
-    H = cfg.num_attention_heads
-    q = heads(x @ W[p + "self_attn.q_proj.weight"].T, H)
-    kr = x @ W[p + "self_attn.k_proj.weight"].T
-    Hkv = kr.shape[-1] // q.shape[-1]
-    k = heads(kr, Hkv)
-    v = heads(x @ W[p + "self_attn.v_proj.weight"].T, Hkv) if p + "self_attn.v_proj.weight" in W else k
-    if arch in ("qwen3", "gemma4"):
-        q, k = rms(q, W[p + "self_attn.q_norm.weight"], eps), rms(k, W[p + "self_attn.k_norm.weight"], eps)
-    if arch == "gemma4":
-        v = rms(v, None, eps)
-    keys.append(rot(k, cos, sin))
-    vals.append(v)
-    K, V = torch.cat(keys, 2), torch.cat(vals, 2)
-    K, V = K.repeat_interleave(H // Hkv, 1), V.repeat_interleave(H // Hkv, 1)
-    scale = 1.0 if arch == "gemma4" else q.shape[-1] ** -0.5
-    scores = (rot(q, cos, sin) @ K.transpose(-1, -2)) * scale
-    a = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ V
-    o = a.transpose(1, 2).reshape(g.shape[0], g.shape[1], -1) @ W[p + "self_attn.o_proj.weight"].T
-    act = F.gelu if arch == "gemma4" else F.silu
-    kw = {"approximate": "tanh"} if arch == "gemma4" else {}
-
-    def mlp(h):
-        return (act(h @ W[p + "mlp.gate_proj.weight"].T, **kw) * (h @ W[p + "mlp.up_proj.weight"].T)) \
-            @ W[p + "mlp.down_proj.weight"].T
-
-    if arch != "gemma4":
-        h = g + o
-        return h + mlp(rms(h, W[p + "post_attention_layernorm.weight"], eps))
-    h = g + rms(o, W[p + "post_attention_layernorm.weight"], eps)
-    h = h + rms(mlp(rms(h, W[p + "pre_feedforward_layernorm.weight"], eps)), W[p + "post_feedforward_layernorm.weight"], eps)
-    return h * W[p + "layer_scalar"]
 
 
-def plain_ttt(d, W, ids, feats, steps, arch, embed):
-    """The TTT forward from the equations: post-norm outputs per step."""
-    B, L = ids.shape
-    cfg = d.config
-    t = torch.arange(L)
-    g = feats @ W["fc.weight"].T
-    n_layers = cfg.num_hidden_layers
-    keys, vals = [[] for _ in range(n_layers)], [[] for _ in range(n_layers)]
-    outs = []
-    for s in range(steps):
-        e = embed(ids[:, (t + 1 + s).clamp(max=L - 1)])
-        cos, sin = d.rotary(g, (t + s).expand(B, L))
-        # row t sees step-0 keys j <= t and its own row in steps 1..s
-        allowed = torch.cat([torch.ones(L, L).tril().bool()] + [torch.eye(L).bool()] * s, 1)
-        for i in range(n_layers):
-            g = plain_layer(W, f"layers.{i}.", e, g, cos, sin, keys[i], vals[i], allowed, arch, cfg)
-        outs.append(rms(g, W["norm.weight"], cfg.rms_norm_eps))
-    return outs
 
 
 def test_ttt_forward_equals_plain_equations(kind, tc):
@@ -138,7 +64,7 @@ def test_ttt_forward_equals_plain_equations(kind, tc):
     c = copy.deepcopy(cfg)
     c["drafter"]["num_layers"] = {"eagle3": 2}
     torch.manual_seed(0)
-    d = _randomize(build_drafter("eagle3", target, c).eval())
+    d = randomize(build_drafter("eagle3", target, c).eval())
     ids = torch.tensor([SEQ]) % target.vocab_size
     feats, _ = target.features(ids, c["target"]["feature_layers"])
     W = {k: v.detach() for k, v in d.state_dict().items()}

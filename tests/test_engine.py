@@ -34,7 +34,7 @@ from deepspec.core.engine import BatchedEngine, Request, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
 from deepspec.drafters import build_drafter
-from test_decode import PROMPT, DistortedTargetDrafter, _chi2_pvalue
+from helpers import PROMPT, DistortedTargetDrafter, chi2_pvalue
 
 # Four prompts of different lengths (5, 4, 7, 2 tokens)
 PROMPTS = [PROMPT, PROMPT[1:], [591, 2293] + PROMPT, PROMPT[3:]]
@@ -91,7 +91,7 @@ def test_lossless_per_row_in_a_batch(tiny_target, exact4):
     samples, eng = _batched_samples(tiny_target, DistortedTargetDrafter(tiny_target, LAYERS, gamma=2))
     assert eng.stats["rounds"] < len(PROMPTS) * N_GEN  # rows really shared forwards
     for rows, exact in zip(samples, exact4):
-        pv = [_chi2_pvalue([s[:n] for s in rows], exact[n]) for n in (2, 3)]
+        pv = [chi2_pvalue([s[:n] for s in rows], exact[n]) for n in (2, 3)]
         assert min(pv) > P_MIN / 2, pv
 
 
@@ -106,7 +106,7 @@ def _broken_rejection_decisions(target_logits, draft_probs, draft_tokens, temper
 def test_batched_broken_verifier_is_detected(tiny_target, exact4, monkeypatch):
     monkeypatch.setattr(decode, "rejection_decisions", _broken_rejection_decisions)
     samples, _ = _batched_samples(tiny_target, DistortedTargetDrafter(tiny_target, LAYERS, gamma=2))
-    pv = [_chi2_pvalue([s[:2] for s in rows], exact[2]) for rows, exact in zip(samples, exact4)]
+    pv = [chi2_pvalue([s[:2] for s in rows], exact[2]) for rows, exact in zip(samples, exact4)]
     assert min(pv) < P_MIN, pv
 
 

@@ -23,7 +23,7 @@ from deepspec.drafters import build_drafter, freeze_mask_embedding, load_drafter
 from deepspec.errors import DeepSpecError
 from deepspec.interop import convert
 from deepspec.interop import export
-from test_eagle3 import _randomize, plain_ttt
+from helpers import randomize, plain_ttt
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]
 
@@ -33,8 +33,8 @@ def _drafter(method, target, cfg, **drafter):
     c["drafter"].update(drafter)
     c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
     torch.manual_seed(0)
-    d = _randomize(build_drafter(method, target, c).eval())
-    freeze_mask_embedding(d, target, init=True)  # the reserved token's row again, after _randomize
+    d = randomize(build_drafter(method, target, c).eval())
+    freeze_mask_embedding(d, target, init=True)  # the reserved token's row again, after randomize
     return d, c
 
 

@@ -17,7 +17,7 @@ from deepspec.interop import convert
 from deepspec.planning import preflight as pf
 from deepspec.targets import specs as target_facts
 from deepspec.core.target import Target, eos_ids_of
-from deepspec.targets.tiny import build_tiny, tiny_config
+from deepspec.targets.tiny import build_tiny
 from deepspec.training.loop import step_spec
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]

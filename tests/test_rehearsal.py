@@ -7,7 +7,6 @@ rehearsal-qwen3 rehearses qwen3-4b (tiny-qwen3), rehearsal-gemma4 gemma4-12b
 The allow-list below is every key that may differ from the paper preset: a new
 paper setting the rehearsal does not follow, or a difference that is no longer
 needed, fails the test."""
-import copy
 import json
 import os
 import socket
@@ -21,8 +20,8 @@ import pytest
 from deepspec.config import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_convert import _gemma4_reference_config, _reference_config, write_reference  # noqa: E402
-from test_workflow import _copy_workflow, _snakemake  # noqa: E402
+from helpers import gemma4_reference_config, reference_config, write_reference  # noqa: E402
+from helpers import copy_workflow, snakemake  # noqa: E402
 
 # the keys a rehearsal may change in its paper preset, as dotted paths
 ALLOWED = {
@@ -89,7 +88,7 @@ def _released_checkpoint(cfg, method: str, out: Path) -> Path:
     torch.manual_seed(0)
     d = build_drafter(method, target, cfg).eval()
     gemma4 = target.config.get_text_config().model_type.startswith("gemma4")
-    ref = _gemma4_reference_config(d, target, "per_layer") if gemma4 else _reference_config(d, target)
+    ref = gemma4_reference_config(d, target, "per_layer") if gemma4 else reference_config(d, target)
     ref["mask_token_id"] = cfg["drafter"]["mask_token_id"]
     return write_reference(d, target, out, config=ref, shards=2)
 
@@ -105,13 +104,13 @@ def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
     released = cfg["eval"]["released_checkpoints"]
     for method, rel in released.items():
         _released_checkpoint(cfg, method, tmp_path / rel)
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     with socket.socket() as s:  # a free port for the regeneration server (execution only: plan ignores it)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", f"preset={rehearsal}",
+    r = snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", f"preset={rehearsal}",
                    f"regenerate={{server: {{port: {port}}}}}", env=env, timeout=900)
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -19,6 +19,7 @@ from deepspec.training import loop as T
 from deepspec.training import recipe as R
 from deepspec.training.stopping import TrainingStopped
 from deepspec.training.train_log import TIMING_COLS
+from helpers import CONVERSATIONS, write_conversations
 
 # --------------------------------------------------------------------------- stand-ins
 
@@ -308,22 +309,8 @@ def test_a_second_trainer_of_the_same_directory_stops(tmp_path):
 # --------------------------------------------------------------------------- the real thing
 
 
-CONVERSATIONS = [
-    [("What is 12 + 30?", "12 + 30 = 42. The answer is 42."),
-     ("And doubled?", "Doubling 42 gives 84.")],
-    [("Name three primary colours.", "Red, yellow and blue are the three primary colours.")],
-    [("Write a Python function that adds two numbers.", "def add(a, b):\n    return a + b")],
-    [("Say hello in French.", "Bonjour! That is hello in French.")],
-    [("What is the capital of Italy?", "The capital of Italy is Rome, a city with a long history.")],
-]
 
 
-def write_conversations(path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for i, turns in enumerate(CONVERSATIONS):
-            msgs = [m for u, a in turns for m in ({"role": "user", "content": u}, {"role": "assistant", "content": a})]
-            f.write(json.dumps({"id": f"hand:{i}", "source": "hand", "messages": msgs}) + "\n")
 
 
 def cli_argv(tmp_path, tiny_cfg, method, *extra):

@@ -3,7 +3,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,26 +12,19 @@ import pytest
 
 from deepspec.config import PRESETS_DIR, load_config
 from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
+from helpers import copy_workflow, snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _copy_workflow(dst: Path) -> None:
-    """The DAG (workflow/, with workflow/Snakefile) and the presets: run from `dst`
-    as from the repository root."""
-    for name in ["workflow", "config"]:
-        shutil.copytree(REPO / name, dst / name)
 
 
-def _snakemake(cwd, *args, env=None, timeout=600):
-    cmd = [sys.executable, "-m", "snakemake", *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
 def test_dry_run_plans_every_preset(tmp_path, preset):
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "1", "--config", f"preset={preset}")
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "1", "--config", f"preset={preset}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     for rule in ["prepare_target", "regenerate", "train", "evaluate", "baseline", "report"]:
@@ -42,13 +34,13 @@ def test_dry_run_plans_every_preset(tmp_path, preset):
 def test_train_start_first_orders_training_jobs(tmp_path):
     """train.start_first raises those methods' training jobs above the others (1),
     in its order; a name that is no method of the preset stops the plan."""
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
                    "train={start_first: [dspark, eagle3]}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     prio = dict(re.findall(r"method=(\w+)\n\s+priority: (\d+)", r.stdout + r.stderr))
     assert prio == {"dspark": "3", "eagle3": "2", "dflash": "1"}, prio
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
                    "train={start_first: [eagle]}")
     assert r.returncode != 0 and "train.start_first: 'eagle' is none of this preset's methods" in r.stdout + r.stderr
 
@@ -71,22 +63,22 @@ def test_readme_commands_plan(tmp_path, cmd):
     a target placed after `--config` would be read as a config entry."""
     if "--report" in cmd or "--profile" in cmd:
         pytest.skip("needs a finished run / the SLURM executor plugin")
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "-n", *cmd[1:])
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "-n", *cmd[1:])
     assert r.returncode == 0, " ".join(cmd) + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_bad_config_key_stops_the_run(tmp_path):
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=tiny", "trian={epochs: 1}")
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=tiny", "trian={epochs: 1}")
     assert r.returncode != 0 and "unknown key 'trian'" in (r.stdout + r.stderr)
 
 
 @pytest.mark.slow
 def test_tiny_preset_end_to_end(tmp_path, shared_data):
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", "preset=tiny", env=env, timeout=900)
+    r = snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", "preset=tiny", env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert (tmp_path / "figures" / "fig2.pdf").read_bytes()[:5] == b"%PDF-"
     t1 = pd.read_csv(tmp_path / "results" / "tables" / "table1.csv")
@@ -105,7 +97,7 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     assert p1.acceptance_rb.between(0, 1).all() and (p1.rb_ci_low <= p1.rb_ci_high).all()
     assert (tmp_path / "results" / "REPORT.md").read_text().startswith("# DeepSpec replication report")
     # A rerun has nothing to do.
-    r2 = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
+    r2 = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
     assert "Nothing to be done" in r2.stdout + r2.stderr
     # A changed setting reruns exactly the rules that depend on it, and their descendants.
     for override, want in CHANGES.items():
@@ -125,7 +117,7 @@ CHANGES = {  # tiny preset: 3 drafters, 3 benchmarks
 
 def _planned(cwd, env, *overrides) -> dict:
     """{rule: jobs} that `snakemake -n` plans with extra --config entries."""
-    r = _snakemake(cwd, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", *overrides, env=env)
+    r = snakemake(cwd, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", *overrides, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     if "Nothing to be done" in out:
@@ -138,9 +130,9 @@ def test_rules_do_not_change_with_the_job_counts(tmp_path, shared_data):
     """regenerate.shards 1 and eval.baseline_jobs 1 plan the same rules as any other
     count: one regenerate_shard job that regenerate merges, one baseline job timing
     every timed benchmark in one process."""
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     env = dict(os.environ, DEEPSPEC_DATA=str(shared_data))
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "2", "--config", "preset=tiny",
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "2", "--config", "preset=tiny",
                    "regenerate={shards: 1}", "eval={baseline_jobs: 1}", env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
@@ -158,7 +150,7 @@ def test_rules_do_not_change_with_the_job_counts(tmp_path, shared_data):
 def test_cheap_rules_run_where_snakemake_runs(tmp_path):
     """The rules that only convert, download or plot are local rules: on SLURM they
     run beside Snakemake (which has the internet) instead of waiting for a node."""
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     code = ("from pathlib import Path\n"
             "from snakemake.api import SnakemakeApi\n"
             "from snakemake.settings.types import OutputSettings, ConfigSettings, ResourceSettings, StorageSettings\n"
@@ -180,8 +172,8 @@ def test_gpu_jobs_claim_their_own_gpus(tmp_path):
     """On one machine each GPU job takes GPU ids no other job holds (claim-gpus),
     instead of every evaluation landing on GPU 0; GPU training grows its memory in
     expandable segments; local regeneration shards take a GPU each."""
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "1", "--config", "preset=qwen3-4b",
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "1", "--config", "preset=qwen3-4b",
                    "regenerate={backend: local, shards: 2, server: null}", "resources={regenerate: {gpu: 1}}", "cache={mode: offline}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     cmds = _shell_commands(r.stdout + r.stderr)
@@ -208,8 +200,8 @@ def test_multi_node_training_plans(tmp_path):
     """train.nodes 2 x train.gpus 8: a 16-GPU, 2-node job whose srun overlaps the
     executor's job step and asks each node for its 8 GPUs; resources.train.nodes
     (the README's spelling) is accepted when it agrees."""
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, str(Path("results/qwen3-4b/drafters/dspark/config.json")), "-n", "-p", "--cores", "1",
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, str(Path("results/qwen3-4b/drafters/dspark/config.json")), "-n", "-p", "--cores", "1",
                    "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}", "resources={train: {nodes: 2}}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
@@ -217,7 +209,7 @@ def test_multi_node_training_plans(tmp_path):
     assert len(train) == 1 and "srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 " in train[0]
     assert "claim-gpus" not in train[0]
     assert re.search(r"gpu=16, nodes=2", out), out[-3000:]
-    r = _snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
+    r = snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
                    "resources={train: {nodes: 3}}")
     assert r.returncode != 0 and "resources.train.nodes (3) differs from train.nodes (2)" in r.stdout + r.stderr
 
@@ -228,12 +220,12 @@ def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
     executor, as the slurm plugin is not installed here."""
     import yaml
 
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     prof = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
     prof.pop("executor")
     (tmp_path / "prof").mkdir()
     (tmp_path / "prof" / "config.yaml").write_text(yaml.safe_dump(prof))
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--profile", "prof", "--config", "preset=qwen3-4b")
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--profile", "prof", "--config", "preset=qwen3-4b")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", r.stdout + r.stderr)
     signalled = sorted({name for name, res in jobs if "slurm_extra=--signal=TERM@900" in res})
@@ -247,9 +239,9 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     """With regenerate.server the server is a service job grouped with the
     shards, and the baselines and evaluations wait for the merged conversations
     (so for the server to be gone); without it they do not."""
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     conv = "results/tiny/regen/conversations.jsonl"
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "3", "--config", "preset=tiny", _server_config(30999))
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "3", "--config", "preset=tiny", _server_config(30999))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "Group job regenerate" in out and "results/tiny/regen/server.service (service)" in out
@@ -258,15 +250,15 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     for name, n in (("baseline:", 2), ("evaluate:", 3)):
         blocks = [j for j in jobs if j.startswith(name)]
         assert len(blocks) == n and all(conv in j.split("\n")[1] for j in blocks), name
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny")
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny")
     jobs = re.split(r"\n\s*(?:local)?rule ", r.stdout + r.stderr)
     assert r.returncode == 0 and not any(conv in j.split("\n")[1] for j in jobs if j.startswith("baseline"))
     # Table 1 from released drafters on a paper preset (a server preset) regenerates nothing
     released = "{released_checkpoints: {eagle3: a/e, dflash: a/f, dspark: a/s}}"
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "8", "--config", "preset=qwen3-4b", f"eval={released}")
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "8", "--config", "preset=qwen3-4b", f"eval={released}")
     assert r.returncode == 0 and "baseline" in r.stdout and "regenerate" not in r.stdout, (r.stdout + r.stderr)[-3000:]
     # a GPU server claims its GPUs inside the exec'd command (claim-gpus then execs vLLM: the same pid)
-    r = _snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "16", "--config", "preset=qwen3-4b")
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "16", "--config", "preset=qwen3-4b")
     assert r.returncode == 0 and "; exec python -m deepspec claim-gpus 8 -- vllm serve " in r.stdout + r.stderr
 
 
@@ -276,13 +268,13 @@ def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_
     Snakemake terminates it once they are done, and nothing listens afterwards."""
     import socket
 
-    _copy_workflow(tmp_path)
+    copy_workflow(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
     conv = tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl"
-    r = _snakemake(tmp_path, str(conv.relative_to(tmp_path)), "--cores", "3", "--config", "preset=tiny",
+    r = snakemake(tmp_path, str(conv.relative_to(tmp_path)), "--cores", "3", "--config", "preset=tiny",
                    _server_config(port), env=env, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
@@ -304,6 +296,6 @@ def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_
     ("{backend: local, server: {command: 'serve {model}'}}", "regenerate.server is set but regenerate.backend is 'local'"),
 ])
 def test_bad_regeneration_server_stops_the_plan(tmp_path, regen, says):
-    _copy_workflow(tmp_path)
-    r = _snakemake(tmp_path, "-n", "--cores", "3", "--config", "preset=tiny", f"regenerate={regen}")
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "-n", "--cores", "3", "--config", "preset=tiny", f"regenerate={regen}")
     assert r.returncode != 0 and says in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
