@@ -269,3 +269,18 @@ def rot(x, cos, sin):  # x [B, H, L, hd], cos/sin [B, L, hd]
 def heads(x, n):  # [B, L, n*hd] -> [B, n, L, hd]
     B, L, _ = x.shape
     return x.view(B, L, n, -1).transpose(1, 2)
+
+
+def local_rules(workdir: Path, preset: str = "qwen3-4b") -> list[str] | None:
+    """The workflow's localrules for `preset`, read through Snakemake's API in a
+    subprocess run in `workdir` (a copy of the workflow); None if it failed."""
+    code = ("from pathlib import Path\n"
+            "from snakemake.api import SnakemakeApi\n"
+            "from snakemake.settings.types import OutputSettings, ConfigSettings, ResourceSettings, StorageSettings\n"
+            "with SnakemakeApi(OutputSettings()) as api:\n"
+            "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
+            f"                      config_settings=ConfigSettings(config={{'preset': {preset!r}}}),\n"
+            "                      snakefile=Path('workflow/Snakefile'), workdir=Path('.'))\n"
+            "    print('LOCAL', ' '.join(sorted(wf._workflow._localrules)))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
+    return next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), None)

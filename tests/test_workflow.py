@@ -3,8 +3,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +10,7 @@ import pytest
 
 from deepspec.config import PRESETS_DIR, load_config
 from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
-from helpers import copy_workflow, snakemake
+from helpers import copy_workflow, local_rules, snakemake
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,17 +149,8 @@ def test_cheap_rules_run_where_snakemake_runs(tmp_path):
     """The rules that only convert, download or plot are local rules: on SLURM they
     run beside Snakemake (which has the internet) instead of waiting for a node."""
     copy_workflow(tmp_path)
-    code = ("from pathlib import Path\n"
-            "from snakemake.api import SnakemakeApi\n"
-            "from snakemake.settings.types import OutputSettings, ConfigSettings, ResourceSettings, StorageSettings\n"
-            "with SnakemakeApi(OutputSettings()) as api:\n"
-            "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
-            "                      config_settings=ConfigSettings(config={'preset': 'qwen3-4b'}),\n"
-            "                      snakefile=Path('workflow/Snakefile'), workdir=Path('.'))\n"
-            "    print('LOCAL', ' '.join(sorted(wf._workflow._localrules)))\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    local = next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), None)
-    assert local == ["ablation", "fig7", "prepare_data", "prepare_target", "report"], r.stdout[-2000:] + r.stderr[-2000:]
+    local = local_rules(tmp_path)
+    assert local == ["ablation", "fig7", "prepare_data", "prepare_target", "report"], local
 
 
 def _shell_commands(out: str) -> list[str]:

@@ -15,7 +15,7 @@ The full conversation is tokenised once with character offsets and a token is
 a loss token when it overlaps an assistant span, so BPE merges across span
 boundaries cannot shift the mask.
 
-Templates that re-render history differently from the last turn (Qwen3 adds an
+Templates that render earlier turns differently from the last one (Qwen3 adds an
 empty ``<think>`` block only to the final assistant turn) break the prefix
 property; for those the assistant content is located in the full text in order
 (see `assistant_char_spans`).
