@@ -15,8 +15,8 @@ The full conversation is tokenised once with character offsets and a token is
 a loss token when it overlaps an assistant span, so BPE merges across span
 boundaries cannot shift the mask.
 
-Templates that render earlier turns differently from the last one (Qwen3 adds an
-empty ``<think>`` block only to the final assistant turn) break the prefix
+Templates that render a non-final turn differently from the final one (Qwen3 adds
+an empty ``<think>`` block only to the final assistant turn) break the prefix
 property; for those the assistant content is located in the full text in order
 (see `assistant_char_spans`).
 """
