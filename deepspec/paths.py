@@ -17,6 +17,7 @@ patterns), then passes `{output}` to the commands. R = results_dir, T = target n
   R/T/eval/baseline/<benchmark>.json   plain / prompt-lookup tokens/s (+ .csv) (baseline)
   R/T/eval/baseline/part.I-of-N.done   baseline job I of eval.baseline_jobs = N finished (baseline)
   R/T/eval/dspark/<benchmark>.{sweep.csv,calibration.csv,alg1.json}          (schedule)
+  R/T/serve/<method>.json, R/T/serve/<method>.vllm/  the drafter served in vLLM, checked (serve_check)
   R/tables/{table1.csv,table1.md,fig2.csv}, figures/fig2.{pdf,png}, R/REPORT.md (report)
   R/tables/figN.csv, figures/figN.pdf  ablations                    (fig3 .. fig6)
   logs/T/<job>.log                     one log per job (logs/T/<job>/<sub>.log per file of a job
@@ -93,6 +94,10 @@ class RunPaths:
 
     def summary(self, method: str, benchmark: str) -> Path:
         return self.records(method, benchmark).with_suffix(".json")
+
+    def serve_check(self, method: str) -> Path:
+        """`serve-check`'s record of `method` served in vLLM (its export beside it)."""
+        return self.run / "serve" / f"{method}.json"
 
     def baseline_dir(self) -> Path:
         return self.eval_dir() / "baseline"

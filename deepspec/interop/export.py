@@ -45,7 +45,6 @@ ENGINES = ("vllm", "sglang")
 # Markov head crashes at tensor parallel > 1).
 VLLM_DSPARK_SPEC = {"method": "dspark", "draft_sample_method": "probabilistic"}
 EAGLE3_ARCH = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "LlamaForCausalLMEagle3"}
-LLAMA_EAGLE3_FEATURES = 3  # LlamaForCausalLMEagle3 loaders build fc over 3 layers (docs/FORMATS.md)
 
 
 def _base_config(d) -> dict:
@@ -195,10 +194,7 @@ def eagle3_layout(d, target):
                 f"{' and '.join(sorted(EAGLE3_ARCH))} layers only")
     if c.num_hidden_layers != 1:
         _refuse("as eagle3", f"the layout has one decoder layer (midlayer), this drafter has {c.num_hidden_layers}")
-    layers = list(c.deepspec_feature_layers)
-    if c.model_type == "llama" and len(layers) != LLAMA_EAGLE3_FEATURES:
-        _refuse("as eagle3", f"LlamaForCausalLMEagle3 fuses {LLAMA_EAGLE3_FEATURES} feature layers, "
-                f"this drafter {len(layers)}")
+    layers = list(c.deepspec_feature_layers)  # vLLM sizes fc from this list's length (any count)
     K, V = d.draft_vocab_size, d.vocab_size
     d2t = d.d2t.detach().cpu() if d.reduced_vocab else torch.arange(V)
     cfg = dict(_base_config(d), architectures=[EAGLE3_ARCH[c.model_type]], vocab_size=V, draft_vocab_size=K,
@@ -213,10 +209,11 @@ def eagle3_layout(d, target):
             continue
         sd[k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k] = v.detach().clone()
     sd["lm_head.weight"] = target.lm_head.weight.detach()[d2t.to(target.lm_head.weight.device)].float().cpu()
-    sd["d2t"] = d2t - torch.arange(K)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[d2t] = True
-    sd["t2d"] = t2d
+    if d.reduced_vocab:  # the engines create the vocabulary map only for K < V (and refuse it otherwise)
+        sd["d2t"] = d2t - torch.arange(K)
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[d2t] = True
+        sd["t2d"] = t2d
     return cfg, sd
 
 
@@ -229,14 +226,15 @@ def expected_tensors(fmt: str, cfg: dict) -> dict[str, tuple]:
     hd = cfg.get("head_dim") or d // H
     m = len(cfg["eagle_aux_hidden_state_layer_ids"])
     out = {"fc.weight": (d, m * cfg["target_hidden_size"]), "norm.weight": (d,),
-           "lm_head.weight": (cfg["draft_vocab_size"], d), "d2t": (cfg["draft_vocab_size"],),
-           "t2d": (cfg["vocab_size"],), "midlayer.hidden_norm.weight": (d,),
+           "lm_head.weight": (cfg["draft_vocab_size"], d), "midlayer.hidden_norm.weight": (d,),
            "midlayer.input_layernorm.weight": (d,), "midlayer.post_attention_layernorm.weight": (d,),
            "midlayer.self_attn.q_proj.weight": (H * hd, 2 * d), "midlayer.self_attn.k_proj.weight": (Hkv * hd, 2 * d),
            "midlayer.self_attn.v_proj.weight": (Hkv * hd, 2 * d), "midlayer.self_attn.o_proj.weight": (d, H * hd),
            "midlayer.mlp.gate_proj.weight": (cfg["intermediate_size"], d),
            "midlayer.mlp.up_proj.weight": (cfg["intermediate_size"], d),
            "midlayer.mlp.down_proj.weight": (d, cfg["intermediate_size"])}
+    if cfg["draft_vocab_size"] < cfg["vocab_size"]:  # the vocabulary map of a reduced draft vocabulary
+        out.update({"d2t": (cfg["draft_vocab_size"],), "t2d": (cfg["vocab_size"],)})
     if cfg["architectures"][0] == "Eagle3Qwen3ForCausalLM":
         out.update({"midlayer.self_attn.q_norm.weight": (hd,), "midlayer.self_attn.k_norm.weight": (hd,)})
     return out
@@ -315,3 +313,19 @@ def cli_export_checkpoint(argv) -> int:
     export_drafter(d, target, args.format, args.out, overwrite=args.overwrite, mask_token_id=args.mask_token_id,
                    engine=args.engine)
     return 0
+
+
+def export_for_engine(d, target, engine: str, out, *, overwrite: bool = False) -> dict:
+    """Export drafter d as `engine` serves it (vLLM: Eagle3 in the EAGLE-3 layout,
+    DFlash/DSpark in DeepSeek's) and return the engine's speculative config for it
+    (without the model path): method, num_speculative_tokens and the serve settings
+    the export names."""
+    if engine != "vllm":
+        raise DeepSpecError(f"serving checks run in vLLM only, not {engine!r}")
+    c = d.config
+    if d.method == "eagle3":
+        export_drafter(d, target, "eagle3", out, overwrite=overwrite, engine=engine)
+        return {"method": "eagle3", "num_speculative_tokens": int(c.deepspec_ttt_length)}
+    path = export_drafter(d, target, "deepspec", out, overwrite=overwrite, engine=engine)
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return dict(cfg["deepspec_serve_vllm"]["speculative_config"])

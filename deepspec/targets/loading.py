@@ -38,7 +38,7 @@ from ..core.target import Target, eos_ids_of
 from ..errors import DeepSpecError
 from ..files import atomic_dir, read_json, write_json_atomic
 from ..runtime import keep_large_allocations_on_heap
-from .tiny import TINY_SPECS, build_tiny
+from .tiny import TINY_SPEC_OVERRIDES, TINY_SPECS, build_tiny
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
                 tok = AutoTokenizer.from_pretrained(str(smol))
             else:
                 tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-            model = build_tiny(TINY_SPECS[spec], tok)
+            model = build_tiny(TINY_SPECS[spec], tok, **TINY_SPEC_OVERRIDES.get(spec, {}))
         model.config.deepspec_target_id = spec
         with atomic_dir(out, overwrite=True) as tmp:  # config.json appears only once everything is written
             model.save_pretrained(str(tmp))

@@ -9,6 +9,7 @@ rule report:
         records=all_records(METHODS),
         summaries=[PATHS.summary(m, b) for m in METHODS for b in BENCHMARKS],
         baselines=BASELINES,
+        served=[PATHS.serve_check(m) for m in SERVED_METHODS] if CFG["serve"]["engine"] else [],
     output:
         table1=report(PATHS.table("table1.csv"), category="Table 1"),
         table1_md=PATHS.table("table1.md"),
