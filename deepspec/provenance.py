@@ -142,8 +142,8 @@ def _memory_gib() -> Optional[float]:
 
 def hardware() -> dict:
     """This machine: OS, CPU model, logical cores (all and usable by this
-    process), memory, and the GPUs torch sees (names, count, memory) with the
-    CUDA version of the torch build and the driver's when CUDA is available."""
+    process), memory, the CUDA version of the torch build and, when CUDA is
+    available, the GPUs torch sees (names, count, memory)."""
     import torch
 
     out = {"platform": platform.platform(), "machine": platform.machine(), "cpu": _cpu_model(),
@@ -157,10 +157,6 @@ def hardware() -> dict:
         out["gpus"] = [{"name": torch.cuda.get_device_name(i),
                         "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
                        for i in range(n)]
-        try:
-            out["cuda_driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
-        except Exception:  # not every build exposes it
-            out["cuda_driver"] = None
     return out
 
 
