@@ -61,6 +61,7 @@ import torch
 from ..errors import DeepSpecError
 from ..files import atomic_dir, read_json
 from ..paths import RunPaths
+from ..provenance import snapshot_commit
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +336,9 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     config = draft_config(method, target, {"drafter": drafter_cfg,
                                            "target": {"feature_layers": list(ref["target_layer_ids"])}})
     check_reference_target(ref, target, where, config)
-    config.deepspec_source = {"checkpoint": str(src.resolve()), "architecture": ref["architectures"][0],
-                              "mask_token_id": ref.get("mask_token_id")}
+    # commit: the hub commit of a checkpoint from the hub cache (its snapshot directory), else None
+    config.deepspec_source = {"checkpoint": str(src.resolve()), "commit": snapshot_commit(src.resolve()),
+                              "architecture": ref["architectures"][0], "mask_token_id": ref.get("mask_token_id")}
     model = CLASSES[method](config).float()
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in NOT_IN_CHECKPOINT}
     overwritten = method != "eagle3" and bool(ref.get(MASK_ROW_FIELD))

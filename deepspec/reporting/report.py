@@ -7,7 +7,8 @@ Inputs (`deepspec.paths`; R = results_dir, T = target name):
   R/T/eval/baseline/<benchmark>.json  plain / prompt-lookup tokens/s
 Outputs (given on the command line by the rule):
   table1.csv (tidy), table1.md (the paper's wide layout), fig2.csv,
-  fig2.pdf / .png, REPORT.md
+  fig2.pdf / .png, REPORT.md, provenance.json (deepspec.provenance: what the
+  results were made with; REPORT.md's "Provenance" section)
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from ..core.acceptance import domain_position_table
-from ..files import pyplot, read_json, require_file, save_figure, write_csv_atomic, write_text_atomic
+from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
+from .provenance import collect as collect_provenance, provenance_markdown
 from ..paths import RunPaths
 from . import paper
 from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
@@ -215,7 +217,8 @@ def _speed_scope(cfg) -> str:
     return f"timed on the first {n} prompts of {which}" if n != 1 else f"timed on the first prompt of {which}"
 
 
-def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None) -> None:
+def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None,
+                 provenance: dict | None = None) -> None:
     drafts = t1[t1["tau"].notna()]
     macro = drafts.groupby("method")[["tau", "tau_selfcheck", "speedup"]].mean()
     f2 = fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance").round(3)
@@ -251,6 +254,7 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
         "rates recomputed on the same resampled prompts); it holds when the interval excludes 0 on the claimed "
         f"side. Points with fewer than {MIN_ATTEMPTS} (expected) attempts are not judged.", "",
         *[f"- **{c.name}: {verdict(c.holds)}.** {c.text}" for c in (claims or [])], "",
+        *(provenance_markdown(provenance) if provenance else []),
     ]
     write_text_atomic(path, "\n".join(lines))
 
@@ -263,6 +267,7 @@ OUTPUTS = {
     "fig2-pdf": lambda p: p.figure("fig2.pdf"),
     "fig2-png": lambda p: p.figure("fig2.png"),
     "report": lambda p: p.report(),
+    "provenance": lambda p: p.provenance(),
 }
 
 
@@ -286,6 +291,8 @@ def cli_report(argv) -> int:
     write_text_atomic(out["table1-md"], table1_markdown(t1, cfg))
     plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{cfg['target']['name']}: conditional acceptance per position",
               paper_reference=cfg["target"].get("paper_name") is not None, claims_line=figure_line(claims))
-    write_report(cfg, t1, fig2, out["report"], claims)
+    provenance = collect_provenance(cfg)  # code, packages, hardware, dtypes, hub commits (deepspec/provenance.py)
+    write_json_atomic(out["provenance"], json_safe(provenance))
+    write_report(cfg, t1, fig2, out["report"], claims, provenance)
     log.info("wrote %s, %s, %s", out["table1"], out["fig2-pdf"], out["report"])
     return 0
