@@ -122,6 +122,8 @@ def compare_sampled(ours: pd.DataFrame, theirs: pd.DataFrame, K: int, *, n_boot:
     """Per-position conditional acceptance of the evaluation's records (ours) and
     vLLM's (same prompts, same temperature): each side's estimate, the paired
     bootstrap interval of the difference over prompts, and whether it holds 0.
+    The K intervals are simultaneous (Bonferroni: each at level 0.05 / K), so two
+    engines sampling the same law disagree somewhere with probability at most 5 %.
     Final rounds are left out on both sides (the EOS convention differs there)."""
     from ..core.acceptance import contrast, paired_replicates, per_position_acceptance, summarize_rounds
 
@@ -132,12 +134,13 @@ def compare_sampled(ours: pd.DataFrame, theirs: pd.DataFrame, K: int, *, n_boot:
     b = per_position_acceptance(theirs["proposal_len"], theirs["accepted"], K)
     rows, agree = [], True
     for k in range(K):
-        d, lo, hi = contrast((reps["deepspec"][0][k], reps["deepspec"][1][:, k]), (reps["vllm"][0][k], reps["vllm"][1][:, k]))
-        judged = bool(min(a.attempted[k], b.attempted[k]) >= MIN_ATTEMPTS)
+        d, lo, hi = contrast((reps["deepspec"][0][k], reps["deepspec"][1][:, k]), (reps["vllm"][0][k], reps["vllm"][1][:, k]),
+                             alpha=0.05 / K)
+        judged = bool(min(a.attempts[k], b.attempts[k]) >= MIN_ATTEMPTS)
         holds = bool(lo <= 0 <= hi) if judged else None
         agree &= holds is not False
-        rows.append({"position": k + 1, "deepspec_attempts": int(a.attempted[k]), "deepspec": _f(a.conditional[k]),
-                     "vllm_attempts": int(b.attempted[k]), "vllm": _f(b.conditional[k]), "difference": _f(d),
+        rows.append({"position": k + 1, "deepspec_attempts": int(a.attempts[k]), "deepspec": _f(a.conditional[k]),
+                     "vllm_attempts": int(b.attempts[k]), "vllm": _f(b.conditional[k]), "difference": _f(d),
                      "ci_low": _f(lo), "ci_high": _f(hi), "judged": judged, "contains_zero": holds})
     s_ours = summarize_rounds(ours.assign(emitted=ours["accepted"] + 1), n_boot=n_boot, seed=seed)
     s_vllm = summarize_rounds(theirs.assign(emitted=theirs["accepted"] + 1), n_boot=n_boot, seed=seed)
@@ -145,12 +148,23 @@ def compare_sampled(ours: pd.DataFrame, theirs: pd.DataFrame, K: int, *, n_boot:
             "agree": agree, "tau_deepspec_nonfinal": s_ours["tau"], "tau_vllm_nonfinal": s_vllm["tau"]}
 
 
+def tau_by_benchmark(ours: pd.DataFrame, theirs: pd.DataFrame) -> dict:
+    """Per benchmark (the sample ids' prefix), tau as vLLM counts it (1 + accepted
+    drafts / rounds, every round) on both sides, and the rounds it rests on."""
+    out = {}
+    for b in sorted({s.split("/", 1)[0] for s in ours["sample_id"]}):
+        o, t = (df[df["sample_id"].str.startswith(b + "/")] for df in (ours, theirs))
+        out[b] = {"tau_deepspec": 1.0 + float(o["accepted"].mean()) if len(o) else None, "rounds_deepspec": int(len(o)),
+                  "tau_vllm": 1.0 + float(t["accepted"].mean()) if len(t) else None, "rounds_vllm": int(len(t))}
+    return out
+
+
 def _f(x) -> float | None:
     x = float(x)
     return None if np.isnan(x) else x
 
 
-def our_records(paths: RunPaths, method: str, benches: list[str], K: int) -> pd.DataFrame:
+def our_records(paths: RunPaths, method: str, benches: list[str]) -> pd.DataFrame:
     """The evaluation's per-round records of `benches`, each round marked final or not."""
     frames = []
     for b in benches:
@@ -162,6 +176,53 @@ def our_records(paths: RunPaths, method: str, benches: list[str], K: int) -> pd.
         df["final"] = df.groupby("sample_id")["round"].transform("max") == df["round"]
         frames.append(df[["sample_id", "round", "proposal_len", "accepted", "emitted", "final"]])
     return pd.concat(frames, ignore_index=True)
+
+
+def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, *, greedy: list, sampled: list | None,
+                      records: pd.DataFrame | None, feature_layers, max_new_tokens: int, temperature: float, seed: int,
+                      n_boot: int, kv_cache_gb: float, max_model_len: int, tokenizer: bool = True) -> dict:
+    """Export `drafter` for vLLM at `export`, decode `greedy` ([(sample id, token ids)])
+    in vLLM (plain and speculative) and in our code, and, given `sampled` prompts and
+    our `records` of them, vLLM's speculative decoding at `temperature` against
+    those records. The result dict of the module docstring (`passed` included)."""
+    from ..core.decode import plain_generate, speculative_generate
+    from .export import export_for_engine
+
+    spec = export_for_engine(drafter, target, "vllm", export, overwrite=True)
+    K = int(spec["num_speculative_tokens"])
+    spec = dict(spec, model=str(Path(export).resolve()))
+    base = {"target": str(Path(target_dir).resolve()), "max_tokens": max_new_tokens, "dtype": "float32", "seed": seed,
+            "max_model_len": max_model_len, "kv_cache_gb": kv_cache_gb, "skip_tokenizer_init": not tokenizer}
+    with tempfile.TemporaryDirectory(prefix=".serve-", dir=Path(export).parent) as tmp:
+        work = Path(tmp)
+        v_plain = run_vllm(py, dict(base, prompts=[ids for _, ids in greedy], temperature=0.0), work, "plain")
+        runs = [dict(base, prompts=[ids for _, ids in greedy], temperature=0.0, speculative_config=spec)]
+        if sampled:
+            runs.append(dict(base, prompts=[ids for _, ids in sampled], temperature=temperature,
+                             speculative_config=dict(spec, draft_sample_method="probabilistic")))
+        v_spec = [run_vllm(py, r, work, f"speculative{i}") for i, r in enumerate(runs)]
+    gen = torch.Generator()
+    ours_plain, ours_spec = [], []
+    t0 = time.perf_counter()
+    for _, ids in greedy:
+        ours_plain.append(plain_generate(target, ids, max_new_tokens=max_new_tokens, temperature=0.0, generator=gen))
+        ours_spec.append(speculative_generate(target, drafter, ids, feature_layers=feature_layers,
+                                              max_new_tokens=max_new_tokens, temperature=0.0, generator=gen))
+    log.info("deepspec greedy decoding of %d prompts: %.0f s", len(greedy), time.perf_counter() - t0)
+    g = compare_greedy(ours_plain, ours_spec, v_plain, v_spec[0])
+    g["tau_deepspec"] = 1.0 + float(np.mean([r["accepted"] for o in ours_spec for r in o.rounds])) if g["rounds"] else None
+    g["tau_vllm"] = _tau(v_spec[0])
+    res = {"engine": "vllm", "vllm_version": v_plain["vllm_version"], "export": str(export),
+           "speculative_config": {k: v for k, v in spec.items() if k != "model"}, "max_new_tokens": max_new_tokens,
+           "greedy": g}
+    if sampled:
+        theirs = vllm_records(v_spec[1], [sid for sid, _ in sampled], K)
+        s = compare_sampled(records, theirs, K, n_boot=n_boot, seed=seed)
+        res["sampled"] = dict(s, temperature=temperature, prompts=len(sampled), tau_vllm=_tau(v_spec[1]),
+                              tau_deepspec=1.0 + float(records["accepted"].mean()),
+                              benchmarks=tau_by_benchmark(records, theirs))
+    res["passed"] = bool(g["lossless"] and g["rounds_identical"])
+    return res
 
 
 def cli_serve_check(argv) -> int:
@@ -178,12 +239,10 @@ def cli_serve_check(argv) -> int:
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     py = vllm_python(args.vllm_python or cfg["serve"]["vllm_python"])
-    from ..core.decode import plain_generate, speculative_generate
     from ..data.prompts import benchmark_prompt_set
     from ..drafters import load_drafter
     from ..evaluation.evaluate import drafter_path, feature_layers
     from ..targets.loading import target_from_config
-    from .export import export_for_engine
 
     paths = RunPaths.of(cfg)
     out = Path(args.out) if args.out else paths.serve_check(args.method)
@@ -202,42 +261,18 @@ def cli_serve_check(argv) -> int:
     n_greedy = args.prompts if args.prompts is not None else cfg["serve"]["greedy_prompts"]
     greedy = [(f"{b}/{pr.id}", ids) for b in benches for pr, ids in sets[b][:n_greedy]]
     allp = [(f"{b}/{pr.id}", ids) for b in benches for pr, ids in sets[b]]
-    max_new, temp, K = int(cfg["eval"]["max_new_tokens"]), float(cfg["eval"]["temperature"]), None
     out.parent.mkdir(parents=True, exist_ok=True)
-    export = out.parent / f"{args.method}.vllm"
-    spec = export_for_engine(drafter, target, "vllm", export, overwrite=True)
-    K = int(spec["num_speculative_tokens"])
-    spec = dict(spec, model=str(export.resolve()))
-    base = {"target": str(tdir.resolve()), "max_tokens": max_new, "dtype": "float32", "seed": int(cfg["eval"]["seed"]),
-            "max_model_len": int(cfg["data"]["max_prompt_tokens"]) + max_new + K + 8,
-            "kv_cache_gb": cfg["serve"]["kv_cache_gb"]}
-    with tempfile.TemporaryDirectory(prefix=".serve-", dir=out.parent) as tmp:
-        work = Path(tmp)
-        v_plain = run_vllm(py, dict(base, prompts=[ids for _, ids in greedy], temperature=0.0), work, "plain")
-        runs = [dict(base, prompts=[ids for _, ids in greedy], temperature=0.0, speculative_config=spec)]
-        if not args.no_sampled and temp > 0:
-            runs.append(dict(base, prompts=[ids for _, ids in allp], temperature=temp,
-                             speculative_config=dict(spec, draft_sample_method="probabilistic")))
-        v_spec = [run_vllm(py, r, work, f"speculative{i}") for i, r in enumerate(runs)]
-    layers = feature_layers(cfg, drafter)
-    gen = torch.Generator()
-    ours_plain, ours_spec = [], []
-    t0 = time.perf_counter()
-    for _, ids in greedy:
-        ours_plain.append(plain_generate(target, ids, max_new_tokens=max_new, temperature=0.0, generator=gen))
-        ours_spec.append(speculative_generate(target, drafter, ids, feature_layers=layers, max_new_tokens=max_new,
-                                              temperature=0.0, generator=gen))
-    log.info("deepspec greedy decoding of %d prompts: %.0f s", len(greedy), time.perf_counter() - t0)
-    g = compare_greedy(ours_plain, ours_spec, v_plain, v_spec[0])
-    g["tau_deepspec"] = float(np.mean([r["emitted"] for o in ours_spec for r in o.rounds])) if g["rounds"] else None
-    res = {"engine": "vllm", "vllm_version": v_plain["vllm_version"], "method": args.method, "export": str(export),
-           "speculative_config": {k: v for k, v in spec.items() if k != "model"}, "max_new_tokens": max_new,
-           "greedy": dict(g, tau_vllm=_tau(v_spec[0]))}
-    if len(v_spec) > 1:
-        theirs = vllm_records(v_spec[1], [sid for sid, _ in allp], K)
-        s = compare_sampled(our_records(paths, args.method, benches, K), theirs, K,
-                            n_boot=int(cfg["eval"]["n_boot"]), seed=int(cfg["eval"]["seed"]))
-        res["sampled"] = dict(s, temperature=temp, prompts=len(allp), tau_vllm=_tau(v_spec[1]))
+    records = None
+    if not args.no_sampled and float(cfg["eval"]["temperature"]) > 0:
+        records = our_records(paths, args.method, benches)
+    res = serve_and_compare(py, target, tdir, drafter, out.parent / f"{args.method}.vllm", greedy=greedy,
+                            sampled=allp if records is not None else None, records=records,
+                            feature_layers=feature_layers(cfg, drafter), max_new_tokens=int(cfg["eval"]["max_new_tokens"]),
+                            temperature=float(cfg["eval"]["temperature"]), seed=int(cfg["eval"]["seed"]),
+                            n_boot=int(cfg["eval"]["n_boot"]), kv_cache_gb=cfg["serve"]["kv_cache_gb"],
+                            max_model_len=int(cfg["data"]["max_prompt_tokens"]) + int(cfg["eval"]["max_new_tokens"]) + 16)
+    res["method"] = args.method
+    g = res["greedy"]
     res["passed"] = bool(g["lossless"] and g["rounds_identical"])
     write_json_atomic(out, res)
     log.info("serve-check %s: lossless %s, rounds identical %s (%d rounds, %d EOS rounds), tau in vLLM %s",

@@ -8,7 +8,8 @@ the standard library only; never deepspec, whose environment may not have vLLM):
 
 request.json: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N,
 "temperature": T, "seed": S, "speculative_config": {...} or null, "dtype":
-"float32", "max_model_len": L, "kv_cache_gb": G, "enforce_eager": true}
+"float32", "max_model_len": L, "kv_cache_gb": G, "enforce_eager": true,
+"skip_tokenizer_init": false}
 
 answer.json: {"vllm_version", "load_s", "requests": [{"tokens": [...], "time_s",
 "steps": [{"emitted", "drafts", "draft_tokens", "accepted",
@@ -38,6 +39,8 @@ def _engine(req: dict):
               disable_log_stats=False, max_num_seqs=1)
     if req.get("speculative_config"):
         kw["speculative_config"] = dict(req["speculative_config"])
+    if req.get("skip_tokenizer_init"):  # a target without a tokenizer: token ids in and out
+        kw["skip_tokenizer_init"] = True
     if req.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(req["gpu_memory_utilization"])
     return LLM(**kw)
@@ -60,7 +63,7 @@ def decode(llm, req: dict) -> list[dict]:
     for i, ids in enumerate(req["prompts"]):
         params = SamplingParams(temperature=float(req.get("temperature", 0.0)), max_tokens=int(req["max_tokens"]),
                                 seed=int(req.get("seed", 0)) + i, output_kind=RequestOutputKind.DELTA,
-                                ignore_eos=bool(req.get("ignore_eos", False)))
+                                ignore_eos=bool(req.get("ignore_eos", False)), detokenize=False)
         engine.add_request(f"r{i}", {"prompt_token_ids": list(ids)}, params)
         tokens, steps = [], []
         t0 = time.perf_counter()

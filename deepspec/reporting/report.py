@@ -254,9 +254,43 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
         "rates recomputed on the same resampled prompts); it holds when the interval excludes 0 on the claimed "
         f"side. Points with fewer than {MIN_ATTEMPTS} (expected) attempts are not judged.", "",
         *[f"- **{c.name}: {verdict(c.holds)}.** {c.text}" for c in (claims or [])], "",
+        *served_markdown(cfg),
         *(provenance_markdown(provenance) if provenance else []),
     ]
     write_text_atomic(path, "\n".join(lines))
+
+
+def served_markdown(cfg) -> list[str]:
+    """REPORT.md's "Served in vLLM" section from the serve-check records that exist
+    (results/<target>/serve/<method>.json): the greedy checks, and tau in vLLM beside
+    ours on the same prompts at the evaluation temperature."""
+    paths = RunPaths.of(cfg)
+    recs = {m: read_json(paths.serve_check(m)) for m in cfg["train"]["methods"] if paths.serve_check(m).exists()}
+    if not recs:
+        return []
+    yes = {True: "yes", False: "**no**"}
+    lines = ["## Served in vLLM", "",
+             "Each drafter exported as vLLM loads it (`python -m deepspec serve-check`, docs/GPU.md) and decoded by "
+             "vLLM one request at a time. Greedy: vLLM's speculative output against the target's own, and every "
+             "round's emitted and accepted tokens against ours (in a request's final round vLLM also counts drafts "
+             "accepted after the EOS that ended it: the EOS rounds). At the evaluation temperature: τ = 1 + accepted "
+             "drafts / rounds on both sides (vLLM's definition), ours from the evaluation's records.", "",
+             "| drafter | vLLM | lossless (prompts) | rounds identical (rounds, EOS rounds) | T | τ ours | τ in vLLM "
+             "| per-position rates agree |", "|---|---|---|---|---|---|---|---|"]
+    for m, r in recs.items():
+        g, s = r["greedy"], r.get("sampled") or {}
+        tau = (lambda x: "" if x is None else f"{x:.3f}")
+        lines.append(f"| {m} | {r['vllm_version']} | {yes[g['lossless']]} ({g['prompts']}) | "
+                     f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
+                     f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
+                     f"{yes[s['agree']] if 'agree' in s else ''} |")
+    for m, r in recs.items():
+        by = (r.get("sampled") or {}).get("benchmarks") or {}
+        if by:
+            lines += ["", f"τ per benchmark, {m} (ours / in vLLM): " + ", ".join(
+                f"{b} {v['tau_deepspec']:.3f} / {v['tau_vllm']:.3f}" for b, v in by.items()
+                if v["tau_deepspec"] is not None and v["tau_vllm"] is not None) + "."]
+    return lines + [""]
 
 
 # the report's outputs: command-line flag -> default path under the preset's directories
