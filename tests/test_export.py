@@ -170,7 +170,7 @@ def test_engine_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp
         _fails_for(d, qwen3_target, "deepspec", "vllm", tmp_path / kind, f"vanilla Markov head only, this drafter's is '{kind}'")
     learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
     _fails_for(learned, qwen3_target, "deepspec", "vllm", tmp_path / "m", "learned mask embedding.*drafter.mask_token_id")
-    _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "SGLang has no upstream loader")
+    _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "learned mask embedding, which SGLang replaces")
     e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
     _fails_for(e3, qwen3_target, "deepspec", "vllm", tmp_path / "e", "--format eagle3")
     _fails_for(e3, qwen3_target, "eagle3", "sglang", tmp_path / "q", "LlamaForCausalLMEagle3")
@@ -193,25 +193,51 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
     assert torch.equal(sd["lm_head.weight"], qwen3_target.lm_head.weight[d.d2t])
     assert sd["d2t"].dtype == torch.int64 and torch.equal(torch.arange(300) + sd["d2t"], d.d2t)
     assert sd["embed_tokens.weight"].shape == (512, 64)
-    spec = cfg["deepspec_serve_vllm"]["speculative_config"]
-    assert spec == {"method": "dspark", "draft_sample_method": "probabilistic", "num_speculative_tokens": 7}
+    assert cfg["deepspec_serve_vllm"] == {"speculative_config": {
+        "method": "dspark", "draft_sample_method": "probabilistic", "num_speculative_tokens": 7}}
     if method == "dspark":
         r = qwen3_cfg["drafter"]["markov_rank"]
         assert sd["markov_head.markov_w2.weight"].shape == (300, r) and sd["markov_head.markov_w1.weight"].shape == (512, r)
-        assert "tensor_parallel_size" not in cfg["deepspec_serve_vllm"]
-    else:
-        assert cfg["markov_rank"] == 0 and cfg["deepspec_serve_vllm"]["tensor_parallel_size"] == 1
+        assert convert.NULL_MARKOV_FIELD not in cfg
+    else:  # vLLM serves DeepSpec's DFlash block as dspark only: a null Markov head, no zero-width layer
+        assert cfg["markov_rank"] == export.NULL_MARKOV_RANK == 1 and cfg["markov_head_type"] == "vanilla"
+        assert cfg[convert.NULL_MARKOV_FIELD] is True and cfg["enable_confidence_head"] is False
+        assert sd["markov_head.markov_w1.weight"].shape == (512, 1) and sd["markov_head.markov_w2.weight"].shape == (300, 1)
+        assert not sd["markov_head.markov_w1.weight"].any() and not sd["markov_head.markov_w2.weight"].any()
     _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
 
 
+@pytest.mark.parametrize("kind,target_fixture,cfg_fixture,mask", [("qwen3", "qwen3_target", "qwen3_cfg", 11),
+                                                                 ("gemma4", "gemma4_target", "gemma4_cfg", 4)])
+def test_vllm_dflash_export_converts_back_to_the_same_dflash(kind, target_fixture, cfg_fixture, mask, request, tmp_path):
+    """The null Markov head of a vLLM DFlash export is dropped again by convert-checkpoint:
+    the same DFlash drafter, bit for bit, with the same proposals."""
+    target, cfg = request.getfixturevalue(target_fixture), request.getfixturevalue(cfg_fixture)
+    d, _ = _drafter("dflash", target, cfg, mask_token_id=mask)
+    out = export.export_drafter(d, target, "deepspec", tmp_path / "v", engine="vllm")
+    assert json.loads((out / "config.json").read_text())["markov_rank"] == 1
+    e = load_drafter(convert.convert_reference_checkpoint(out, target, tmp_path / "back"), target)
+    assert e.method == "dflash" and e.config.deepspec_markov_rank == 0
+    sd0, sd1 = d.state_dict(), e.state_dict()
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    ids, f = _batch(target, cfg)
+    for a, b in zip(_outputs(d, ids, f), _outputs(e, ids, f)):
+        assert torch.equal(a, b)
+    sd = load_file(str(out / "model.safetensors"))  # a null head that is not zero is refused
+    sd["markov_head.markov_w2.weight"][3, 0] = 1.0
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(DeepSpecError, match="markov_w2.weight is not zero"):
+        convert.convert_reference_checkpoint(out, target, tmp_path / "back2")
+
+
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_cfg, method, tmp_path, caplog):
+def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_cfg, method, tmp_path):
     """M5: vLLM's Gemma4 DSpark loader skips unknown names and leaves missing ones at
     their initial value, silently: a Gemma4 export for vLLM holds exactly its names
-    (layer_scalar included, no v_proj with keys as values), else it is refused."""
+    (layer_scalar included, no v_proj with keys as values; the Markov head, a null one
+    for DFlash; vLLM 0.32 also loads the confidence head), else it is refused."""
     d, _ = _drafter(method, gemma4_target, gemma4_cfg, mask_token_id=4)
-    with caplog.at_level("WARNING", logger="deepspec.interop.export"):
-        out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
+    out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
     cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
     n = cfg["num_hidden_layers"]
     want = {"embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight"}
@@ -220,12 +246,10 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
         "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
         "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
         "post_feedforward_layernorm.weight", "layer_scalar")}
-    if method == "dspark":
-        want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
-    assert {k for k in sd if not k.startswith("confidence_head.")} == want
-    has_conf = any(k.startswith("confidence_head.") for k in sd)
-    assert has_conf == (method == "dspark" and gemma4_cfg["drafter"]["confidence_head"])
-    assert ("skips the confidence head" in caplog.text) == has_conf
+    want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    if method == "dspark" and gemma4_cfg["drafter"]["confidence_head"]:
+        want |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert set(sd) == want
     lacking = {k: v for k, v in sd.items() if k != "layers.1.layer_scalar"}
     with pytest.raises(DeepSpecError, match="lacks layers.1.layer_scalar, which vLLM's Gemma4 DSpark loader would"):
         export.check_vllm_gemma4_names(cfg, lacking)
