@@ -258,6 +258,176 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
         export.check_vllm_gemma4_names(cfg, extra)
 
 
+# --------------------------------------------------------------------------- SGLang's DSPARK (Qwen3DSparkModel)
+# Names and shapes SGLang's Qwen3DSparkModel holds, read from the sglang 0.5.23 wheel (PyPI,
+# python/sglang/srt/...; not installed, not imported): for the tiny Qwen3 drafter of these tests
+# (d 64, 4 heads, 2 KV heads, head_dim 16, intermediate 128, V 512, rank 32, 2 draft layers, 2 feature layers).
+#   models/dflash.py:745 norm, :772 fc = Linear(num_context_features * hidden, hidden) (m * d -> d), :775 hidden_norm;
+#     per layer :238-250 qkv_proj (loaded from q/k/v_proj, stacked mapping :887-893), o_proj, q_norm/k_norm [head_dim],
+#     :479/:486 gate_up_proj (gate/up_proj) and down_proj, :611/:619 input/post_attention_layernorm;
+#     unknown names are ignored silently (:945), missing ones never checked.
+#   models/dspark.py:198-199 VanillaMarkov markov_w1 = Embedding(V, r), markov_w2 = Linear(r, V) -> [V, r];
+#     :345 RNNHead joint_proj = Linear(2r + d, 3r); :313 GatedMarkovHead gate_proj = Linear(d + r, r);
+#     :437 DSparkConfidenceHead proj = Linear(d (+ r with markov, default markov_rank > 0 :497), 1), bias;
+#     :510 and :638: lm_head.* and embed_tokens.* are skipped (the target's are attached).
+_D, _HD, _I, _V, _R = 64, 16, 128, 512, 32
+SGLANG_LAYER = {"self_attn.q_proj.weight": (4 * _HD, _D), "self_attn.k_proj.weight": (2 * _HD, _D),
+                "self_attn.v_proj.weight": (2 * _HD, _D), "self_attn.o_proj.weight": (_D, 4 * _HD),
+                "self_attn.q_norm.weight": (_HD,), "self_attn.k_norm.weight": (_HD,),
+                "mlp.gate_proj.weight": (_I, _D), "mlp.up_proj.weight": (_I, _D), "mlp.down_proj.weight": (_D, _I),
+                "input_layernorm.weight": (_D,), "post_attention_layernorm.weight": (_D,)}
+SGLANG_TOP = {"fc.weight": (_D, 2 * _D), "hidden_norm.weight": (_D,), "norm.weight": (_D,),
+              "markov_head.markov_w1.weight": (_V, _R), "markov_head.markov_w2.weight": (_V, _R),
+              "embed_tokens.weight": (_V, _D), "lm_head.weight": (_V, _D)}  # the last two: skipped by SGLang
+SGLANG_RNN = {"markov_head.joint_proj.weight": (3 * _R, 2 * _R + _D), "markov_head.joint_proj.bias": (3 * _R,)}
+SGLANG_CONFIDENCE = {True: {"confidence_head.proj.weight": (1, _D + _R), "confidence_head.proj.bias": (1,)},
+                     False: {"confidence_head.proj.weight": (1, _D), "confidence_head.proj.bias": (1,)}}
+
+
+@pytest.mark.parametrize("kind,confidence,with_markov", [("vanilla", True, True), ("rnn", True, True),
+                                                          ("vanilla", True, False), ("rnn", False, False)])
+def test_sglang_export_holds_exactly_sglangs_names(qwen3_target, qwen3_cfg, kind, confidence, with_markov, tmp_path):
+    d, c = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, markov_head_type=kind,
+                    confidence_head=confidence, confidence_with_markov=with_markov)
+    assert (c["drafter"]["markov_rank"], d.config.hidden_size, d.config.num_hidden_layers) == (_R, _D, 2)
+    out = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s", engine="sglang")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    want = dict(SGLANG_TOP, **{f"layers.{i}.{k}": v for i in range(2) for k, v in SGLANG_LAYER.items()})
+    want.update(SGLANG_RNN if kind == "rnn" else {})
+    want.update(SGLANG_CONFIDENCE[with_markov] if confidence else {})
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want
+    assert {k: v for k, v in export.sglang_dspark_tensors(cfg).items()} == {
+        k: v for k, v in want.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    # the config fields SGLang's parse_dspark_draft_config / build_* read (dspark_config.py, dspark.py)
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == _R and cfg["markov_head_type"] == kind
+    assert cfg["block_size"] == 7 and cfg["mask_token_id"] == 3 and cfg["target_layer_ids"] == [0, 1]
+    assert cfg["num_target_layers"] == 3 and cfg["sample_from_anchor"] is True
+    assert cfg["enable_confidence_head"] is confidence
+    assert cfg.get("confidence_head_with_markov") == (with_markov if confidence else None)
+    assert cfg["deepspec_serve_sglang"] == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # the tensors are the drafter's, under the reference names (RNN cell = joint_proj, same [s; W1[x]; h] order)
+    ours = d.state_dict()
+    for name, t in sd.items():
+        if name not in ("embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(t, ours[convert.to_ours(name)])
+    assert torch.equal(sd["lm_head.weight"], qwen3_target.lm_head.weight)
+
+
+def _alg1(tmp_path, gamma=7, temps=None, ece=True):
+    a = tmp_path / "gsm8k.alg1.json"
+    a.write_text(json.dumps({"target": "tiny-qwen3", "method": "dspark", "benchmark": "gsm8k", "gamma": gamma,
+                             "sts_temperatures": temps or [0.5 + 0.25 * k for k in range(gamma)],
+                             "n_rounds_fit": 40, "n_rounds_eval": 38,
+                             "sps": {"batch_tokens": [1, 2, 3, 4, 8], "steps_per_s": [50.0, 49.0, 47.5, 46.0, 40.0]}}))
+    if ece:
+        rows = "\n".join(f"{k},{0.1 + k / 100},{0.05 + k / 200},0.7,10,1.0,0.7" for k in range(1, gamma + 1))
+        (tmp_path / "gsm8k.calibration.csv").write_text(
+            "position,ece_before,ece_after,auroc,n,temperature,auroc_after\n" + rows + "\n")
+    return a
+
+
+def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
+    """Our STS temperatures and SPS(B) as SGLang's DSparkStsCalibration and SpsCostTable JSON
+    (speculative/dspark_components/dspark_sts.py:9-14, dspark_sps.py:14-36 of sglang 0.5.23):
+    the temperatures one per draft position (dspark_planner.py:107 requires gamma of them), the
+    ECE of the calibration.csv beside alg1.json, batch tokens strictly increasing."""
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    alg1 = _alg1(tmp_path)
+    out = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s", engine="sglang", sts=alg1, sps=alg1)
+    sts = json.loads((out / export.SGLANG_STS_FILE).read_text())
+    sps = json.loads((out / export.SGLANG_SPS_FILE).read_text())
+    assert sts == {"temperatures": [0.5 + 0.25 * k for k in range(7)], "dataset": "gsm8k", "num_samples": 40,
+                   "ece_before": [0.1 + k / 100 for k in range(1, 8)], "ece_after": [0.05 + k / 200 for k in range(1, 8)]}
+    assert sps == {"sample_batch_tokens": [1, 2, 3, 4, 8], "sample_steps_per_sec": [50.0, 49.0, 47.5, 46.0, 40.0],
+                   "max_batch_tokens": 8}
+    serve = json.loads((out / "config.json").read_text())["deepspec_serve_sglang"]
+    assert serve == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7,
+                     "speculative_dspark_confidence_sts_path": "sglang_sts.json",
+                     "speculative_dspark_sps_table_path": "sglang_sps.json",
+                     "env": {"SGLANG_RAGGED_VERIFY_MODE": "compact"}}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    out2 = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s2", engine="sglang", sts=_alg1(bare, ece=False))
+    assert set(json.loads((out2 / export.SGLANG_STS_FILE).read_text())) == {"temperatures", "dataset", "num_samples"}
+    assert not (out2 / export.SGLANG_SPS_FILE).exists()
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    _fails_with(d, qwen3_target, tmp_path / "g", "must be 7 positive numbers", engine="sglang", sts=_alg1(wrong, gamma=5))
+    _fails_with(d, qwen3_target, tmp_path / "m", "no such file", engine="sglang", sts=tmp_path / "none.alg1.json")
+    _fails_with(d, qwen3_target, tmp_path / "v", "use --format deepspec --engine sglang", engine="vllm", sps=alg1)
+    noconf, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, confidence_head=False)
+    _fails_with(noconf, qwen3_target, tmp_path / "n", "no confidence head", engine="sglang", sts=alg1)
+
+
+def _fails_with(d, target, out, match, fmt="deepspec", **kw):
+    with pytest.raises(DeepSpecError, match=match) as ei:
+        export.export_drafter(d, target, fmt, out, **kw)
+    assert "\n" not in str(ei.value) and not out.exists()
+
+
+def test_sglang_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
+    """What SGLang's DSPARK cannot load or would load wrongly (docs/FORMATS.md §1.3)."""
+    cases = [(("dflash", qwen3_target, qwen3_cfg), {"mask_token_id": 3}, "DSPARK requires markov_rank > 0"),
+             (("dspark", qwen3_target, qwen3_cfg), {"mask_token_id": 3, "draft_vocab_size": 100}, "reduced draft vocab"),
+             (("dspark", qwen3_target, qwen3_cfg), {}, "learned mask embedding, which SGLang replaces"),
+             (("dspark", gemma4_target, gemma4_cfg), {"mask_token_id": 4}, "Qwen3DSparkModel \\(Qwen3 layers\\) only"),
+             (("eagle3", qwen3_target, qwen3_cfg), {}, "SGLang serves Eagle3 from the eagle3 layout")]
+    for i, ((method, target, cfg), kw, match) in enumerate(cases):
+        d, _ = _drafter(method, target, cfg, **kw)
+        _fails_with(d, target, tmp_path / str(i), match, engine="sglang")
+    c = copy.deepcopy(qwen3_cfg)
+    c["target"]["feature_layers"] = [-1, 1]
+    emb, _ = _drafter("dspark", qwen3_target, c, mask_token_id=3)
+    _fails_with(emb, qwen3_target, tmp_path / "e", "feature layer -1", engine="sglang")
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    cfg, sd = export.deepspec_layout(d, qwen3_target, engine="sglang")
+    with pytest.raises(DeepSpecError, match="tensor layers.0.self_attn.v_proj.weight: SGLang's Qwen3DSparkModel expects"):
+        export._check_sglang(cfg, {k: v for k, v in sd.items() if k != "layers.0.self_attn.v_proj.weight"})
+    with pytest.raises(DeepSpecError, match="tensor markov.embed.weight"):
+        export._check_sglang(cfg, dict(sd, **{"markov.embed.weight": sd["markov_head.markov_w1.weight"]}))
+
+
+# --------------------------------------------------------------------------- the speculators format
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_speculators_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
+    """The fields vLLM 0.32 reads from a speculators-format DSpark (transformers_utils/configs/
+    speculators/base.py validate_speculators_config, algos.py update_dspark); the engine-side
+    parsing itself is checked in tests/engine/test_speculators.py."""
+    d, _ = _drafter(method, qwen3_target, qwen3_cfg, mask_token_id=3)
+    out = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp", verifier="Qwen/Qwen3-4B")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["Qwen3DSparkModel"]
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "dspark" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 7 and sc["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert sc["verifier"] == {"name_or_path": "Qwen/Qwen3-4B", "architectures": ["Qwen3ForCausalLM"]}
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["vocab_size"] == 512
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2] and cfg["sample_from_anchor"] is True
+    assert cfg["mask_token_id"] == 3 and cfg["block_size"] == 7 and cfg["draft_vocab_size"] == 512
+    assert cfg["markov_rank"] == (1 if method == "dflash" else 32) and cfg["markov_head_type"] == "vanilla"
+    assert cfg["enable_confidence_head"] is (method == "dspark")
+    ref = export.deepspec_layout(d, qwen3_target, engine="vllm")[1]
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd)
+    default = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp2")
+    assert json.loads((default / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-qwen3"
+
+
+def test_speculators_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
+    e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
+    _fails_with(e3, qwen3_target, tmp_path / "e", "--format eagle3", fmt="speculators")
+    g4, _ = _drafter("dspark", gemma4_target, gemma4_cfg, mask_token_id=4)
+    _fails_with(g4, gemma4_target, tmp_path / "g", "Qwen3DSparkModel \\(Qwen3 draft layers\\) only", fmt="speculators")
+    learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    _fails_with(learned, qwen3_target, tmp_path / "m", "learned mask embedding", fmt="speculators")
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    _fails_with(d, qwen3_target, tmp_path / "s", "read by vLLM, not sglang", fmt="speculators", engine="sglang")
+    _fails_with(d, qwen3_target, tmp_path / "v", "--verifier names the target", verifier="x")
+
+
 def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
     """--overwrite must never delete the drafter being exported (its checkpoints, logs, summary)."""
     from deepspec.cli import main as cli_main

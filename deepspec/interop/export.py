@@ -386,7 +386,8 @@ def speculators_layout(d, target, mask_token_id=None, verifier=None):
                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": gamma,
                                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                                   "verifier": {"name_or_path": str(name),
-                                               "architectures": list(getattr(target.config, "architectures", None) or [])}},
+                                               "architectures": list(getattr(target.config, "architectures", None)
+                                                                    or [type(target.model).__name__])}},
            "transformer_layer_config": layer,
            "draft_vocab_size": int(ref.get("draft_vocab_size", ref["vocab_size"])),
            "target_hidden_size": int(c.deepspec_target_hidden_size), "block_size": gamma,
