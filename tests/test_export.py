@@ -207,13 +207,11 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
     _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
 
 
-@pytest.mark.parametrize("kind,target_fixture,cfg_fixture,mask", [("qwen3", "qwen3_target", "qwen3_cfg", 11),
-                                                                 ("gemma4", "gemma4_target", "gemma4_cfg", 4)])
-def test_vllm_dflash_export_converts_back_to_the_same_dflash(kind, target_fixture, cfg_fixture, mask, request, tmp_path):
+def test_vllm_dflash_export_converts_back_to_the_same_dflash(qwen3_target, qwen3_cfg, tmp_path):
     """The null Markov head of a vLLM DFlash export is dropped again by convert-checkpoint:
     the same DFlash drafter, bit for bit, with the same proposals."""
-    target, cfg = request.getfixturevalue(target_fixture), request.getfixturevalue(cfg_fixture)
-    d, _ = _drafter("dflash", target, cfg, mask_token_id=mask)
+    target, cfg = qwen3_target, qwen3_cfg
+    d, _ = _drafter("dflash", target, cfg, mask_token_id=11)
     out = export.export_drafter(d, target, "deepspec", tmp_path / "v", engine="vllm")
     assert json.loads((out / "config.json").read_text())["markov_rank"] == 1
     e = load_drafter(convert.convert_reference_checkpoint(out, target, tmp_path / "back"), target)
@@ -453,6 +451,25 @@ def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_
     assert cli_main(["export-checkpoint", "--preset", "tiny", "--src", str(src), "--format", "deepspec",
                      "--out", str(tmp_path / "runs" / "dspark-export")]) == 0
     assert (tmp_path / "runs" / "dspark-export" / "model.safetensors").exists()
+
+
+def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path, monkeypatch):
+    """export-checkpoint's --engine sglang --sts/--sps and --format speculators --verifier reach the export."""
+    from deepspec.cli import main as cli_main
+    from deepspec.targets import loading as target_mod
+
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    d.save_pretrained(str(tmp_path / "src"))
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    alg1 = _alg1(tmp_path)
+    base = ["export-checkpoint", "--preset", "tiny", "--src", str(tmp_path / "src")]
+    assert cli_main(base + ["--format", "deepspec", "--engine", "sglang", "--sts", str(alg1), "--sps", str(alg1),
+                            "--out", str(tmp_path / "sg")]) == 0
+    assert {p.name for p in (tmp_path / "sg").iterdir()} == {"config.json", "model.safetensors", "sglang_sts.json",
+                                                             "sglang_sps.json"}
+    assert cli_main(base + ["--format", "speculators", "--verifier", "Qwen/Qwen3-4B", "--out", str(tmp_path / "sp")]) == 0
+    cfg = json.loads((tmp_path / "sp" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"
 
 
 # --------------------------------------------------------------------------- DeepSeek's released Eagle3 layout
