@@ -141,7 +141,10 @@ def _fails(d, target, fmt, out, match):
 def test_refusals(tiny_target, tiny_cfg, qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
     llama, _ = _drafter("eagle3", tiny_target, tiny_cfg)
     _fails(llama, tiny_target, "deepspec", tmp_path / "a", "Qwen3 and Gemma4")
-    _fails(llama, tiny_target, "eagle3", tmp_path / "b", "fuses 3 feature layers, this drafter 2")
+    _fails_for(llama, tiny_target, "eagle3", "sglang", tmp_path / "b", "fuses 3 feature layers, this drafter 2")
+    cfg = json.loads((export.export_drafter(llama, tiny_target, "eagle3", tmp_path / "b2", engine="vllm")
+                      / "config.json").read_text())  # vLLM sizes fc from the list: any number of layers
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [x + 1 for x in tiny_cfg["target"]["feature_layers"]]
     dspark, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
     _fails(dspark, qwen3_target, "eagle3", tmp_path / "c", "only Eagle3 drafters")
     g4, _ = _drafter("eagle3", gemma4_target, gemma4_cfg)

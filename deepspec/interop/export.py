@@ -66,6 +66,9 @@ NULL_MARKOV_RANK = 1
 # SGLang's DSPARK loads these files (docs/FORMATS.md §1.3), written beside the weights.
 SGLANG_STS_FILE, SGLANG_SPS_FILE = "sglang_sts.json", "sglang_sps.json"
 EAGLE3_ARCH = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "LlamaForCausalLMEagle3"}
+# SGLang's LlamaForCausalLMEagle3 builds fc over 3 feature layers (docs/FORMATS.md);
+# vLLM 0.32's sizes it from eagle_config's layer list (llama_eagle3.py), any count
+SGLANG_EAGLE3_FEATURES = 3
 
 
 def _base_config(d) -> dict:
@@ -513,6 +516,10 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         cfg, sd = eagle3_layout(d, target)
         if engine == "sglang" and cfg["architectures"] != [EAGLE3_ARCH["llama"]]:
             _refuse("as eagle3 for SGLang", "SGLang's EAGLE-3 draft class is LlamaForCausalLMEagle3 (Llama layer) only")
+        n = len(cfg["deepspec_feature_layers"])
+        if engine == "sglang" and n != SGLANG_EAGLE3_FEATURES:
+            _refuse("as eagle3 for SGLang", f"SGLang's LlamaForCausalLMEagle3 fuses {SGLANG_EAGLE3_FEATURES} feature "
+                    f"layers, this drafter {n} (vLLM takes any number)")
         _check_eagle3(cfg, sd)
     cfg["deepspec_exported_from"] = {"target": d.config.deepspec_target_id, "method": d.method, "format": fmt}
     with atomic_dir(out, overwrite=overwrite) as tmp:

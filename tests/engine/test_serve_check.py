@@ -40,7 +40,7 @@ def _check_record(rec: dict) -> None:
     assert g["tau_vllm"] is not None and g["tau_vllm"] > 1.0, "the drafter accepts nothing: the check exercises no position"
 
 
-def _overfit_eagle3(target, cfg, ids, steps=400, lr=1e-2):
+def _overfit_eagle3(target, cfg, ids, steps=150, lr=2e-2):
     """An Eagle3 drafter with the target's full vocabulary, trained on the target's own
     greedy continuations `ids` [B, L] until it predicts them (high tau: every draft
     position of a round is exercised)."""
@@ -57,7 +57,7 @@ def _overfit_eagle3(target, cfg, ids, steps=400, lr=1e-2):
     d.train()
     for _ in range(steps):
         loss, m = d.training_step(batch, step_spec(cfg), gen)
-        if m["tau_expected"] > 4.5:
+        if m["tau_expected"] > 3.5:
             break
         opt.zero_grad()
         loss.backward()
@@ -86,7 +86,7 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     cfg["target"]["feature_layers"] = [0, 1]
     cfg["train"]["num_anchors"] = 16
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, model.config.vocab_size, (12, PROMPT), generator=g)
+    prompts = torch.randint(3, model.config.vocab_size, (6, PROMPT), generator=g)
     with torch.no_grad():
         ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW, min_new_tokens=NEW,
                              do_sample=False)
@@ -94,14 +94,15 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     assert m["tau_expected"] > 3.0, m
     layers = cfg["target"]["feature_layers"]
     items = [(f"random/{i}", p.tolist()) for i, p in enumerate(prompts)]
+    sampled = [(f"{sid}/{k}", p) for k in range(3) for sid, p in items]  # three samples of each prompt
     rows = []  # our own decoding at T = 1: the records vLLM's sampled rounds are compared with
-    for i, (sid, p) in enumerate(items):
+    for i, (sid, p) in enumerate(sampled):
         gen = speculative_generate(target, d, p, feature_layers=layers, max_new_tokens=NEW, temperature=1.0,
                                    generator=torch.Generator().manual_seed(i))
         rows += [dict(r, sample_id=sid, final=j == len(gen.rounds) - 1) for j, r in enumerate(gen.rounds)]
     records = pd.DataFrame(rows)
     res = serve_and_compare(vllm_python, target, tmp_path / "target", d, tmp_path / "eagle3.vllm", greedy=items,
-                            sampled=items, records=records, feature_layers=layers, max_new_tokens=NEW, temperature=1.0,
+                            sampled=sampled, records=records, feature_layers=layers, max_new_tokens=NEW, temperature=1.0,
                             seed=0, n_boot=500, kv_cache_gb=1, max_model_len=PROMPT + NEW + 16, tokenizer=False)
     _check_record(res)
     assert res["greedy"]["tau_vllm"] > 3.0 and res["greedy"]["tau_deepspec"] == pytest.approx(res["greedy"]["tau_vllm"], abs=0.2)
