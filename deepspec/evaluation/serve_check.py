@@ -47,11 +47,11 @@ from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
-from .engine_env import vllm_python
+from ..interop.engine_env import vllm_python
 
 log = logging.getLogger(__name__)
 
-RUNNER = Path(__file__).with_name("vllm_run.py")
+RUNNER = Path(__file__).parents[1] / "interop" / "vllm_run.py"
 MIN_ATTEMPTS = 30  # positions compared at T > 0 rest on at least this many attempts on each side (as Figure 2)
 
 
@@ -186,7 +186,7 @@ def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, 
     our `records` of them, vLLM's speculative decoding at `temperature` against
     those records. The result dict of the module docstring (`passed` included)."""
     from ..core.decode import plain_generate, speculative_generate
-    from .export import export_for_engine
+    from ..interop.export import export_for_engine
 
     spec = export_for_engine(drafter, target, "vllm", export, overwrite=True)
     K = int(spec["num_speculative_tokens"])
