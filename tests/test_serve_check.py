@@ -67,6 +67,17 @@ def test_max_tokens_cut_of_the_last_round_is_not_a_difference():
     assert g["lossless"] and g["rounds_identical"]
 
 
+def test_a_final_round_without_eos_must_match_and_answers_must_be_complete():
+    # the last round cut by max_new_tokens (no EOS: ours emitted the bonus) accepting more in vLLM is a difference
+    toks = [1, 2, 3, 4]
+    ours = Generation(tokens=toks, time_s=0, rounds=[{"accepted": 1, "emitted": 2}, {"accepted": 1, "emitted": 2}])
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]},
+                       {"requests": [_vllm(toks, [1, 3], emitted=[2, 1])]})
+    assert not g["rounds_identical"] and g["eos_rounds"] == 0
+    with pytest.raises(DeepSpecError, match="answered 0 of 1 requests"):
+        compare_greedy([_ours(toks, [])], [ours], {"requests": []}, {"requests": []})
+
+
 def test_vllm_records_drop_the_prefill_and_mark_final_rounds():
     ans = {"requests": [_vllm(list(range(8)), [2, 0, 2]), _vllm([1, 2], [0])]}
     df = vllm_records(ans, ["a/1", "b/1"], K=3)

@@ -24,8 +24,8 @@ served by that engine (vLLM), checked against the project's own decoding.
      CSVs): the paired-bootstrap interval of the difference at each position
      with enough attempts should contain 0; tau in vLLM (1 + accepted / drafts,
      as vLLM reports it) goes into REPORT.md beside ours.
-A failed greedy check exits 1 after writing the JSON (`passed: false`); the
-output is a record, not a half-written file.
+A failed greedy check exits 1 after writing the JSON (`passed: false`), or 0
+with `--allow-fail` (the DAG's rule, so that REPORT.md can show the failure).
 """
 from __future__ import annotations
 
@@ -88,6 +88,9 @@ def vllm_records(answer: dict, sample_ids: list[str], K: int) -> pd.DataFrame:
 def compare_greedy(ours_plain, ours_spec, vllm_plain, vllm_spec) -> dict:
     """The lossless and round-by-round checks of greedy decoding (module docstring)."""
     mism, round_mism, eos_rounds, rounds = [], [], 0, 0
+    n = {len(ours_plain), len(ours_spec), len(vllm_plain["requests"]), len(vllm_spec["requests"])}
+    if len(n) != 1:
+        raise DeepSpecError(f"vLLM answered {len(vllm_spec['requests'])} of {len(ours_spec)} requests")
     for i, (op, os_, vp, vs) in enumerate(zip(ours_plain, ours_spec, vllm_plain["requests"], vllm_spec["requests"])):
         want = op.tokens
         for who, got in (("vllm speculative", vs["tokens"]), ("vllm plain", vp["tokens"]),
@@ -109,8 +112,8 @@ def compare_greedy(ours_plain, ours_spec, vllm_plain, vllm_spec) -> dict:
             if s["emitted"] != ours_emit:
                 round_mism.append({"prompt": i, "round": j, "what": "emitted", "deepspec": ours_emit, "vllm": s["emitted"]})
             elif s["accepted"] != r["accepted"]:
-                if final and s["accepted"] > r["accepted"]:
-                    eos_rounds += 1  # vLLM counts drafts accepted after the EOS that ended the request
+                if final and r["emitted"] == r["accepted"] and s["accepted"] > r["accepted"]:
+                    eos_rounds += 1  # ours stopped at an accepted EOS (no bonus); vLLM counts the drafts after it
                 else:
                     round_mism.append({"prompt": i, "round": j, "what": "accepted", "deepspec": r["accepted"],
                                        "vllm": s["accepted"]})
@@ -138,12 +141,14 @@ def compare_sampled(ours: pd.DataFrame, theirs: pd.DataFrame, K: int, *, n_boot:
                              alpha=0.05 / K)
         judged = bool(min(a.attempts[k], b.attempts[k]) >= MIN_ATTEMPTS)
         holds = bool(lo <= 0 <= hi) if judged else None
-        agree &= holds is not False
+        agree = agree and holds is not False
         rows.append({"position": k + 1, "deepspec_attempts": int(a.attempts[k]), "deepspec": _f(a.conditional[k]),
                      "vllm_attempts": int(b.attempts[k]), "vllm": _f(b.conditional[k]), "difference": _f(d),
                      "ci_low": _f(lo), "ci_high": _f(hi), "judged": judged, "contains_zero": holds})
     s_ours = summarize_rounds(ours.assign(emitted=ours["accepted"] + 1), n_boot=n_boot, seed=seed)
     s_vllm = summarize_rounds(theirs.assign(emitted=theirs["accepted"] + 1), n_boot=n_boot, seed=seed)
+    if not any(r["judged"] for r in rows):
+        agree = None  # no position rests on enough attempts: nothing to compare
     return {"rounds_deepspec": int(len(ours)), "rounds_vllm": int(len(theirs)), "positions": rows,
             "agree": agree, "tau_deepspec_nonfinal": s_ours["tau"], "tau_vllm_nonfinal": s_vllm["tau"]}
 
@@ -180,7 +185,8 @@ def our_records(paths: RunPaths, method: str, benches: list[str]) -> pd.DataFram
 
 def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, *, greedy: list, sampled: list | None,
                       records: pd.DataFrame | None, feature_layers, max_new_tokens: int, temperature: float, seed: int,
-                      n_boot: int, kv_cache_gb: float, max_model_len: int, tokenizer: bool = True) -> dict:
+                      n_boot: int, kv_cache_gb: int, max_model_len: int, tokenizer: bool = True,
+                      dtype: str = "float32") -> dict:
     """Export `drafter` for vLLM at `export`, decode `greedy` ([(sample id, token ids)])
     in vLLM (plain and speculative) and in our code, and, given `sampled` prompts and
     our `records` of them, vLLM's speculative decoding at `temperature` against
@@ -191,8 +197,11 @@ def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, 
     spec = export_for_engine(drafter, target, "vllm", export, overwrite=True)
     K = int(spec["num_speculative_tokens"])
     spec = dict(spec, model=str(Path(export).resolve()))
-    base = {"target": str(Path(target_dir).resolve()), "max_tokens": max_new_tokens, "dtype": "float32", "seed": seed,
-            "max_model_len": max_model_len, "kv_cache_gb": kv_cache_gb, "skip_tokenizer_init": not tokenizer}
+    base = {"target": str(Path(target_dir).resolve()), "max_tokens": max_new_tokens, "dtype": dtype, "seed": seed,
+            "max_model_len": max_model_len, "kv_cache_gb": int(kv_cache_gb), "skip_tokenizer_init": not tokenizer}
+    if torch.cuda.is_available():  # our target and drafter already hold GPU memory: vLLM takes what is free
+        free, total = torch.cuda.mem_get_info()
+        base["gpu_memory_utilization"] = round(max(0.05, free / total - 0.05), 3)
     with tempfile.TemporaryDirectory(prefix=".serve-", dir=Path(export).parent) as tmp:
         work = Path(tmp)
         v_plain = run_vllm(py, dict(base, prompts=[ids for _, ids in greedy], temperature=0.0), work, "plain")
@@ -235,6 +244,8 @@ def cli_serve_check(argv) -> int:
     p.add_argument("--prompts", type=int, default=None, help="greedy check: the first N prompts of each benchmark "
                    "(default serve.greedy_prompts)")
     p.add_argument("--no-sampled", action="store_true", help="skip the comparison at eval.temperature")
+    p.add_argument("--allow-fail", action="store_true", help="exit 0 with the record written (passed: false) when a "
+                   "check fails (the DAG's rule: REPORT.md shows it)")
     p.add_argument("--vllm-python", default=None, help="the Python with vLLM (default $DEEPSPEC_VLLM_PYTHON, else this one)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
@@ -270,7 +281,8 @@ def cli_serve_check(argv) -> int:
                             feature_layers=feature_layers(cfg, drafter), max_new_tokens=int(cfg["eval"]["max_new_tokens"]),
                             temperature=float(cfg["eval"]["temperature"]), seed=int(cfg["eval"]["seed"]),
                             n_boot=int(cfg["eval"]["n_boot"]), kv_cache_gb=cfg["serve"]["kv_cache_gb"],
-                            max_model_len=int(cfg["data"]["max_prompt_tokens"]) + int(cfg["eval"]["max_new_tokens"]) + 16)
+                            max_model_len=int(cfg["data"]["max_prompt_tokens"]) + int(cfg["eval"]["max_new_tokens"]) + 16,
+                            dtype=cfg["target"]["dtype"])
     res["method"] = args.method
     g = res["greedy"]
     res["passed"] = bool(g["lossless"] and g["rounds_identical"])
@@ -278,7 +290,7 @@ def cli_serve_check(argv) -> int:
     log.info("serve-check %s: lossless %s, rounds identical %s (%d rounds, %d EOS rounds), tau in vLLM %s",
              args.method, g["lossless"], g["rounds_identical"], g["rounds"], g["eos_rounds"],
              res.get("sampled", res["greedy"])["tau_vllm"])
-    if not res["passed"]:
+    if not res["passed"] and not args.allow_fail:
         print(f"deepspec serve-check: vLLM disagrees with deepspec ({out}): "
               f"{(g['output_mismatches'] + g['round_mismatches'])[:1]}", file=sys.stderr)
         return 1

@@ -30,8 +30,8 @@ import time
 
 
 def _engine(req: dict):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: step by step
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(req.get("kv_cache_gb", 1)))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: step by step
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(req.get("kv_cache_gb", 1))))  # vLLM reads whole GiB
     from vllm import LLM
 
     kw = dict(model=req["target"], dtype=req.get("dtype", "float32"), max_model_len=int(req.get("max_model_len", 2048)),

@@ -270,6 +270,8 @@ def served_markdown(cfg) -> list[str]:
         return []
     yes = {True: "yes", False: "**no**"}
     lines = ["## Served in vLLM", "",
+             *([f"**The serve check failed for {', '.join(m for m, r in recs.items() if not r['passed'])}**: "
+                "see results/<target>/serve/<method>.json.", ""] if not all(r["passed"] for r in recs.values()) else []),
              "Each drafter exported as vLLM loads it (`python -m deepspec serve-check`, docs/GPU.md) and decoded by "
              "vLLM one request at a time. Greedy: vLLM's speculative output against the target's own, and every "
              "round's emitted and accepted tokens against ours (in a request's final round vLLM also counts drafts "
@@ -283,7 +285,7 @@ def served_markdown(cfg) -> list[str]:
         lines.append(f"| {m} | {r['vllm_version']} | {yes[g['lossless']]} ({g['prompts']}) | "
                      f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
                      f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
-                     f"{yes[s['agree']] if 'agree' in s else ''} |")
+                     f"{yes[s['agree']] if s.get('agree') is not None else 'n/a'} |")
     for m, r in recs.items():
         by = (r.get("sampled") or {}).get("benchmarks") or {}
         if by:

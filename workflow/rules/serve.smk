@@ -25,4 +25,4 @@ rule serve_check:
         **EVAL_RESOURCES,
     shell:
         "OMP_NUM_THREADS={threads} {params.env}python -m deepspec serve-check {CONFIG_ARGS} "
-        "--method {wildcards.method} --out {output:q} > {log:q} 2>&1"
+        "--method {wildcards.method} --out {output:q} --allow-fail > {log:q} 2>&1"
