@@ -189,3 +189,11 @@ def test_vllm_export_of_qwen3_layers_over_llama_and_back(tiny_target, tiny_cfg, 
     ids, f = batch["input_ids"], batch["features"]
     with torch.no_grad():
         assert torch.equal(d(ids, f, torch.tensor([[4, 9]])), e(ids, f, torch.tensor([[4, 9]])))
+
+
+def test_report_names_the_draft_layers():
+    from deepspec.reporting.report import _draft_layers
+
+    assert _draft_layers(load_config("tiny")) == "draft layers: the target's layer type"
+    mixed = load_config("tiny", {"drafter": {"layer_arch": {"dflash": "qwen3", "dspark": "qwen3"}}})
+    assert _draft_layers(mixed) == "draft layers: eagle3: the target's layer type; dflash, dspark: Qwen3 layers"
