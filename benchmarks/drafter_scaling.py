@@ -4,7 +4,7 @@ CPU-seconds each point cost.
 
     python benchmarks/drafter_scaling.py [--preset smollm2-135m] [--tokens 30000 100000 300000]
         [--steps 300 900 2700] [--eagle3-steps 100 300] [--methods dflash dspark eagle3]
-        [--jobs 2] [--out results/scaling]
+        [--layer-archs target qwen3] [--jobs 2] [--out results/scaling]
 
 1. Data, through the DAG itself (`snakemake ... cache/manifest.json`, so the
    cost is the presets' cost): a training pool of the preset's sources with
@@ -28,10 +28,18 @@ CPU-seconds each point cost.
    accepted draft), so it is cheap enough for a grid. Intervals: 95 %
    bootstrap over held-out samples.
 
-Outputs under --out: scaling.csv (method, tokens, steps, domain, position,
-acceptance, ci_low, ci_high, n_samples, train_cpu_s, data_cpu_s), scaling.md
-(the table the docs quote: position-1..3 acceptance per domain, expected tau
-and CPU-seconds per point) and scaling.png. A finished point is kept in
+4. Draft-layer A/B (`--layer-archs target qwen3`): every point once per
+   drafter.layer_arch, with the same seed, data subset and steps, so the arms
+   differ only in their draft layers; paired.csv / paired.md give each arm's
+   acceptance minus the first arm's per domain and position, and the macro
+   E[tau] difference, with 95 % paired-bootstrap intervals over the held-out
+   samples (both arms measured on the same samples).
+
+Outputs under --out: scaling.csv (method, layer_arch, tokens, steps, domain,
+position, acceptance, ci_low, ci_high, n_samples, train_cpu_s, data_cpu_s),
+scaling.md (the table the docs quote: position-1..3 acceptance per domain,
+expected tau and CPU-seconds per point), scaling.png and, with two or more
+--layer-archs, paired.csv and paired.md. A finished point is kept in
 points/<name>.json, so a rerun only computes what is missing.
 """
 from __future__ import annotations
@@ -194,7 +202,8 @@ def run_point(job: dict) -> dict:
     train(drafter, pool, step_fn, cfg["train"], job["out"], collate_fn=collate, resume=False)
     t1 = time.process_time()
     rows = heldout_acceptance(drafter, CacheDataset(job["heldout_cache"]), spec)
-    return {**{k: job[k] for k in ("method", "tokens", "steps")}, "actual_tokens": job["actual_tokens"],
+    return {**{k: job[k] for k in ("method", "tokens", "steps")}, "layer_arch": job.get("layer_arch"),
+            "actual_tokens": job["actual_tokens"],
             "train_cpu_s": t1 - t0, "eval_cpu_s": time.process_time() - t1, "samples": rows}
 
 
@@ -215,7 +224,8 @@ def summarize(points: list[dict], data_cpu_per_token: float, n_boot: int = 1000,
                 continue
             boot = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)  # [n_boot, gamma]
             for k in range(x.shape[1]):
-                rows.append({"method": p["method"], "tokens": p["tokens"], "actual_tokens": p["actual_tokens"],
+                rows.append({"method": p["method"], "layer_arch": p.get("layer_arch") or "preset",
+                             "tokens": p["tokens"], "actual_tokens": p["actual_tokens"],
                              "steps": p["steps"], "domain": domain, "position": k + 1,
                              "acceptance": x[:, k].mean(), "ci_low": np.quantile(boot[:, k], 0.025),
                              "ci_high": np.quantile(boot[:, k], 0.975), "n_samples": len(x),
@@ -225,17 +235,89 @@ def summarize(points: list[dict], data_cpu_per_token: float, n_boot: int = 1000,
 
 
 def markdown(df) -> str:
-    lines = ["| method | tokens | steps | " + " | ".join(f"{d} c*1..{GAMMA_SHOWN}" for d in DOMAINS)
-             + " | macro E[tau] | train CPU-s | data CPU-s |", "|---" * (6 + len(DOMAINS)) + "|"]
-    for (m, t, s), g in df.groupby(["method", "tokens", "steps"], sort=True):
+    archs = df.layer_arch.nunique() > 1 if "layer_arch" in df else False
+    lines = ["| method | " + ("layers | " if archs else "") + "tokens | steps | "
+             + " | ".join(f"{d} c*1..{GAMMA_SHOWN}" for d in DOMAINS)
+             + " | macro E[tau] | train CPU-s | data CPU-s |", "|---" * (6 + archs + len(DOMAINS)) + "|"]
+    keys = ["method", "layer_arch", "tokens", "steps"] if archs else ["method", "tokens", "steps"]
+    for key, g in df.groupby(keys, sort=True):
+        m, s = key[0], key[-1]
         cells = []
         for d in DOMAINS:
             v = g[(g.domain == d) & (g.position <= GAMMA_SHOWN)].sort_values("position").acceptance
             cells.append(" / ".join(f"{a:.2f}" for a in v) if len(v) else "-")
         tau = g.groupby("domain").expected_tau.first().mean()
         n = g.actual_tokens.iloc[0]
-        lines.append(f"| {m} | {f'{n / 1000:.0f}k' if n >= 1000 else n} | {s} | " + " | ".join(cells)
+        lines.append(f"| {m} | " + (f"{key[1]} | " if archs else "") + f"{f'{n / 1000:.0f}k' if n >= 1000 else n} | {s} | "
+                     + " | ".join(cells)
                      + f" | {tau:.2f} | {g.train_cpu_s.iloc[0]:.0f} | {g.data_cpu_s.iloc[0]:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
+    """Each layer_arch arm minus the first arm at the same (method, tokens, steps):
+    rows of paired.csv, per domain and position the acceptance difference and,
+    per domain and macro (position "tau"), the E[tau] difference, each with a 95 %
+    paired-bootstrap interval (the same resampled held-out samples for both arms)."""
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    groups: dict[tuple, list[dict]] = {}
+    for p in points:
+        groups.setdefault((p["method"], p["tokens"], p["steps"]), []).append(p)
+    rows = []
+    for (method, tokens, steps), ps in sorted(groups.items()):
+        base = ps[0]
+        for other in ps[1:]:
+            if [d for d, _ in other["samples"]] != [d for d, _ in base["samples"]]:
+                raise SystemExit(f"paired: {method} arms were measured on different held-out samples")
+            taus_a, taus_b = [], []
+            for domain in DOMAINS:
+                idx = [i for i, (d, _) in enumerate(base["samples"]) if d == domain]
+                if not idx:
+                    continue
+                a = np.array([base["samples"][i][1] for i in idx])  # [n, gamma]
+                b = np.array([other["samples"][i][1] for i in idx])
+                draw = rng.integers(0, len(idx), (n_boot, len(idx)))
+                ma, mb = a[draw].mean(1), b[draw].mean(1)  # [n_boot, gamma]
+                ta, tb = 1 + np.cumprod(ma, 1).sum(1), 1 + np.cumprod(mb, 1).sum(1)
+                taus_a.append((1 + np.cumprod(a.mean(0)).sum(), ta))
+                taus_b.append((1 + np.cumprod(b.mean(0)).sum(), tb))
+                head = {"method": method, "tokens": tokens, "steps": steps, "arm": other.get("layer_arch"),
+                        "baseline": base.get("layer_arch"), "domain": domain, "n_samples": len(idx)}
+                for k in range(a.shape[1]):
+                    diff = mb[:, k] - ma[:, k]
+                    rows.append({**head, "position": k + 1, "baseline_value": a[:, k].mean(),
+                                 "arm_value": b[:, k].mean(), "diff": b[:, k].mean() - a[:, k].mean(),
+                                 "ci_low": np.quantile(diff, 0.025), "ci_high": np.quantile(diff, 0.975)})
+                rows.append({**head, "position": "tau", "baseline_value": taus_a[-1][0], "arm_value": taus_b[-1][0],
+                             "diff": taus_b[-1][0] - taus_a[-1][0], "ci_low": np.quantile(tb - ta, 0.025),
+                             "ci_high": np.quantile(tb - ta, 0.975)})
+            ma_tau = np.mean([t for t, _ in taus_a])
+            mb_tau = np.mean([t for t, _ in taus_b])
+            dboot = np.mean([tb for _, tb in taus_b], 0) - np.mean([ta for _, ta in taus_a], 0)
+            rows.append({"method": method, "tokens": tokens, "steps": steps, "arm": other.get("layer_arch"),
+                         "baseline": base.get("layer_arch"), "domain": "macro", "n_samples": len(base["samples"]),
+                         "position": "tau", "baseline_value": ma_tau, "arm_value": mb_tau, "diff": mb_tau - ma_tau,
+                         "ci_low": np.quantile(dboot, 0.025), "ci_high": np.quantile(dboot, 0.975)})
+    return pd.DataFrame(rows)
+
+
+def paired_markdown(df) -> str:
+    """paired.csv as the table the docs quote: positions 1..GAMMA_SHOWN per domain and macro E[tau]."""
+    lines = ["| method | steps | arm − baseline | " + " | ".join(f"{d} Δc*1..{GAMMA_SHOWN}" for d in DOMAINS)
+             + " | Δ macro E[tau] |", "|---" * (4 + len(DOMAINS)) + "|"]
+
+    def cell(r):
+        return f"{r['diff']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+
+    for (m, t, s, arm, base), g in df.groupby(["method", "tokens", "steps", "arm", "baseline"], sort=True):
+        cells = []
+        for d in DOMAINS:
+            pos = g[(g.domain == d) & (g.position.astype(str).isin([str(k) for k in range(1, GAMMA_SHOWN + 1)]))]
+            cells.append("<br>".join(cell(r) for _, r in pos.iterrows()) or "-")
+        macro = g[(g.domain == "macro")].iloc[0]
+        lines.append(f"| {m} | {s} | {arm} − {base} | " + " | ".join(cells) + f" | {cell(macro)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -248,10 +330,10 @@ def plot(df, path: Path) -> None:
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(4 * len(DOMAINS), 3.2), sharey=True)
     p1 = df[df.position == 1]
     for ax, d in zip(axes, DOMAINS):
-        for (m, s), g in p1[p1.domain == d].groupby(["method", "steps"]):
+        for (m, a, s), g in p1[p1.domain == d].groupby(["method", "layer_arch", "steps"]):
             g = g.sort_values("actual_tokens")
             ax.errorbar(g.actual_tokens, g.acceptance, yerr=[g.acceptance - g.ci_low, g.ci_high - g.acceptance],
-                        marker="o", capsize=2, label=f"{m}, {s} steps")
+                        marker="o", capsize=2, label=f"{m}{'' if a == 'preset' else f' ({a} layers)'}, {s} steps")
         ax.set_xscale("log")
         ax.set_title(d)
         ax.set_xlabel("regenerated training tokens")
@@ -273,6 +355,9 @@ def main(argv=None) -> int:
     p.add_argument("--eagle3-steps", type=int, nargs="+", default=None,
                    help="Eagle3's step grid instead of --steps (its 7-step TTT chain costs ~6x a DFlash step)")
     p.add_argument("--methods", nargs="+", default=["dflash", "dspark", "eagle3"])
+    p.add_argument("--layer-archs", nargs="+", default=None, choices=["target", "qwen3"],
+                   help="drafter.layer_arch arms (default: the preset's): each point once per arm, same seed, data "
+                        "and steps; paired.md gives each arm minus the first")
     p.add_argument("--heldout-per-domain", type=int, default=48)
     p.add_argument("--tokens-per-prompt", type=float, default=100.0,
                    help="answer tokens per training prompt, to size the pool (the default preset: ~100)")
@@ -314,12 +399,16 @@ def main(argv=None) -> int:
     for b in args.tokens:
         for m in args.methods:
             for s in (args.eagle3_steps or args.steps) if m == "eagle3" else args.steps:
-                name = f"{m}-{b}-{s}"
-                jobs.append({"preset": args.preset, "method": m, "tokens": b, "steps": s, "name": name,
-                             "overrides": {"results_dir": str(out / "pool"), "train": {"max_steps": s, "epochs": 10000}},
-                             "pool_cache": str(pool_cache), "heldout_cache": str(held_cache),
-                             "indices": subsets[b], "actual_tokens": int(tokens[subsets[b]].sum()),
-                             "out": str(out / "runs" / name)})
+                for arch in args.layer_archs or [None]:
+                    name = f"{m}-{b}-{s}" + (f"-{arch}" if arch else "")
+                    over = {"results_dir": str(out / "pool"), "train": {"max_steps": s, "epochs": 10000}}
+                    if arch:
+                        over["drafter"] = {"layer_arch": arch}
+                    jobs.append({"preset": args.preset, "method": m, "tokens": b, "steps": s, "name": name,
+                                 "layer_arch": arch, "overrides": over,
+                                 "pool_cache": str(pool_cache), "heldout_cache": str(held_cache),
+                                 "indices": subsets[b], "actual_tokens": int(tokens[subsets[b]].sum()),
+                                 "out": str(out / "runs" / name)})
     (out / "points").mkdir(exist_ok=True)
     todo = [j for j in jobs if not (out / "points" / f"{j['name']}.json").exists()]
     # the longest first, so that the last job to finish is a short one
@@ -339,6 +428,11 @@ def main(argv=None) -> int:
     write_text_atomic(out / "scaling.md", table)
     plot(df, out / "scaling.png")
     print(table)
+    if args.layer_archs and len(args.layer_archs) > 1:
+        pairs = paired(points)
+        pairs.to_csv(out / "paired.csv", index=False)
+        write_text_atomic(out / "paired.md", paired_markdown(pairs))
+        print(paired_markdown(pairs))
     return 0
 
 

@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from deepspec.config import load_config
 from deepspec.data.prompts import data_root, read_turns_jsonl, subsample
@@ -33,3 +34,32 @@ def test_heldout_prompts_exclude_the_presets_evaluation_prompts(shared_data):
     picked = [r["turns"][0] for rows in held.values() for r in rows]
     assert len(set(picked)) == len(picked) and not set(picked) & evaluated
     assert S.heldout_prompts(cfg, per_domain=40, seed=0) == held  # seeded
+
+
+def _point(arch, samples):
+    return {"method": "dspark", "tokens": 30000, "steps": 900, "layer_arch": arch, "actual_tokens": 30000,
+            "train_cpu_s": 1.0, "samples": samples}
+
+
+def test_layer_arch_ab_is_paired_over_the_same_samples():
+    """paired(): each arm minus the first on the same held-out samples; a uniform
+    shift is recovered exactly, with a degenerate interval; noise independent of the
+    arm gives an interval that contains 0; different samples are refused."""
+    rng = np.random.default_rng(0)
+    base = [(d, list(rng.uniform(0.0, 0.5, 7))) for d in S.DOMAINS for _ in range(30)]
+    shifted = [(d, [c + 0.04 for c in cs]) for d, cs in base]
+    df = S.paired([_point("target", base), _point("qwen3", shifted)])
+    pos = df[df.position.astype(str) != "tau"]
+    assert set(pos.arm) == {"qwen3"} and set(pos.baseline) == {"target"} and len(pos) == 3 * 7
+    assert np.allclose(pos["diff"], 0.04) and np.allclose(pos.ci_low, 0.04) and np.allclose(pos.ci_high, 0.04)
+    macro = df[df.domain == "macro"].iloc[0]
+    assert macro["diff"] > 0 and macro.ci_low > 0
+    noisy = [(d, list(np.clip(np.array(cs) + rng.normal(0, 0.05, 7), 0, 1))) for d, cs in base]
+    df = S.paired([_point("target", base), _point("qwen3", noisy)])
+    p1 = df[df.position.astype(str) == "1"]
+    assert ((p1.ci_low < p1["diff"]) & (p1["diff"] < p1.ci_high)).all()
+    assert (p1.ci_low < 0.02).all() and (p1.ci_high > -0.02).all()
+    table = S.paired_markdown(df)
+    assert "| dspark | 900 | qwen3 − target |" in table and table.count("\n") == 3
+    with pytest.raises(SystemExit, match="different held-out samples"):
+        S.paired([_point("target", base), _point("qwen3", base[1:] + base[:1])])

@@ -7,13 +7,15 @@ build_drafter(method, target, cfg) -> a fresh drafter attached to `target`
     (shared frozen embedding / LM head; init_from_target copies the last k
     target layers; reduced vocab: call `drafter.set_draft_vocab(counts)`, or
     pass `token_counts=` here, with counts from `count_tokens`).
-load_drafter(path, target) -> a saved drafter, checked against `target`
-    (DeepSpecError on a different target id, vocab or hidden size).
+load_drafter(path, target, drafter_cfg=None) -> a saved drafter, checked against
+    `target` (DeepSpecError on a different target id, vocab or hidden size) and,
+    given the config's `drafter` section, against its drafter.layer_arch (a
+    drafter of other draft layers than the config builds is refused).
 """
 from __future__ import annotations
 
 from ..errors import DeepSpecError
-from .base import METHODS, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
+from .base import METHODS, check_layer_arch, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
 from .dflash import DFlashDrafter
 from .dspark import DSparkDrafter
 from .eagle3 import Eagle3Drafter
@@ -39,7 +41,7 @@ def build_drafter(method: str, target, cfg: dict, token_counts=None):
     return model
 
 
-def load_drafter(path, target):
+def load_drafter(path, target, drafter_cfg: dict | None = None):
     from safetensors import SafetensorError
     from transformers import AutoConfig
 
@@ -47,6 +49,8 @@ def load_drafter(path, target):
     try:
         config = AutoConfig.from_pretrained(str(path))
         check_target_match(config, target, where=f"drafter at {path}")
+        if drafter_cfg is not None:
+            check_layer_arch(config, target, drafter_cfg, where=f"drafter at {path}")
         model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # missing / truncated weights, bad config
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

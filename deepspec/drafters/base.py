@@ -2,7 +2,8 @@
 
 * `DrafterBase` - a transformers `PreTrainedModel` whose config is a copy of
   the target's config (same hidden size, heads, MLP; `num_hidden_layers` = draft
-  layers) plus `deepspec_*` fields: target id, vocab and hidden size, feature
+  layers), or with drafter.layer_arch qwen3 a Qwen3 config of the target's sizes
+  (`blocks.qwen3_draft_config`), plus `deepspec_*` fields: target id, vocab and hidden size, feature
   layers, block size, method and head settings. The target's embedding and LM
   head are *shared, frozen and not saved*: `attach_target` links them (they are
   never registered as sub-modules, so `parameters()` holds only trainable
@@ -15,7 +16,8 @@
 * Context features H_ctx = RMSNorm(W_c [h^(l1); ...; h^(lm)]) (Eq. 2): `fc` +
   `hidden_norm` built by `feature_projection`.
 * Building blocks (attention, RMSNorm, rotary embedding, MLP, decoder layer)
-  come from the target's transformers modeling module (`blocks.blocks_for`).
+  come from the draft config's transformers modeling module
+  (`blocks.blocks_for`): the target's, or Qwen3's with layer_arch qwen3.
 * `propose` returns a `core.decode.Proposal` (docs/INTERFACES.md).
 """
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 
+from ..architectures import draft_model_type, layer_arch_of, same_layers
 from ..errors import DeepSpecError
-from .blocks import blocks_for, gemma4_draft_config
+from .blocks import blocks_for, gemma4_draft_config, qwen3_draft_config
 
 METHODS = ("eagle3", "dflash", "dspark")
 
@@ -42,12 +45,16 @@ METHODS = ("eagle3", "dflash", "dspark")
 
 
 def draft_config(method: str, target, cfg: dict):
-    """Copy of the target's (text) config with the draft depth and the deepspec_* fields."""
+    """Copy of the target's (text) config with the draft depth and the deepspec_* fields
+    (drafter.layer_arch qwen3 over a non-Qwen3 target: a Qwen3 config of its sizes)."""
     d = cfg["drafter"]
     tc = target.text_config
     n = int(d["num_layers"][method])  # the schema gives every method its default depth
+    layers = draft_model_type(tc.model_type, layer_arch_of(d, method), f"{method} drafter")
     if blocks_for(tc).family == "gemma4":
         c = gemma4_draft_config(tc, n)
+    elif layers != tc.model_type:
+        c = qwen3_draft_config(tc, n)
     else:
         c = tc.__class__.from_dict(copy.deepcopy(tc.to_dict()))
     c.num_hidden_layers = n
@@ -92,6 +99,17 @@ def check_target_match(config, target, where: str = "drafter") -> None:
     for layer in getattr(config, "deepspec_feature_layers", []):
         if not -1 <= layer < target.num_layers - 1:
             raise DeepSpecError(f"{where}: feature layer {layer} does not exist in the target")
+
+
+def check_layer_arch(config, target, drafter_cfg: dict, where: str = "drafter") -> None:
+    """A saved drafter's layers (its config's model type) against what the config's
+    drafter.layer_arch builds for this target and the drafter's method."""
+    method = config.deepspec_method
+    arch = layer_arch_of(drafter_cfg, method)
+    want = draft_model_type(target.text_config.model_type, arch, where)
+    if not same_layers(config.model_type, want):
+        raise DeepSpecError(f"{where} has {config.model_type} draft layers, but drafter.layer_arch {arch!r} builds "
+                            f"{want} layers for {method} over this target: retrain, or set drafter.layer_arch")
 
 
 def read_method(path) -> str:

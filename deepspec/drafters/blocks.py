@@ -5,7 +5,9 @@ drafts are built from the target's own layer types).
 classes a draft layer is made of (attention with its q/k norms where the
 architecture has them, MLP, RMSNorm, rotary embedding, decoder layer); an
 architecture outside `ARCHITECTURES` is refused with one line. Gemma4 targets
-get a dense, all-full-attention draft config (`gemma4_draft_config`).
+get a dense, all-full-attention draft config (`gemma4_draft_config`); with
+drafter.layer_arch qwen3, any other target gets a Qwen3 config of its sizes
+(`qwen3_draft_config`), so the draft layers are Qwen3's whatever the target.
 """
 from __future__ import annotations
 
@@ -157,3 +159,27 @@ def gemma4_draft_config(tc, n: int):
         hidden_size_per_layer_input=0,
     )
     return tc.__class__.from_dict(d)
+
+
+# the fields of a target's text config that size a Qwen3 draft layer (the rest are
+# Qwen3's own: q/k RMSNorm per head, no biases, full attention)
+QWEN3_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+                     "pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def qwen3_draft_config(tc, n: int):
+    """A Qwen3Config with the target text config `tc`'s sizes (hidden, heads, K/V
+    heads, head_dim, intermediate, activation, RMS eps, rope parameters, max
+    positions, vocabulary) and n full-attention layers: the draft layers of
+    drafter.layer_arch qwen3, e.g. over a Llama target (a Llama layer plus Qwen3's
+    per-head q/k RMSNorm). Qwen3 layers have no biases, whatever the target's
+    (init_from_target then copies the weights only)."""
+    from transformers import Qwen3Config
+
+    fields = {k: copy.deepcopy(getattr(tc, k)) for k in QWEN3_SIZE_FIELDS if getattr(tc, k, None) is not None}
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    rope = copy.deepcopy(getattr(tc, "rope_parameters", None))
+    return Qwen3Config(**fields, head_dim=head_dim, rope_parameters=rope, num_hidden_layers=n,
+                       layer_types=["full_attention"] * n, use_sliding_window=False, sliding_window=None,
+                       max_window_layers=n, attention_bias=False, attention_dropout=0.0, tie_word_embeddings=False)

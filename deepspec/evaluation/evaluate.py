@@ -344,7 +344,7 @@ def cli_evaluate(argv) -> int:
     path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
-    drafter = load_drafter(path, target).eval()
+    drafter = load_drafter(path, target, cfg["drafter"]).eval()  # its layers as drafter.layer_arch builds them
     base, _ = resolve_method(cfg, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")

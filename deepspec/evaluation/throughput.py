@@ -146,7 +146,7 @@ def cli_throughput(argv) -> int:
     method = args.method or cfg["throughput"]["method"]
     out = Path(args.out) if args.out else RunPaths.of(cfg).table("throughput.csv")
     target = target_from_config(cfg)
-    drafter = load_drafter(drafter_path(cfg, method, args.drafter), target).eval()
+    drafter = load_drafter(drafter_path(cfg, method, args.drafter), target, cfg["drafter"]).eval()
     temps = read_json(Path(args.sts))["sts_temperatures"] if args.sts else None
     names = policy_names(cfg)
     if any(n.startswith("alg1") for n in names) and drafter.config.deepspec_confidence_head is False:

@@ -211,16 +211,30 @@ def _reference_arch(ref: dict, gemma4: bool) -> dict:
     return arch
 
 
+def reference_layer_arch(ref: dict, target) -> str:
+    """The drafter.layer_arch a reference checkpoint was built with: "qwen3" for
+    Qwen3 draft layers over a target of another architecture that may have them
+    (e.g. a Qwen3DSparkModel speculator of a Llama target, as vLLM serves it),
+    else "target"."""
+    from ..architectures import OWN_LAYERS_ONLY, same_layers
+
+    tt = target.text_config.model_type
+    qwen3_over_other = ref.get("model_type") == "qwen3" and not same_layers("qwen3", tt)
+    return "qwen3" if qwen3_over_other and tt not in OWN_LAYERS_ONLY else "target"
+
+
 def check_reference_target(ref: dict, target, where: str, config=None) -> None:
-    """The checkpoint's config against the target: model type, depth, mask token,
-    feature layers, and its architecture fields against `config`, the draft config
-    deepspec builds for the target (built from `ref` when not given)."""
+    """The checkpoint's config against the target: model type (the target's, or
+    Qwen3 draft layers, `reference_layer_arch`), depth, mask token, feature layers,
+    and its architecture fields against `config`, the draft config deepspec builds
+    for the target (built from `ref` when not given)."""
     from ..drafters.base import draft_config
     from ..drafters.blocks import blocks_for, same_layers
 
     tc = target.text_config
     mt = ref.get("model_type")
-    if mt is not None and not (same_layers(mt, tc.model_type) or mt == getattr(target.config, "model_type", None)):
+    layers = "qwen3" if reference_layer_arch(ref, target) == "qwen3" else tc.model_type
+    if mt is not None and not (same_layers(mt, layers) or mt == getattr(target.config, "model_type", None)):
         raise DeepSpecError(f"{where}: a {ref['model_type']} drafter, the target {target.target_id!r} is {tc.model_type}")
     n = ref.get("num_target_layers")
     if n is not None and int(n) != int(target.num_layers):
@@ -234,6 +248,7 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
         raise DeepSpecError(f"{where}: target_layer_ids: {e}") from None
     if config is None:
         method, drafter_cfg = _method(ref)
+        drafter_cfg["layer_arch"] = reference_layer_arch(ref, target)
         config = draft_config(method, target, {"drafter": drafter_cfg,
                                                "target": {"feature_layers": list(ref["target_layer_ids"])}})
     # the draft config's own fields (Gemma4: homogeneous full-attention geometry, no
@@ -349,6 +364,7 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     ref = read_reference_config(src)
     where = str(src / "config.json")
     method, drafter_cfg = _method(ref)
+    drafter_cfg["layer_arch"] = reference_layer_arch(ref, target)  # Qwen3 layers over a Llama target, e.g.
     config = draft_config(method, target, {"drafter": drafter_cfg,
                                            "target": {"feature_layers": list(ref["target_layer_ids"])}})
     check_reference_target(ref, target, where, config)

@@ -259,6 +259,7 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     params = param_counts(drafter, target)
     return {
         "online_target_forwards": online_target_forwards(t, total),
+        "draft_layers": {"count": int(drafter.config.num_hidden_layers), "model_type": drafter.config.model_type},
         "params": params,
         "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
                                           worst["peak_activation_bytes"]),
@@ -410,7 +411,9 @@ def format_plan(plan: dict) -> str:
                                              f"(one per micro batch, {_n(tr['target_forward_flops_per_token'])}FLOP per token)")]
     for m, r in tr["methods"].items():
         p, mem, tot = r["params"], r["activation_memory_at_max_length"], tr["totals"][m]
-        rows += [(f"{m}: parameters", f"trainable {_n(p['trainable'])}, frozen {_n(p['frozen_own'])} own + "
+        lay = r["draft_layers"]
+        rows += [(f"{m}: parameters", f"trainable {_n(p['trainable'])} ({lay['count']} {lay['model_type']} draft "
+                                      f"layer{'s' if lay['count'] != 1 else ''}), frozen {_n(p['frozen_own'])} own + "
                                       f"{_n(p['frozen_shared_target'])} target embedding/head"),
                  (f"{m}: FLOPs per step", f"{_n(r['flops_per_step'])}FLOP measured (fwd+bwd, {r['micro_batches_per_step']} "
                                           f"micro-batches of {_n(r['flops_per_micro_batch'])}FLOP)"),

@@ -6,7 +6,7 @@ which ones the prepare_data rule can build.)
 """
 from __future__ import annotations
 
-from ..architectures import check_model_type
+from ..architectures import check_model_type, draft_model_type, layer_arch_of
 from ..errors import DeepSpecError
 from ..methods import fig3_methods, fig4_methods, resolve_method
 from ..targets.specs import known_config, text_dims, text_fields
@@ -30,7 +30,11 @@ def preflight(cfg: dict) -> None:
                                 f"({', '.join(cfg['data']['benchmarks'])})")
     fields, where = known_config(cfg)
     if fields is not None and text_fields(fields).get("model_type") is not None:
-        check_model_type(text_fields(fields)["model_type"], f"target {cfg['target']['spec']!r} ({where})")
+        model_type = text_fields(fields)["model_type"]
+        check_model_type(model_type, f"target {cfg['target']['spec']!r} ({where})")
+        for name in methods:  # drafter.layer_arch: layers this target can have
+            base, mcfg = resolve_method(cfg, name)
+            draft_model_type(model_type, layer_arch_of(mcfg["drafter"], base), f"{name} drafter")
     n = target_num_layers(cfg)
     for layer in cfg["target"]["feature_layers"]:
         if n is not None and not -1 <= int(layer) <= n - 2:

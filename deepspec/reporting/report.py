@@ -217,6 +217,21 @@ def _speed_scope(cfg) -> str:
     return f"timed on the first {n} prompts of {which}" if n != 1 else f"timed on the first prompt of {which}"
 
 
+def _draft_layers(cfg) -> str:
+    """drafter.layer_arch in words: whose layer classes each method's draft layers are."""
+    from ..architectures import layer_arch_of
+    from ..methods import resolve_method
+
+    names = {"target": "the target's layer type", "qwen3": "Qwen3 layers"}
+    per = {}
+    for m in cfg["train"]["methods"]:
+        base, mcfg = resolve_method(cfg, m)
+        per.setdefault(names[layer_arch_of(mcfg["drafter"], base)], []).append(m)
+    if len(per) == 1:
+        return f"draft layers: {next(iter(per))}"
+    return "draft layers: " + "; ".join(f"{', '.join(ms)}: {what}" for what, ms in per.items())
+
+
 def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None,
                  provenance: dict | None = None) -> None:
     drafts = t1[t1["tau"].notna()]
@@ -230,7 +245,7 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
         "## Setup", "",
         f"- Target `{cfg['target']['spec']}`, feature layers {cfg['target']['feature_layers']}, dtype {cfg['target']['dtype']}.",
         f"- Drafters: {', '.join(cfg['train']['methods'])}; block {cfg['drafter']['block_size']}, layers "
-        f"{cfg['drafter']['num_layers']}, Markov rank {cfg['drafter']['markov_rank']}.",
+        f"{cfg['drafter']['num_layers']} ({_draft_layers(cfg)}), Markov rank {cfg['drafter']['markov_rank']}.",
         f"- Training: {cfg['train']['epochs']} epochs, global batch {cfg['train']['global_batch']}, lr {cfg['train']['lr']}, "
         f"{cfg['train']['num_anchors']} anchors per sequence.",
         f"- Evaluation: T = {cfg['eval']['temperature']}, max new tokens {cfg['eval']['max_new_tokens']}, caps "
