@@ -7,11 +7,19 @@ from deepspec.config import PRESETS_DIR, load_config
 from deepspec.errors import DeepSpecError
 
 
+# cost-benchmark presets that train on their own evaluation prompts at T = 0 on purpose
+# (benchmarks/bench_vllm.py needs a drafter with a high tau); they reproduce nothing of the paper
+BENCHMARK_ONLY = {"smollm2-135m-overfit"}
+
+
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
 def test_every_preset_validates(preset):
     cfg = load_config(preset)
     assert cfg["drafter"]["block_size"] == 7 and cfg["loss"]["decay_gamma"] == 4.0
     assert cfg["loss"]["ce_alpha"] == 0.1 and cfg["loss"]["l1_alpha"] == 0.9 and cfg["loss"]["conf_alpha"] == 1.0
+    if preset in BENCHMARK_ONLY:
+        assert "cost benchmarks only" in cfg["description"]
+        return
     assert cfg["train"]["lr"] == 6e-4 and cfg["eval"]["temperature"] == 1.0
 
 
