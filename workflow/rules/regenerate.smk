@@ -58,7 +58,7 @@ if REGEN_SERVER:
         try:
             SERVER_COMMAND = vllm_command(CFG["serve"]["vllm_python"]) + SERVER_COMMAND[len("vllm"):]
         except DeepSpecError as e:  # planned anyway (a dry run of a GPU preset on a laptop); the server job fails
-            logger.warning(f"regenerate.server runs vLLM: {e}")
+            logger.warning(f"the regeneration server runs vLLM: {e}")
 
     rule regenerate_server:
         input:
