@@ -197,3 +197,14 @@ def test_report_names_the_draft_layers():
     assert _draft_layers(load_config("tiny")) == "draft layers: the target's layer type"
     mixed = load_config("tiny", {"drafter": {"layer_arch": {"dflash": "qwen3", "dspark": "qwen3"}}})
     assert _draft_layers(mixed) == "draft layers: eagle3: the target's layer type; dflash, dspark: Qwen3 layers"
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "smollm2-135m-full"])
+def test_smollm2_presets_draft_block_drafters_with_qwen3_layers(preset):
+    """The CPU presets' DFlash/DSpark use the layer vLLM serves (docs/RESULTS.md: no
+    acceptance cost measured); Eagle3 keeps the target's Llama layer."""
+    from deepspec.architectures import draft_model_type, layer_arch_of
+
+    d = load_config(preset)["drafter"]
+    got = {m: draft_model_type("llama", layer_arch_of(d, m)) for m in ("eagle3", "dflash", "dspark")}
+    assert got == {"eagle3": "llama", "dflash": "qwen3", "dspark": "qwen3"}
