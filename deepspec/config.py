@@ -222,18 +222,20 @@ RULE_SETTINGS = {
                            "eval.max_new_tokens", "eval.seed", "eval.baselines", "eval.prompt_lookup_num_tokens",
                            "eval.speed_prompts", "eval.speed_benchmarks"],
     "schedule": _TARGET + ["data.max_length", "eval", "ablations.thresholds"],
-    "report": ["preset", "description", "target", "data.benchmarks", "drafter", "train", "eval"],
+    "report": ["preset", "description", "target", "data.benchmarks", "drafter", "train", "eval", "serve.engine"],
     "ablation": ["data.benchmarks", "drafter", "train.max_steps", "eval", "ablations"],
     "throughput": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens",
                              "eval.temperature", "eval.seed", "eval.released_checkpoints", "throughput"],
     "fig7": ["target.name"],
+    "serve_check": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens",
+                              "eval", "serve.greedy_prompts"],
 }
 EXECUTION_KEYS = {"regenerate.urls", "regenerate.server", "regenerate.connect_timeout_s", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",
                   "regenerate.max_retries", "regenerate.retry_backoff_s", "regenerate.max_failed_fraction", "cache.mode", "train.checkpoint_every",
                   "train.checkpoint_minutes", "train.shard_optimizer",
                   "train.keep_checkpoints", "train.gpus", "train.processes", "train.nodes",
                   "train.main_process_port", "train.start_first", "train.chunk_positions", "eval.gpus",
-                  "eval.baseline_jobs"}
+                  "eval.baseline_jobs", "serve.vllm_python", "serve.kv_cache_gb"}
 
 
 @functools.lru_cache(maxsize=1)

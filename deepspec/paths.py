@@ -17,7 +17,8 @@ patterns), then passes `{output}` to the commands. R = results_dir, T = target n
   R/T/eval/baseline/<benchmark>.json   plain / prompt-lookup tokens/s (+ .csv) (baseline)
   R/T/eval/baseline/part.I-of-N.done   baseline job I of eval.baseline_jobs = N finished (baseline)
   R/T/eval/dspark/<benchmark>.{sweep.csv,calibration.csv,alg1.json}          (schedule)
-  R/tables/{table1.csv,table1.md,fig2.csv}, figures/fig2.{pdf,png}, R/REPORT.md (report)
+  R/T/serve/<method>.json, R/T/serve/<method>.vllm/  the drafter served in vLLM, checked (serve_check)
+  R/tables/{table1.csv,table1.md,fig2.csv}, figures/fig2.{pdf,png}, R/REPORT.md, R/provenance.json (report)
   R/tables/figN.csv, figures/figN.pdf  ablations                    (fig3 .. fig6)
   logs/T/<job>.log                     one log per job (logs/T/<job>/<sub>.log per file of a job
                                        family, e.g. prepare_data); logs/T/<job>.benchmark.tsv its timing
@@ -94,6 +95,10 @@ class RunPaths:
     def summary(self, method: str, benchmark: str) -> Path:
         return self.records(method, benchmark).with_suffix(".json")
 
+    def serve_check(self, method: str) -> Path:
+        """`serve-check`'s record of `method` served in vLLM (its export beside it)."""
+        return self.run / "serve" / f"{method}.json"
+
     def baseline_dir(self) -> Path:
         return self.eval_dir() / "baseline"
 
@@ -117,6 +122,10 @@ class RunPaths:
 
     def report(self) -> Path:
         return Path(self.results) / "REPORT.md"
+
+    def provenance(self) -> Path:
+        """What the results were made with (deepspec.provenance), written by the report rule."""
+        return Path(self.results) / "provenance.json"
 
     def log(self, job: str, sub: str | None = None) -> Path:
         """logs/T/<job>.log, or with `sub` logs/T/<job>/<sub>.log (one per file of a job family)."""

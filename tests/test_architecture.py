@@ -17,7 +17,7 @@ LAYERS = [
     ("errors",),
     ("core",),
     ("drafters", "architectures"),
-    ("paths", "files", "runtime", "methods", "config"),
+    ("paths", "files", "runtime", "methods", "config", "provenance"),
     ("targets",),
     ("data",),
     ("training",),

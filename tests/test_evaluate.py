@@ -148,6 +148,10 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         assert len(timed) == (0 if bench == "humaneval" else SPEED) and len(s["samples"]) == s["n_samples"]
         if bench == "humaneval":  # nothing timed: no tokens/s, no speedup
             assert s["speedup_vs_plain"] is None and s["tokens_per_s"] is None
+        # what the run used, measured (the provenance record's): tiny preset in float32 on the CPU
+        env = s["environment"]
+        assert (env["device"], env["target_dtype"], env["drafter_dtype"]) == ("cpu", "float32", "float32")
+        assert env["hardware"]["cpu_count"] and "commit" in env["code"]
 
 
 def test_over_long_prompts_are_skipped_and_named(setup, shared_data, tiny_cfg, tiny_target, tmp_path, caplog):

@@ -141,7 +141,10 @@ def _fails(d, target, fmt, out, match):
 def test_refusals(tiny_target, tiny_cfg, qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
     llama, _ = _drafter("eagle3", tiny_target, tiny_cfg)
     _fails(llama, tiny_target, "deepspec", tmp_path / "a", "Qwen3 and Gemma4")
-    _fails(llama, tiny_target, "eagle3", tmp_path / "b", "fuses 3 feature layers, this drafter 2")
+    _fails_for(llama, tiny_target, "eagle3", "sglang", tmp_path / "b", "fuses 3 feature layers, this drafter 2")
+    cfg = json.loads((export.export_drafter(llama, tiny_target, "eagle3", tmp_path / "b2", engine="vllm")
+                      / "config.json").read_text())  # vLLM sizes fc from the list: any number of layers
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [x + 1 for x in tiny_cfg["target"]["feature_layers"]]
     dspark, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
     _fails(dspark, qwen3_target, "eagle3", tmp_path / "c", "only Eagle3 drafters")
     g4, _ = _drafter("eagle3", gemma4_target, gemma4_cfg)
@@ -170,7 +173,7 @@ def test_engine_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp
         _fails_for(d, qwen3_target, "deepspec", "vllm", tmp_path / kind, f"vanilla Markov head only, this drafter's is '{kind}'")
     learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
     _fails_for(learned, qwen3_target, "deepspec", "vllm", tmp_path / "m", "learned mask embedding.*drafter.mask_token_id")
-    _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "SGLang has no upstream loader")
+    _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "learned mask embedding, which SGLang replaces")
     e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
     _fails_for(e3, qwen3_target, "deepspec", "vllm", tmp_path / "e", "--format eagle3")
     _fails_for(e3, qwen3_target, "eagle3", "sglang", tmp_path / "q", "LlamaForCausalLMEagle3")
@@ -193,25 +196,49 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
     assert torch.equal(sd["lm_head.weight"], qwen3_target.lm_head.weight[d.d2t])
     assert sd["d2t"].dtype == torch.int64 and torch.equal(torch.arange(300) + sd["d2t"], d.d2t)
     assert sd["embed_tokens.weight"].shape == (512, 64)
-    spec = cfg["deepspec_serve_vllm"]["speculative_config"]
-    assert spec == {"method": "dspark", "draft_sample_method": "probabilistic", "num_speculative_tokens": 7}
+    assert cfg["deepspec_serve_vllm"] == {"speculative_config": {
+        "method": "dspark", "draft_sample_method": "probabilistic", "num_speculative_tokens": 7}}
     if method == "dspark":
         r = qwen3_cfg["drafter"]["markov_rank"]
         assert sd["markov_head.markov_w2.weight"].shape == (300, r) and sd["markov_head.markov_w1.weight"].shape == (512, r)
-        assert "tensor_parallel_size" not in cfg["deepspec_serve_vllm"]
-    else:
-        assert cfg["markov_rank"] == 0 and cfg["deepspec_serve_vllm"]["tensor_parallel_size"] == 1
+        assert convert.NULL_MARKOV_FIELD not in cfg
+    else:  # vLLM serves DeepSpec's DFlash block as dspark only: a null Markov head, no zero-width layer
+        assert cfg["markov_rank"] == export.NULL_MARKOV_RANK == 1 and cfg["markov_head_type"] == "vanilla"
+        assert cfg[convert.NULL_MARKOV_FIELD] is True and cfg["enable_confidence_head"] is False
+        assert sd["markov_head.markov_w1.weight"].shape == (512, 1) and sd["markov_head.markov_w2.weight"].shape == (300, 1)
+        assert not sd["markov_head.markov_w1.weight"].any() and not sd["markov_head.markov_w2.weight"].any()
     _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
 
 
+def test_vllm_dflash_export_converts_back_to_the_same_dflash(qwen3_target, qwen3_cfg, tmp_path):
+    """The null Markov head of a vLLM DFlash export is dropped again by convert-checkpoint:
+    the same DFlash drafter, bit for bit, with the same proposals."""
+    target, cfg = qwen3_target, qwen3_cfg
+    d, _ = _drafter("dflash", target, cfg, mask_token_id=11)
+    out = export.export_drafter(d, target, "deepspec", tmp_path / "v", engine="vllm")
+    assert json.loads((out / "config.json").read_text())["markov_rank"] == 1
+    e = load_drafter(convert.convert_reference_checkpoint(out, target, tmp_path / "back"), target)
+    assert e.method == "dflash" and e.config.deepspec_markov_rank == 0
+    sd0, sd1 = d.state_dict(), e.state_dict()
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    ids, f = _batch(target, cfg)
+    for a, b in zip(_outputs(d, ids, f), _outputs(e, ids, f)):
+        assert torch.equal(a, b)
+    sd = load_file(str(out / "model.safetensors"))  # a null head that is not zero is refused
+    sd["markov_head.markov_w2.weight"][3, 0] = 1.0
+    save_file(sd, str(out / "model.safetensors"))
+    with pytest.raises(DeepSpecError, match="markov_w2.weight is not zero"):
+        convert.convert_reference_checkpoint(out, target, tmp_path / "back2")
+
+
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
-def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_cfg, method, tmp_path, caplog):
+def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_cfg, method, tmp_path):
     """M5: vLLM's Gemma4 DSpark loader skips unknown names and leaves missing ones at
     their initial value, silently: a Gemma4 export for vLLM holds exactly its names
-    (layer_scalar included, no v_proj with keys as values), else it is refused."""
+    (layer_scalar included, no v_proj with keys as values; the Markov head, a null one
+    for DFlash; vLLM 0.32 also loads the confidence head), else it is refused."""
     d, _ = _drafter(method, gemma4_target, gemma4_cfg, mask_token_id=4)
-    with caplog.at_level("WARNING", logger="deepspec.interop.export"):
-        out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
+    out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "v", engine="vllm")
     cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
     n = cfg["num_hidden_layers"]
     want = {"embed_tokens.weight", "fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight"}
@@ -220,18 +247,186 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
         "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
         "input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
         "post_feedforward_layernorm.weight", "layer_scalar")}
-    if method == "dspark":
-        want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
-    assert {k for k in sd if not k.startswith("confidence_head.")} == want
-    has_conf = any(k.startswith("confidence_head.") for k in sd)
-    assert has_conf == (method == "dspark" and gemma4_cfg["drafter"]["confidence_head"])
-    assert ("skips the confidence head" in caplog.text) == has_conf
+    want |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    if method == "dspark" and gemma4_cfg["drafter"]["confidence_head"]:
+        want |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert set(sd) == want
     lacking = {k: v for k, v in sd.items() if k != "layers.1.layer_scalar"}
     with pytest.raises(DeepSpecError, match="lacks layers.1.layer_scalar, which vLLM's Gemma4 DSpark loader would"):
         export.check_vllm_gemma4_names(cfg, lacking)
     extra = dict(sd, **{"layers.0.self_attn.v_proj.weight": sd["layers.0.self_attn.k_proj.weight"]})
     with pytest.raises(DeepSpecError, match="has layers.0.self_attn.v_proj.weight, which vLLM's Gemma4 DSpark loader skips"):
         export.check_vllm_gemma4_names(cfg, extra)
+
+
+# --------------------------------------------------------------------------- SGLang's DSPARK (Qwen3DSparkModel)
+# Names and shapes SGLang's Qwen3DSparkModel holds, read from the sglang 0.5.23 wheel (PyPI,
+# python/sglang/srt/...; not installed, not imported): for the tiny Qwen3 drafter of these tests
+# (d 64, 4 heads, 2 KV heads, head_dim 16, intermediate 128, V 512, rank 32, 2 draft layers, 2 feature layers).
+#   models/dflash.py:745 norm, :772 fc = Linear(num_context_features * hidden, hidden) (m * d -> d), :775 hidden_norm;
+#     per layer :238-250 qkv_proj (loaded from q/k/v_proj, stacked mapping :887-893), o_proj, q_norm/k_norm [head_dim],
+#     :479/:486 gate_up_proj (gate/up_proj) and down_proj, :611/:619 input/post_attention_layernorm;
+#     unknown names are ignored silently (:945), missing ones never checked.
+#   models/dspark.py:198-199 VanillaMarkov markov_w1 = Embedding(V, r), markov_w2 = Linear(r, V) -> [V, r];
+#     :345 RNNHead joint_proj = Linear(2r + d, 3r); :313 GatedMarkovHead gate_proj = Linear(d + r, r);
+#     :437 DSparkConfidenceHead proj = Linear(d (+ r with markov, default markov_rank > 0 :497), 1), bias;
+#     :510 and :638: lm_head.* and embed_tokens.* are skipped (the target's are attached).
+_D, _HD, _I, _V, _R = 64, 16, 128, 512, 32
+SGLANG_LAYER = {"self_attn.q_proj.weight": (4 * _HD, _D), "self_attn.k_proj.weight": (2 * _HD, _D),
+                "self_attn.v_proj.weight": (2 * _HD, _D), "self_attn.o_proj.weight": (_D, 4 * _HD),
+                "self_attn.q_norm.weight": (_HD,), "self_attn.k_norm.weight": (_HD,),
+                "mlp.gate_proj.weight": (_I, _D), "mlp.up_proj.weight": (_I, _D), "mlp.down_proj.weight": (_D, _I),
+                "input_layernorm.weight": (_D,), "post_attention_layernorm.weight": (_D,)}
+SGLANG_TOP = {"fc.weight": (_D, 2 * _D), "hidden_norm.weight": (_D,), "norm.weight": (_D,),
+              "markov_head.markov_w1.weight": (_V, _R), "markov_head.markov_w2.weight": (_V, _R),
+              "embed_tokens.weight": (_V, _D), "lm_head.weight": (_V, _D)}  # the last two: skipped by SGLang
+SGLANG_RNN = {"markov_head.joint_proj.weight": (3 * _R, 2 * _R + _D), "markov_head.joint_proj.bias": (3 * _R,)}
+SGLANG_CONFIDENCE = {True: {"confidence_head.proj.weight": (1, _D + _R), "confidence_head.proj.bias": (1,)},
+                     False: {"confidence_head.proj.weight": (1, _D), "confidence_head.proj.bias": (1,)}}
+
+
+@pytest.mark.parametrize("kind,confidence,with_markov", [("vanilla", True, True), ("rnn", True, True),
+                                                          ("vanilla", True, False), ("rnn", False, False)])
+def test_sglang_export_holds_exactly_sglangs_names(qwen3_target, qwen3_cfg, kind, confidence, with_markov, tmp_path):
+    d, c = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, markov_head_type=kind,
+                    confidence_head=confidence, confidence_with_markov=with_markov)
+    assert (c["drafter"]["markov_rank"], d.config.hidden_size, d.config.num_hidden_layers) == (_R, _D, 2)
+    out = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s", engine="sglang")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    want = dict(SGLANG_TOP, **{f"layers.{i}.{k}": v for i in range(2) for k, v in SGLANG_LAYER.items()})
+    want.update(SGLANG_RNN if kind == "rnn" else {})
+    want.update(SGLANG_CONFIDENCE[with_markov] if confidence else {})
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want
+    assert {k: v for k, v in export.sglang_dspark_tensors(cfg).items()} == {
+        k: v for k, v in want.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    # the config fields SGLang's parse_dspark_draft_config / build_* read (dspark_config.py, dspark.py)
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == _R and cfg["markov_head_type"] == kind
+    assert cfg["block_size"] == 7 and cfg["mask_token_id"] == 3 and cfg["target_layer_ids"] == [0, 1]
+    assert cfg["num_target_layers"] == 3 and cfg["sample_from_anchor"] is True
+    assert cfg["enable_confidence_head"] is confidence
+    assert cfg.get("confidence_head_with_markov") == (with_markov if confidence else None)
+    assert cfg["deepspec_serve_sglang"] == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7}
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # the tensors are the drafter's, under the reference names (RNN cell = joint_proj, same [s; W1[x]; h] order)
+    ours = d.state_dict()
+    for name, t in sd.items():
+        if name not in ("embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(t, ours[convert.to_ours(name)])
+    assert torch.equal(sd["lm_head.weight"], qwen3_target.lm_head.weight)
+
+
+def _alg1(tmp_path, gamma=7, temps=None, ece=True):
+    a = tmp_path / "gsm8k.alg1.json"
+    a.write_text(json.dumps({"target": "tiny-qwen3", "method": "dspark", "benchmark": "gsm8k", "gamma": gamma,
+                             "sts_temperatures": temps or [0.5 + 0.25 * k for k in range(gamma)],
+                             "n_rounds_fit": 40, "n_rounds_eval": 38,
+                             "sps": {"batch_tokens": [1, 2, 3, 4, 8], "steps_per_s": [50.0, 49.0, 47.5, 46.0, 40.0]}}))
+    if ece:
+        rows = "\n".join(f"{k},{0.1 + k / 100},{0.05 + k / 200},0.7,10,1.0,0.7" for k in range(1, gamma + 1))
+        (tmp_path / "gsm8k.calibration.csv").write_text(
+            "position,ece_before,ece_after,auroc,n,temperature,auroc_after\n" + rows + "\n")
+    return a
+
+
+def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
+    """Our STS temperatures and SPS(B) as SGLang's DSparkStsCalibration and SpsCostTable JSON
+    (speculative/dspark_components/dspark_sts.py:9-14, dspark_sps.py:14-36 of sglang 0.5.23):
+    the temperatures one per draft position (dspark_planner.py:107 requires gamma of them), the
+    ECE of the calibration.csv beside alg1.json, batch tokens strictly increasing."""
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    alg1 = _alg1(tmp_path)
+    out = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s", engine="sglang", sts=alg1, sps=alg1)
+    sts = json.loads((out / export.SGLANG_STS_FILE).read_text())
+    sps = json.loads((out / export.SGLANG_SPS_FILE).read_text())
+    assert sts == {"temperatures": [0.5 + 0.25 * k for k in range(7)], "dataset": "gsm8k", "num_samples": 40,
+                   "ece_before": [0.1 + k / 100 for k in range(1, 8)], "ece_after": [0.05 + k / 200 for k in range(1, 8)]}
+    assert sps == {"sample_batch_tokens": [1, 2, 3, 4, 8], "sample_steps_per_sec": [50.0, 49.0, 47.5, 46.0, 40.0],
+                   "max_batch_tokens": 8}
+    serve = json.loads((out / "config.json").read_text())["deepspec_serve_sglang"]
+    assert serve == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7,
+                     "speculative_dspark_confidence_sts_path": "sglang_sts.json",
+                     "speculative_dspark_sps_table_path": "sglang_sps.json",
+                     "env": {"SGLANG_RAGGED_VERIFY_MODE": "compact"}}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    out2 = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s2", engine="sglang", sts=_alg1(bare, ece=False))
+    assert set(json.loads((out2 / export.SGLANG_STS_FILE).read_text())) == {"temperatures", "dataset", "num_samples"}
+    assert not (out2 / export.SGLANG_SPS_FILE).exists()
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    _fails_with(d, qwen3_target, tmp_path / "g", "must be 7 positive numbers", engine="sglang", sts=_alg1(wrong, gamma=5))
+    _fails_with(d, qwen3_target, tmp_path / "m", "no such file", engine="sglang", sts=tmp_path / "none.alg1.json")
+    _fails_with(d, qwen3_target, tmp_path / "v", "use --format deepspec --engine sglang", engine="vllm", sps=alg1)
+    noconf, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, confidence_head=False)
+    _fails_with(noconf, qwen3_target, tmp_path / "n", "no confidence head", engine="sglang", sts=alg1)
+
+
+def _fails_with(d, target, out, match, fmt="deepspec", **kw):
+    with pytest.raises(DeepSpecError, match=match) as ei:
+        export.export_drafter(d, target, fmt, out, **kw)
+    assert "\n" not in str(ei.value) and not out.exists()
+
+
+def test_sglang_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
+    """What SGLang's DSPARK cannot load or would load wrongly (docs/FORMATS.md §1.3)."""
+    cases = [(("dflash", qwen3_target, qwen3_cfg), {"mask_token_id": 3}, "DSPARK requires markov_rank > 0"),
+             (("dspark", qwen3_target, qwen3_cfg), {"mask_token_id": 3, "draft_vocab_size": 100}, "reduced draft vocab"),
+             (("dspark", qwen3_target, qwen3_cfg), {}, "learned mask embedding, which SGLang replaces"),
+             (("dspark", gemma4_target, gemma4_cfg), {"mask_token_id": 4}, "Qwen3DSparkModel \\(Qwen3 layers\\) only"),
+             (("eagle3", qwen3_target, qwen3_cfg), {}, "SGLang serves Eagle3 from the eagle3 layout")]
+    for i, ((method, target, cfg), kw, match) in enumerate(cases):
+        d, _ = _drafter(method, target, cfg, **kw)
+        _fails_with(d, target, tmp_path / str(i), match, engine="sglang")
+    c = copy.deepcopy(qwen3_cfg)
+    c["target"]["feature_layers"] = [-1, 1]
+    emb, _ = _drafter("dspark", qwen3_target, c, mask_token_id=3)
+    _fails_with(emb, qwen3_target, tmp_path / "e", "feature layer -1", engine="sglang")
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    cfg, sd = export.deepspec_layout(d, qwen3_target, engine="sglang")
+    with pytest.raises(DeepSpecError, match="tensor layers.0.self_attn.v_proj.weight: SGLang's Qwen3DSparkModel expects"):
+        export._check_sglang(cfg, {k: v for k, v in sd.items() if k != "layers.0.self_attn.v_proj.weight"})
+    with pytest.raises(DeepSpecError, match="tensor markov.embed.weight"):
+        export._check_sglang(cfg, dict(sd, **{"markov.embed.weight": sd["markov_head.markov_w1.weight"]}))
+
+
+# --------------------------------------------------------------------------- the speculators format
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_speculators_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
+    """The fields vLLM 0.32 reads from a speculators-format DSpark (transformers_utils/configs/
+    speculators/base.py validate_speculators_config, algos.py update_dspark); the engine-side
+    parsing itself is checked in tests/engine/test_speculators.py."""
+    d, _ = _drafter(method, qwen3_target, qwen3_cfg, mask_token_id=3)
+    out = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp", verifier="Qwen/Qwen3-4B")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert cfg["speculators_model_type"] == "dspark" and cfg["architectures"] == ["Qwen3DSparkModel"]
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "dspark" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 7 and sc["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert sc["verifier"] == {"name_or_path": "Qwen/Qwen3-4B", "architectures": ["Qwen3ForCausalLM"]}
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "qwen3" and layer["num_hidden_layers"] == 2 and layer["vocab_size"] == 512
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2] and cfg["sample_from_anchor"] is True
+    assert cfg["mask_token_id"] == 3 and cfg["block_size"] == 7 and cfg["draft_vocab_size"] == 512
+    assert cfg["markov_rank"] == (1 if method == "dflash" else 32) and cfg["markov_head_type"] == "vanilla"
+    assert cfg["enable_confidence_head"] is (method == "dspark")
+    ref = export.deepspec_layout(d, qwen3_target, engine="vllm")[1]
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd)
+    default = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp2")
+    assert json.loads((default / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-qwen3"
+
+
+def test_speculators_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
+    e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
+    _fails_with(e3, qwen3_target, tmp_path / "e", "--format eagle3", fmt="speculators")
+    g4, _ = _drafter("dspark", gemma4_target, gemma4_cfg, mask_token_id=4)
+    _fails_with(g4, gemma4_target, tmp_path / "g", "Qwen3DSparkModel \\(Qwen3 draft layers\\) only", fmt="speculators")
+    learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    _fails_with(learned, qwen3_target, tmp_path / "m", "learned mask embedding", fmt="speculators")
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    _fails_with(d, qwen3_target, tmp_path / "s", "read by vLLM, not sglang", fmt="speculators", engine="sglang")
+    _fails_with(d, qwen3_target, tmp_path / "v", "--verifier names the target", verifier="x")
 
 
 def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
@@ -259,6 +454,25 @@ def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_
     assert cli_main(["export-checkpoint", "--preset", "tiny", "--src", str(src), "--format", "deepspec",
                      "--out", str(tmp_path / "runs" / "dspark-export")]) == 0
     assert (tmp_path / "runs" / "dspark-export" / "model.safetensors").exists()
+
+
+def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path, monkeypatch):
+    """export-checkpoint's --engine sglang --sts/--sps and --format speculators --verifier reach the export."""
+    from deepspec.cli import main as cli_main
+    from deepspec.targets import loading as target_mod
+
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    d.save_pretrained(str(tmp_path / "src"))
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    alg1 = _alg1(tmp_path)
+    base = ["export-checkpoint", "--preset", "tiny", "--src", str(tmp_path / "src")]
+    assert cli_main(base + ["--format", "deepspec", "--engine", "sglang", "--sts", str(alg1), "--sps", str(alg1),
+                            "--out", str(tmp_path / "sg")]) == 0
+    assert {p.name for p in (tmp_path / "sg").iterdir()} == {"config.json", "model.safetensors", "sglang_sts.json",
+                                                             "sglang_sps.json"}
+    assert cli_main(base + ["--format", "speculators", "--verifier", "Qwen/Qwen3-4B", "--out", str(tmp_path / "sp")]) == 0
+    cfg = json.loads((tmp_path / "sp" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"
 
 
 # --------------------------------------------------------------------------- DeepSeek's released Eagle3 layout

@@ -153,6 +153,24 @@ def test_sha256_recorded_and_accepted_mismatch_warns(built):
     assert all("accepted (--accept-changed-sources)" in r.getMessage() for r in records if r.levelname == "WARNING")
 
 
+def test_built_files_record_their_source_and_commit(built):
+    """SOURCES.json (the provenance record's): per built file its source, the
+    requested revision, the commit it resolved to (read from a mirror: the pin,
+    or none when the source pins no commit) and the sha256 in SHA256SUMS."""
+    from deepspec.provenance import DATA_SOURCES_FILE
+
+    cfg, root, status, _ = built
+    recs, sums = json.loads((root / DATA_SOURCES_FILE).read_text()), read_sums(root)
+    assert set(recs) == set(status)
+    for rel, rec in recs.items():
+        src = pd_mod.source_for(cfg, rel)
+        assert rec["sha256"] == sums[rel] and rec["source"] == src.where and rec["revision"] == src.revision
+        assert rec["mirror"] == str(root.parent / "mirror")
+    assert recs["eval/gsm8k.jsonl"]["commit"] == pd_mod.KNOWN_SOURCES["eval/gsm8k.jsonl"].revision
+    assert recs["train/code_alpaca_2k.jsonl"]["commit"] == "2f78ddc5c682ed6738ad092bbbfa59ba915afcb0"
+    assert recs["eval/aime25.jsonl"]["commit"] is None and recs["eval/aime25.jsonl"]["commit_from"].startswith("unresolved")
+
+
 def test_expected_sha_from_the_preset(built, caplog):
     cfg, root, _, _ = built
     rel = "eval/gsm8k.jsonl"

@@ -221,7 +221,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     loaded = ToyModel.from_pretrained(str(out))
     for (n, p), (_, q) in zip(ref.named_parameters(), loaded.named_parameters()):
         assert torch.equal(p, q), n
-    assert json.loads((out / "train_summary.json").read_text())["steps"] == 12
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 12 and "commit" in summary["code"]
+    assert summary["precision"] == {"device": "cpu", "processes": 1, "mixed_precision": "no", "param_dtype": "float32"}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest", "step_10", "step_12", "step_2", "step_4", "step_6", "step_8"]
 

@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -94,6 +95,15 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     p1 = f2[f2.position == 1]
     assert p1.acceptance_rb.between(0, 1).all() and (p1.rb_ci_low <= p1.rb_ci_high).all()
     assert (tmp_path / "results" / "REPORT.md").read_text().startswith("# DeepSpec replication report")
+    # provenance.json: the checkout of the package the jobs ran (not the working directory, no checkout), what
+    # prepare_target, training and evaluation recorded
+    prov = json.loads((tmp_path / "results" / "provenance.json").read_text())
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert prov["code"]["git"]["commit"] == head and prov["target"]["kind"] == "random"
+    for method, d in prov["drafters"].items():
+        assert d["training"]["mixed_precision"] == "no" and d["training"]["code"]["commit"] == head, method
+        assert [(e["device"], e["target_dtype"]) for e in d["evaluation"]] == [("cpu", "float32")], method
+    assert "## Provenance" in (tmp_path / "results" / "REPORT.md").read_text()
     # A rerun has nothing to do.
     r2 = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
     assert "Nothing to be done" in r2.stdout + r2.stderr

@@ -24,8 +24,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..errors import DeepSpecError
+from .batch_cache import engine_cache
 from .scheduler import profile_sps, truncate_by_threshold
-from .target import Target, cache_kwarg, crop_cache, new_cache, select_features
+from .target import Target, cache_kwarg, crop_cache, lm_head_in_chunks, new_cache, select_features
 from .verify import (cut_at_eos, greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
                      sample, verify_chain)
 
@@ -43,14 +44,17 @@ def sync_device(device: torch.device) -> None:
 
 
 def target_forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence[int]], last_only: bool = False):
-    """One KV-cached target forward: logits [1, n or 1, V] and features [1, n, m*d] (or None)."""
-    out = target.model(
-        input_ids=ids,
-        **{cache_kwarg(target.model): cache},
-        use_cache=True,
-        output_hidden_states=layers is not None,
-        logits_to_keep=1 if last_only else 0,
-    )
+    """One KV-cached target forward: logits [1, n or 1, V] and features [1, n, m*d] (or None).
+    The LM head runs in vocabulary chunks where that is faster (`target.lm_head_in_chunks`;
+    the same logits bit for bit)."""
+    with lm_head_in_chunks(target):
+        out = target.model(
+            input_ids=ids,
+            **{cache_kwarg(target.model): cache},
+            use_cache=True,
+            output_hidden_states=layers is not None,
+            logits_to_keep=1 if last_only else 0,
+        )
     return out.logits, (None if layers is None else select_features(out.hidden_states, layers))
 
 
@@ -239,7 +243,7 @@ def speculative_generate(
     first token, then `speculative_round`s until max_new_tokens or EOS; one
     record per round (`round_record`)."""
     device = target.device
-    cache, rounds, out = new_cache(), [], []
+    cache, rounds, out = engine_cache(), [], []  # in place: no copy of the whole cache per forward (batch_cache.py)
     sync_device(device)
     t_start = time.perf_counter()
     state = drafter.init_state()
@@ -268,7 +272,7 @@ def plain_generate(
 ) -> Generation:
     """Autoregressive decoding with a KV cache and the same sampling code as the loop above."""
     device, eos = target.device, set(target.eos_token_ids)
-    cache, out = new_cache(), []
+    cache, out = engine_cache(), []  # in place, as speculative_generate's
     sync_device(device)
     t_start = time.perf_counter()
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)

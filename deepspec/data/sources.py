@@ -26,6 +26,9 @@ prepared data directory), whose sha256 `KNOWN_SOURCES` holds.
   ``--accept-changed-sources`` (then it is written and recorded, with a
   warning). SHA256SUMS holds only files that matched their pin, had none, or
   were accepted by name.
+- A file built here also gets an entry in ``<data.root>/SOURCES.json``: its
+  source, requested revision, the commit that resolved to and its sha256
+  (read by the report's provenance record, `deepspec.provenance`).
 - A missing file that cannot be downloaded (offline, ``HF_HUB_OFFLINE=1``, the
   hub unreachable) is one DeepSpecError line naming the file, its source and
   how to get it.
@@ -254,10 +257,13 @@ def _file_rows(path: Path, lenient: bool, skipped: list) -> Iterator[dict]:
                     skipped.append(f"{path.name}:{lineno}")
 
 
-def _open_rows(src: Source, mirror: Optional[Path], skipped: list) -> Iterable[dict]:
-    """The source's rows; everything that touches the network happens here."""
+def _open_rows(src: Source, mirror: Optional[Path], skipped: list, fetched: Optional[list] = None) -> Iterable[dict]:
+    """The source's rows; everything that touches the network happens here.
+    The local paths of downloaded files are appended to `fetched`."""
     if src.files:
         paths = _download(src, mirror)
+        if fetched is not None:
+            fetched.extend(paths)
         return (row for p in paths for row in _file_rows(p, src.lenient, skipped))
     import datasets
 
@@ -367,6 +373,40 @@ def check_sha(rel: str, sha: str, src: Optional[Source], recorded: Optional[str]
         + f": to use it anyway run prepare-data with --accept-changed-sources {rel}{hint}")
 
 
+def source_provenance(src: Source, mirror: Optional[Path], fetched: list, sha: str) -> dict:
+    """What a built file came from: the source, the requested revision and the
+    commit it resolved to (`commit_from`: pinned, the hub cache's snapshot
+    directory, or the hub's answer for the revision), and its sha256."""
+    from ..provenance import dataset_commit, is_commit, now_utc
+
+    rec = {"source": src.where, "hub": src.hub, "revision": src.revision, "sha256": sha, "built_at": now_utc()}
+    if mirror is not None:
+        rec.update(mirror=str(mirror), commit=src.revision if is_commit(src.revision) else None,
+                   commit_from="pinned revision, read from the mirror" if is_commit(src.revision)
+                   else "unresolved (read from a mirror)")
+    elif src.hub.startswith("github:"):
+        rec.update(commit=src.revision if is_commit(src.revision) else None,
+                   commit_from="pinned" if is_commit(src.revision) else "unresolved (GitHub HEAD)")
+    else:
+        commit, how = dataset_commit(src.hub, src.revision, fetched)
+        rec.update(commit=commit, commit_from=how)
+    return rec
+
+
+def record_source(root: Path, rel: str, rec: dict) -> None:
+    """Add or replace `rel`'s entry in <root>/SOURCES.json (provenance.DATA_SOURCES_FILE; locked as SHA256SUMS)."""
+    from ..files import read_json, write_json_atomic
+    from ..provenance import DATA_SOURCES_FILE
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{DATA_SOURCES_FILE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        recs = read_json(root / DATA_SOURCES_FILE, default={})
+        recs[rel] = rec
+        write_json_atomic(root / DATA_SOURCES_FILE, dict(sorted(recs.items())))
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -392,8 +432,9 @@ def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool
     if mirror is None and (offline or hub_offline()):
         raise _missing(path, src, cfg["preset"], f"offline: --offline or {'/'.join(OFFLINE_VARIABLES)} is set")
     skipped: list = []
+    fetched: list = []
     try:
-        rows = _open_rows(src, mirror, skipped)
+        rows = _open_rows(src, mirror, skipped, fetched)
     except DeepSpecError:
         raise
     except Exception as e:  # no network, unknown repo or file, gated dataset, ...
@@ -406,6 +447,7 @@ def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool
     check_sha(rel, sha, src, read_sums(root).get(rel), accept=accept, built=True)
     write_records(path, data)
     record_sum(root, rel, sha)
+    record_source(root, rel, source_provenance(src, mirror, fetched, sha))
     log.info("%s: %d records from %s -> %s (sha256 %s)", rel, len(records), src.where, path, sha)
     return sha
 

@@ -14,7 +14,8 @@ and Figure 2 read them unchanged.
 
 Outputs under R/T/eval/ (R = results_dir, T = target name), all written atomically:
   <method>/<benchmark>.csv   one row per round (docs/INTERFACES.md) + method, benchmark, domain
-  <method>/<benchmark>.json  summary: tau with CI, per-position table, tokens/s, speedup vs plain
+  <method>/<benchmark>.json  summary: tau with CI, per-position table, tokens/s, speedup vs plain,
+                             environment (device, dtypes, machine: deepspec.provenance)
   baseline/<benchmark>.json  tokens/s of plain and prompt-lookup decoding (+ per-sample .csv)
 """
 from __future__ import annotations
@@ -289,7 +290,7 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, 
 
 
 def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict,
-                     skipped: list):
+                     skipped: list, environment: dict | None = None):
     """Summary JSON (tau with CI, positions, tokens/s of the batch-1 sample, speedup) beside the records."""
     paths = RunPaths.of(cfg)
     domain = cfg["data"]["benchmarks"][bench]["domain"]
@@ -299,7 +300,7 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
                "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
                "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine,
-               **_skipped_fields(cfg, skipped), **summary}
+               "environment": environment, **_skipped_fields(cfg, skipped), **summary}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
     speedup = summary["speedup_vs_plain"]
@@ -327,6 +328,7 @@ def cli_evaluate(argv) -> int:
     cfg = config_from_args(args)
     from ..drafters import load_drafter
     from ..interop.convert import resolve_drafter
+    from ..provenance import evaluation_environment
     from ..targets.loading import target_from_config
 
     paths = RunPaths.of(cfg)
@@ -350,8 +352,9 @@ def cli_evaluate(argv) -> int:
     progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
                         progress_header(cfg, args.method, path, benches))
     results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
+    environment = evaluation_environment(target, drafter)  # dtypes, device, machine (the provenance record's)
     for b, (df, samples) in results.items():
-        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1])
+        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1], environment)
     progress.finish()
     return 0
 

@@ -26,6 +26,8 @@ listed in `model.safetensors.index.json`) with top-level names. The mapping:
                                                 target's, checked against it
     (nothing)                                -> mask_embedding = the target's embedding
                                                 of `mask_token_id`; d2t = arange(V)
+    markov_head.* of a null head             -> dropped (NULL_MARKOV_FIELD: the vLLM form
+                                                of a DFlash drafter, all zeros)
 
 The reference block input is the frozen embedding of a reserved token
 (`mask_token_id`, 151669 on Qwen3, 4 on Gemma4); writing that embedding into our
@@ -61,6 +63,7 @@ import torch
 from ..errors import DeepSpecError
 from ..files import atomic_dir, read_json
 from ..paths import RunPaths
+from ..provenance import snapshot_commit
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +159,8 @@ def tensor_files(src: Path) -> dict[str, Path]:
 
 
 def _method(ref: dict) -> tuple[str, dict]:
-    """deepspec method and drafter settings from a reference config."""
+    """deepspec method and drafter settings from a reference config (a null
+    Markov head, NULL_MARKOV_FIELD, counts as markov_rank 0)."""
     if ref["architectures"][0].endswith("Eagle3Model"):
         return "eagle3", {
             "num_layers": {"eagle3": int(ref["num_hidden_layers"])}, "block_size": 7,
@@ -164,7 +168,7 @@ def _method(ref: dict) -> tuple[str, dict]:
             "confidence_head": False, "confidence_with_markov": False, "draft_vocab_size": None,
             "init_from_target": False, "mask_token_id": None,
         }
-    r = int(ref["markov_rank"])
+    r = 0 if ref.get(NULL_MARKOV_FIELD) else int(ref["markov_rank"])
     conf = bool(ref.get("enable_confidence_head", False))
     kind = str(ref.get("markov_head_type", "vanilla")).lower()
     if r > 0 and kind not in ("vanilla", "rnn"):
@@ -278,6 +282,12 @@ def _check_same(name: str, w: torch.Tensor, ref_w: torch.Tensor, where: str, row
 # then holds that embedding (divided by the target's embedding scale) instead of
 # the target's row.
 MASK_ROW_FIELD = "deepspec_mask_row_overwritten"
+# A config field written by `export-checkpoint --engine vllm` (and --format
+# speculators) for a DFlash drafter: vLLM serves DeepSpec's anchor-first block only
+# as a DSpark, so the export carries a null Markov head (markov_rank 1, both factors
+# zero, a bias of exactly 0). Converting it back drops that head: a DFlash drafter.
+NULL_MARKOV_FIELD = "deepspec_null_markov_head"
+NULL_MARKOV_TENSORS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
 
 def embed_scale(target) -> float:
@@ -286,11 +296,14 @@ def embed_scale(target) -> float:
     return float(s.item() if torch.is_tensor(s) else s)
 
 
-def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | None):
+def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | None, null_markov: bool = False):
     """The drafter's tensors of a reference checkpoint, checked against `want`
     (name -> shape); the target copies are checked, not kept, except the mask row
-    of an overwritten embed_tokens (returned second, or None)."""
+    of an overwritten embed_tokens (returned second, or None); `null_markov`: the
+    Markov factors are checked to be zero and dropped (NULL_MARKOV_FIELD)."""
     files = tensor_files(src)
+    if null_markov and not set(NULL_MARKOV_TENSORS) <= set(files):
+        raise DeepSpecError(f"{src}: {NULL_MARKOV_FIELD} is set but the checkpoint lacks {', '.join(NULL_MARKOV_TENSORS)}")
     state: dict[str, torch.Tensor] = {}
     row = None
     for path in sorted(set(files.values())):
@@ -308,6 +321,10 @@ def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | No
                     t = f.get_tensor(name)
                     _check_same(name, w, t, str(path), skip_row=skip)
                     row = t[skip].float() if skip is not None else row
+                    continue
+                if null_markov and name in NULL_MARKOV_TENSORS:
+                    if bool(f.get_tensor(name).any()):
+                        raise DeepSpecError(f"{path}: {NULL_MARKOV_FIELD} is set but {name} is not zero")
                     continue
                 ours = to_ours(name)
                 if ours not in want:
@@ -351,12 +368,14 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     config = draft_config(method, target, {"drafter": drafter_cfg,
                                            "target": {"feature_layers": list(ref["target_layer_ids"])}})
     check_reference_target(ref, target, where, config)
-    config.deepspec_source = {"checkpoint": str(src.resolve()), "architecture": ref["architectures"][0],
-                              "mask_token_id": ref.get("mask_token_id")}
+    # commit: the hub commit of a checkpoint from the hub cache (its snapshot directory), else None
+    config.deepspec_source = {"checkpoint": str(src.resolve()), "commit": snapshot_commit(src.resolve()),
+                              "architecture": ref["architectures"][0], "mask_token_id": ref.get("mask_token_id")}
     model = CLASSES[method](config).float()
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in NOT_IN_CHECKPOINT}
     overwritten = method != "eagle3" and bool(ref.get(MASK_ROW_FIELD))
-    state, row = _read_tensors(src, want, target, method, int(ref["mask_token_id"]) if overwritten else None)
+    state, row = _read_tensors(src, want, target, method, int(ref["mask_token_id"]) if overwritten else None,
+                               null_markov=method != "eagle3" and bool(ref.get(NULL_MARKOV_FIELD)))
     for name in want:  # Gemma4 layers without a stored output scale: the reference's init, ones
         if name.endswith(".layer_scalar") and name not in state:
             state[name] = torch.ones(want[name])

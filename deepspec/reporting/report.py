@@ -7,7 +7,8 @@ Inputs (`deepspec.paths`; R = results_dir, T = target name):
   R/T/eval/baseline/<benchmark>.json  plain / prompt-lookup tokens/s
 Outputs (given on the command line by the rule):
   table1.csv (tidy), table1.md (the paper's wide layout), fig2.csv,
-  fig2.pdf / .png, REPORT.md
+  fig2.pdf / .png, REPORT.md, provenance.json (deepspec.provenance: what the
+  results were made with; REPORT.md's "Provenance" section)
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from ..core.acceptance import domain_position_table
-from ..files import pyplot, read_json, require_file, save_figure, write_csv_atomic, write_text_atomic
+from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
+from .provenance import collect as collect_provenance, provenance_markdown
 from ..paths import RunPaths
 from . import paper
 from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
@@ -230,7 +232,8 @@ def _draft_layers(cfg) -> str:
     return "draft layers: " + "; ".join(f"{', '.join(ms)}: {what}" for what, ms in per.items())
 
 
-def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None) -> None:
+def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None,
+                 provenance: dict | None = None) -> None:
     drafts = t1[t1["tau"].notna()]
     macro = drafts.groupby("method")[["tau", "tau_selfcheck", "speedup"]].mean()
     f2 = fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance").round(3)
@@ -266,8 +269,45 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
         "rates recomputed on the same resampled prompts); it holds when the interval excludes 0 on the claimed "
         f"side. Points with fewer than {MIN_ATTEMPTS} (expected) attempts are not judged.", "",
         *[f"- **{c.name}: {verdict(c.holds)}.** {c.text}" for c in (claims or [])], "",
+        *served_markdown(cfg),
+        *(provenance_markdown(provenance) if provenance else []),
     ]
     write_text_atomic(path, "\n".join(lines))
+
+
+def served_markdown(cfg) -> list[str]:
+    """REPORT.md's "Served in vLLM" section from the serve-check records that exist
+    (results/<target>/serve/<method>.json): the greedy checks, and tau in vLLM beside
+    ours on the same prompts at the evaluation temperature."""
+    paths = RunPaths.of(cfg)
+    recs = {m: read_json(paths.serve_check(m)) for m in cfg["train"]["methods"] if paths.serve_check(m).exists()}
+    if not recs:
+        return []
+    yes = {True: "yes", False: "**no**"}
+    lines = ["## Served in vLLM", "",
+             *([f"**The serve check failed for {', '.join(m for m, r in recs.items() if not r['passed'])}**: "
+                "see results/<target>/serve/<method>.json.", ""] if not all(r["passed"] for r in recs.values()) else []),
+             "Each drafter exported as vLLM loads it (`python -m deepspec serve-check`, docs/GPU.md) and decoded by "
+             "vLLM one request at a time. Greedy: vLLM's speculative output against the target's own, and every "
+             "round's emitted and accepted tokens against ours (in a request's final round vLLM also counts drafts "
+             "accepted after the EOS that ended it: the EOS rounds). At the evaluation temperature: τ = 1 + accepted "
+             "drafts / rounds on both sides (vLLM's definition), ours from the evaluation's records.", "",
+             "| drafter | vLLM | lossless (prompts) | rounds identical (rounds, EOS rounds) | T | τ ours | τ in vLLM "
+             "| per-position rates agree |", "|---|---|---|---|---|---|---|---|"]
+    for m, r in recs.items():
+        g, s = r["greedy"], r.get("sampled") or {}
+        tau = (lambda x: "" if x is None else f"{x:.3f}")
+        lines.append(f"| {m} | {r['vllm_version']} | {yes[g['lossless']]} ({g['prompts']}) | "
+                     f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
+                     f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
+                     f"{yes[s['agree']] if s.get('agree') is not None else 'n/a'} |")
+    for m, r in recs.items():
+        by = (r.get("sampled") or {}).get("benchmarks") or {}
+        if by:
+            lines += ["", f"τ per benchmark, {m} (ours / in vLLM): " + ", ".join(
+                f"{b} {v['tau_deepspec']:.3f} / {v['tau_vllm']:.3f}" for b, v in by.items()
+                if v["tau_deepspec"] is not None and v["tau_vllm"] is not None) + "."]
+    return lines + [""]
 
 
 # the report's outputs: command-line flag -> default path under the preset's directories
@@ -278,6 +318,7 @@ OUTPUTS = {
     "fig2-pdf": lambda p: p.figure("fig2.pdf"),
     "fig2-png": lambda p: p.figure("fig2.png"),
     "report": lambda p: p.report(),
+    "provenance": lambda p: p.provenance(),
 }
 
 
@@ -301,6 +342,8 @@ def cli_report(argv) -> int:
     write_text_atomic(out["table1-md"], table1_markdown(t1, cfg))
     plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{cfg['target']['name']}: conditional acceptance per position",
               paper_reference=cfg["target"].get("paper_name") is not None, claims_line=figure_line(claims))
-    write_report(cfg, t1, fig2, out["report"], claims)
+    provenance = collect_provenance(cfg)  # code, packages, hardware, dtypes, hub commits (deepspec/provenance.py)
+    write_json_atomic(out["provenance"], json_safe(provenance))
+    write_report(cfg, t1, fig2, out["report"], claims, provenance)
     log.info("wrote %s, %s, %s", out["table1"], out["fig2-pdf"], out["report"])
     return 0

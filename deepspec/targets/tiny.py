@@ -11,7 +11,10 @@ from ..errors import DeepSpecError
 # Tiny random targets with SmolLM2's tokenizer, by spec: their architecture for
 # `build_tiny` (``tiny-qwen3`` and ``tiny-gemma4-unified`` stand in for the paper
 # targets' architectures in the CPU rehearsals).
-TINY_SPECS = {"tiny": "llama", "tiny-qwen3": "qwen3", "tiny-gemma4-unified": "gemma4_unified"}
+TINY_SPECS = {"tiny": "llama", "tiny-qwen3": "qwen3", "tiny-gemma4-unified": "gemma4_unified", "tiny-qwen3-hd32": "qwen3"}
+# what a spec changes in its architecture's tiny config: ``tiny-qwen3-hd32`` has head_dim 32,
+# the smallest vLLM's CPU attention has kernels for (the engine tests serve it in vLLM)
+TINY_SPEC_OVERRIDES = {"tiny-qwen3-hd32": {"head_dim": 32}}
 # Tiny target: 2 layers, hidden 64, real tokenizer. A larger init scale than
 # HF's default and a scaled final norm make its next-token distributions
 # peaked rather than uniform, so drafters have something to learn in tests.

@@ -63,6 +63,7 @@ from ..core.train_step import StepSpec
 from ..errors import DeepSpecError
 from ..files import atomic_dir, write_json_atomic
 from ..paths import RunPaths
+from ..provenance import code_commit
 from .launch import direct_command, free_port
 from .recipe import (
     StepSampler,
@@ -219,7 +220,9 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     result = TrainResult(out, total, ran, elapsed, positions_all / max(elapsed, 1e-9), ran * g / max(elapsed, 1e-9),
                          _summed(acc, counters() if counters else {}, world))
     if acc.is_main_process:
-        _save_final(model, out, result, train_cfg)
+        precision = {"device": acc.device.type, "processes": world, "mixed_precision": acc.mixed_precision,
+                     "param_dtype": str(params[0].dtype).replace("torch.", "")}
+        _save_final(model, out, result, train_cfg, precision)
     acc.wait_for_everyone()
     (log.info if acc.is_main_process else log.debug)(
         "trained %d steps in %.1f s: %.1f predicted positions/s, %.2f sequences/s; drafter in %s",
@@ -380,15 +383,18 @@ def _log_row(run: TrainRun, done: int, lr: float, sums: dict, grad_norm: float, 
     return row
 
 
-def _save_final(model, out: Path, result: TrainResult, train_cfg: dict) -> None:
+def _save_final(model, out: Path, result: TrainResult, train_cfg: dict, precision: Optional[dict] = None) -> None:
     """save_pretrained into a temporary directory, move the files into <out>,
-    config.json last."""
+    config.json last. train_summary.json: the run's counts and rates, the
+    train settings and `precision` (device type, processes, accelerate's
+    mixed precision, the trainable parameters' dtype) and the code's commit
+    (`provenance.code_commit`): the provenance record's."""
     with atomic_dir(out, merge=True) as tmp:
         model.save_pretrained(str(tmp))
         write_json_atomic(tmp / "train_summary.json", {
             "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
             "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
-            **(result.counters or {}),
+            "precision": precision, "code": code_commit(), **(result.counters or {}),
         })
 
 

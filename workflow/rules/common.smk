@@ -24,6 +24,7 @@ from deepspec.methods import fig3_methods, fig4_methods
 from deepspec.planning.preflight import preflight
 from deepspec.data.sources import check_sources, needed_files
 from deepspec.data.prompts import data_root, speed_benchmarks
+from deepspec.interop.engine_env import vllm_command
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2

@@ -54,6 +54,11 @@ if REGEN_SERVER:
     except (KeyError, IndexError, ValueError) as e:
         raise WorkflowError(f"config error: regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, "
                             "{port}, {host}, {name}; write literal braces as {{ and }})")
+    if SERVER_COMMAND.split()[:1] == ["vllm"]:  # vLLM in this environment or its own (deepspec/interop/engine_env.py)
+        try:
+            SERVER_COMMAND = vllm_command(CFG["serve"]["vllm_python"]) + SERVER_COMMAND[len("vllm"):]
+        except DeepSpecError as e:  # planned anyway (a dry run of a GPU preset on a laptop); the server job fails
+            logger.warning(f"regenerate.server runs vLLM: {e}")
 
     rule regenerate_server:
         input:

@@ -1,4 +1,5 @@
-# Table 1, Figure 2 and REPORT.md from every (method, benchmark) evaluation
+# Table 1, Figure 2, REPORT.md and provenance.json (what the results were made
+# with: deepspec/provenance.py) from every (method, benchmark) evaluation
 # (deepspec/reporting/report.py).
 localrules:
     report,
@@ -9,6 +10,7 @@ rule report:
         records=all_records(METHODS),
         summaries=[PATHS.summary(m, b) for m in METHODS for b in BENCHMARKS],
         baselines=BASELINES,
+        served=[PATHS.serve_check(m) for m in SERVED_METHODS] if CFG["serve"]["engine"] else [],
     output:
         table1=report(PATHS.table("table1.csv"), category="Table 1"),
         table1_md=PATHS.table("table1.md"),
@@ -16,6 +18,7 @@ rule report:
         fig2=report(PATHS.figure("fig2.pdf"), category="Figure 2"),
         fig2_png=PATHS.figure("fig2.png"),
         report=PATHS.report(),
+        provenance=PATHS.provenance(),
     log:
         PATHS.log("report"),
     params:
@@ -23,4 +26,4 @@ rule report:
     shell:
         "python -m deepspec report {CONFIG_ARGS} --table1 {output.table1:q} --table1-md {output.table1_md:q} "
         "--fig2-csv {output.fig2_csv:q} --fig2-pdf {output.fig2:q} --fig2-png {output.fig2_png:q} "
-        "--report {output.report:q} > {log:q} 2>&1"
+        "--report {output.report:q} --provenance {output.provenance:q} > {log:q} 2>&1"

@@ -1,0 +1,78 @@
+"""Shared by the vLLM loader tests (test_engine_loaders.py, test_speculators.py): a tiny
+Qwen3 target vLLM's CPU attention accepts (head_dim 32) saved as a HF directory, random
+drafters for it, and deepspec/interop/vllm_loadcheck.py run with the vLLM python."""
+import copy
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from deepspec.drafters import build_drafter, freeze_mask_embedding
+from deepspec.interop import convert
+from helpers import randomize
+
+REPO = Path(__file__).resolve().parents[2]
+LOADCHECK = REPO / "deepspec" / "interop" / "vllm_loadcheck.py"
+HEAD_DIM = 32  # vLLM's CPU attention backend's smallest supported head size
+
+
+def vllm_target(where: Path):
+    """The tiny Qwen3 target with head_dim 32, and its HF directory (what vLLM reads as the target)."""
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.targets.tiny import build_tiny
+
+    model = build_tiny("qwen3", head_dim=HEAD_DIM).eval().requires_grad_(False)
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.save_pretrained(where)
+    return Target(model=model, tokenizer=None, target_id=str(where), eos_token_ids=eos_ids_of(model, None)), where
+
+
+def drafter(method, target, cfg, **settings):
+    c = copy.deepcopy(cfg)
+    c["drafter"].update(settings)
+    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
+    torch.manual_seed(0)
+    d = randomize(build_drafter(method, target, c).eval())
+    freeze_mask_embedding(d, target, init=True)
+    return d
+
+
+def run_loadcheck(python: str, cases: list, where: Path) -> dict:
+    """vllm_loadcheck.py over `cases` in one vLLM process; its result per case name."""
+    req, res = where / "request.json", where / "result.json"
+    req.write_text(json.dumps({"cases": cases, "dtype": "float32"}))
+    r = subprocess.run([python, str(LOADCHECK), str(req), str(res)], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and res.exists(), f"vllm_loadcheck.py exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return json.loads(res.read_text())
+
+
+def assert_export_is_the_drafter(out: Path, d, target) -> None:
+    """Every exported tensor is the drafter's (reference names) or the target's copy,
+    bit for bit; a null Markov head is zero."""
+    sd, ours = load_file(str(out / "model.safetensors")), d.state_dict()
+    cfg = json.loads((out / "config.json").read_text())
+    for name, t in sd.items():
+        if name == "embed_tokens.weight":
+            assert torch.equal(t, target.embed_tokens.weight)
+        elif name == "lm_head.weight":
+            rows = d.d2t if d.reduced_vocab else slice(None)
+            assert torch.equal(t, target.lm_head.weight[rows])
+        elif name == "d2t":
+            assert torch.equal(torch.arange(t.numel()) + t, d.d2t)
+        elif cfg.get(convert.NULL_MARKOV_FIELD) and name in convert.NULL_MARKOV_TENSORS:
+            assert not t.any()
+        else:
+            assert torch.equal(t, ours[convert.to_ours(name)]), name
+
+
+def assert_loaded_bit_for_bit(res: dict, padded: set = frozenset()) -> None:
+    """Every parameter vLLM holds is the export's tensor (only the placeholder
+    mask_embedding, which vLLM's DSpark loader maps away by design, is not loaded),
+    nothing was dropped, and the CPU post-processing ran."""
+    assert "error" not in res, res.get("traceback", res.get("error"))
+    assert res["differ"] == [] and res["dropped"] == [], (res["differ"], res["dropped"])
+    assert res["not_loaded"] == ["model.mask_embedding"]
+    assert set(res["padded_rows"]) == set(padded)
+    assert len(res["compared"]) > 20 and res["post_processed"] is True

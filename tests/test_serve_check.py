@@ -1,0 +1,139 @@
+"""serve-check's comparisons (deepspec/evaluation/serve_check.py) on made-up engine
+answers, without vLLM: what counts as lossless, as the same rounds, as an EOS
+round, and as agreeing per-position rates; where vLLM is looked for."""
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from deepspec.core.decode import Generation
+from deepspec.errors import DeepSpecError
+from deepspec.interop import engine_env
+from deepspec.evaluation.serve_check import compare_greedy, compare_sampled, tau_by_benchmark, vllm_records
+
+
+def _ours(tokens, accepted):
+    """A Generation whose rounds accepted `accepted` (first token from the prefill)."""
+    rounds = [{"accepted": a, "emitted": a + 1} for a in accepted]
+    return Generation(tokens=tokens, time_s=0.0, rounds=rounds)
+
+
+def _vllm(tokens, accepted, emitted=None, K=3):
+    emitted = emitted or [a + 1 for a in accepted]
+    steps = [{"emitted": 1, "drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": []}]
+    steps += [{"emitted": e, "drafts": 1, "draft_tokens": K, "accepted": a, "accepted_per_pos": []}
+              for a, e in zip(accepted, emitted)]
+    return {"tokens": tokens, "steps": steps}
+
+
+def test_identical_decoding_is_lossless_and_round_identical():
+    toks = list(range(8))  # 1 (prefill) + 3 + 1 + 3 emitted
+    ours = _ours(toks, [2, 0, 2])
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]}, {"requests": [_vllm(toks, [2, 0, 2])]})
+    assert g["lossless"] and g["rounds_identical"] and g["rounds"] == 3 and g["eos_rounds"] == 0
+
+
+def test_final_round_counting_drafts_after_the_eos_is_an_eos_round():
+    toks = [5, 6, 2]  # 2 = EOS, accepted as the 2nd draft of round 1; vLLM counts the 3rd draft too
+    ours = Generation(tokens=toks, time_s=0, rounds=[{"accepted": 2, "emitted": 2}])
+    vs = _vllm(toks, [3], emitted=[2])
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]}, {"requests": [vs]})
+    assert g["rounds_identical"] and g["eos_rounds"] == 1
+    # the same excess in a round that is not the last is a real difference
+    ours2 = Generation(tokens=[5, 6, 7, 8, 9, 10], time_s=0, rounds=[{"accepted": 1, "emitted": 2}, {"accepted": 2, "emitted": 3}])
+    vs2 = _vllm([5, 6, 7, 8, 9, 10], [2, 2], emitted=[2, 3])
+    g = compare_greedy([_ours(ours2.tokens, [])], [ours2], {"requests": [_vllm(ours2.tokens, [])]}, {"requests": [vs2]})
+    assert not g["rounds_identical"] and g["round_mismatches"][0]["what"] == "accepted"
+
+
+def test_a_different_token_or_round_is_reported():
+    toks = list(range(6))
+    bad = toks[:3] + [99] + toks[4:]
+    g = compare_greedy([_ours(toks, [])], [_ours(toks, [2, 1])], {"requests": [_vllm(toks, [])]},
+                       {"requests": [_vllm(bad, [2, 1])]})
+    assert not g["lossless"] and g["output_mismatches"] == [{"prompt": 0, "who": "vllm speculative", "first_difference": 3}]
+    g = compare_greedy([_ours(toks, [])], [_ours(toks, [2, 1])], {"requests": [_vllm(toks, [])]},
+                       {"requests": [_vllm(toks, [1, 2])]})
+    assert g["lossless"] and not g["rounds_identical"] and g["round_mismatches"][0]["what"] == "emitted"
+
+
+def test_max_tokens_cut_of_the_last_round_is_not_a_difference():
+    # max_new_tokens 5: our last round emitted 4 tokens of which 2 were kept; vLLM's step shows the 2 it returned
+    toks = [1, 2, 3, 4, 5]
+    ours = Generation(tokens=toks, time_s=0, rounds=[{"accepted": 1, "emitted": 2}, {"accepted": 3, "emitted": 4}])
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]},
+                       {"requests": [_vllm(toks, [1, 3], emitted=[2, 2])]})
+    assert g["lossless"] and g["rounds_identical"]
+
+
+def test_a_final_round_without_eos_must_match_and_answers_must_be_complete():
+    # the last round cut by max_new_tokens (no EOS: ours emitted the bonus) accepting more in vLLM is a difference
+    toks = [1, 2, 3, 4]
+    ours = Generation(tokens=toks, time_s=0, rounds=[{"accepted": 1, "emitted": 2}, {"accepted": 1, "emitted": 2}])
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]},
+                       {"requests": [_vllm(toks, [1, 3], emitted=[2, 1])]})
+    assert not g["rounds_identical"] and g["eos_rounds"] == 0
+    with pytest.raises(DeepSpecError, match="answered 0 of 1 requests"):
+        compare_greedy([_ours(toks, [])], [ours], {"requests": []}, {"requests": []})
+
+
+def test_vllm_records_drop_the_prefill_and_mark_final_rounds():
+    ans = {"requests": [_vllm(list(range(8)), [2, 0, 2]), _vllm([1, 2], [0])]}
+    df = vllm_records(ans, ["a/1", "b/1"], K=3)
+    assert df["accepted"].tolist() == [2, 0, 2, 0] and df["final"].tolist() == [False, False, True, True]
+    assert set(df["proposal_len"]) == {3}
+
+
+def _records(rng, c, n_prompts, rounds, prefix="gsm8k"):
+    """Rounds whose position k is accepted with probability c[k] given k-1 accepted."""
+    rows = []
+    for p in range(n_prompts):
+        for r in range(rounds):
+            a = 0
+            while a < len(c) and rng.random() < c[a]:
+                a += 1
+            rows.append({"sample_id": f"{prefix}/{p}", "round": r, "proposal_len": len(c), "accepted": a,
+                         "emitted": a + 1, "final": r == rounds - 1})
+    return pd.DataFrame(rows)
+
+
+def test_sampled_rates_agree_when_the_engines_sample_the_same_law():
+    """Simultaneous intervals at 95 %: two engines sampling the same law are called
+    different in about 5 % of runs at most, a 0.6 -> 0.3 change at position 1 almost always."""
+    c, n = [0.6, 0.5, 0.4], 20
+    same = [compare_sampled(_records(np.random.default_rng(s), c, 20, 30), _records(np.random.default_rng(100 + s), c, 20, 30),
+                            3, n_boot=200, seed=s) for s in range(n)]
+    assert all(p["judged"] for p in same[0]["positions"][:2])
+    assert sum(not s["agree"] for s in same) <= 3  # ~1 expected; 4+ has probability < 2 % at a true 5 %
+    other = [compare_sampled(_records(np.random.default_rng(s), c, 20, 30),
+                             _records(np.random.default_rng(100 + s), [0.3, 0.5, 0.4], 20, 30), 3, n_boot=200, seed=s)
+             for s in range(n)]
+    assert sum(not s["agree"] and s["positions"][0]["contains_zero"] is False for s in other) >= n - 1
+
+
+def test_tau_by_benchmark_counts_accepted_drafts():
+    df = pd.DataFrame({"sample_id": ["gsm8k/1", "gsm8k/1", "mbpp/1"], "accepted": [1, 3, 0]})
+    assert tau_by_benchmark(df, df) == {"gsm8k": {"tau_deepspec": 3.0, "rounds_deepspec": 2, "tau_vllm": 3.0, "rounds_vllm": 2},
+                                        "mbpp": {"tau_deepspec": 1.0, "rounds_deepspec": 1, "tau_vllm": 1.0, "rounds_vllm": 1}}
+
+
+def test_where_vllm_is_looked_for(monkeypatch, tmp_path):
+    monkeypatch.delenv(engine_env.ENV_VAR, raising=False)
+    with pytest.raises(DeepSpecError, match="does not exist"):
+        engine_env.vllm_python(str(tmp_path / "nope" / "python"))
+    monkeypatch.setenv(engine_env.ENV_VAR, sys.executable)
+    assert engine_env.vllm_python() == sys.executable
+    assert engine_env.vllm_command() == f"{sys.executable} -m vllm.entrypoints.cli.main"
+    monkeypatch.delenv(engine_env.ENV_VAR)
+    monkeypatch.setattr(engine_env.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DeepSpecError, match="install-vllm"):
+        engine_env.vllm_python()
+
+
+def test_serve_check_refuses_block_drafters_on_cpu_in_one_line(capsys):
+    from deepspec.cli import main
+
+    assert main(["serve-check", "--preset", "tiny", "--method", "dspark", "--vllm-python", sys.executable]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model runner V2, which needs a GPU" in err[0]
