@@ -264,7 +264,7 @@ def cli_serve_check(argv) -> int:
     if not (tdir / "config.json").exists():
         raise DeepSpecError(f"no prepared target at {tdir}: run `python -m deepspec prepare-target` first")
     target = target_from_config(cfg)
-    drafter = load_drafter(args.drafter or drafter_path(cfg, args.method), target).eval()
+    drafter = load_drafter(args.drafter or drafter_path(cfg, args.method), target, cfg["drafter"]).eval()
     if drafter.method != args.method:
         raise DeepSpecError(f"{args.drafter} is a {drafter.method} drafter, not {args.method}")
     benches = list(cfg["data"]["benchmarks"])
