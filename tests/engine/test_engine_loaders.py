@@ -65,3 +65,37 @@ def test_vllm_loads_our_export_bit_for_bit(loaded, name):
     else:
         assert s["markov_rank"] == d.config.deepspec_markov_rank == cfg["drafter"]["markov_rank"]
         assert s["confidence_head"] is True and s["confidence_with_markov"] == d.confidence.with_markov
+
+
+def test_vllm_loads_the_cpu_presets_block_drafters(vllm_python, resources_dir, tmp_path):
+    """The CPU default's DSpark and DFlash as the preset builds them (SmolLM2-135M, a Llama
+    target without a reserved token; Qwen3 draft layers; the 8k draft vocabulary; a learned
+    mask embedding), exported for vLLM and loaded by vLLM's loader over the real SmolLM2:
+    every tensor bit for bit, the mask as token V of the drafter's own input vocabulary."""
+    from deepspec import paths
+    from deepspec.config import load_config
+    from deepspec.drafters import build_drafter
+    from deepspec.targets.loading import target_from_config
+
+    cfg = load_config("smollm2-135m", {"resources_dir": str(resources_dir)})
+    target = target_from_config(cfg)
+    V, cases, drafters = target.vocab_size, [], {}
+    for method in ("dspark", "dflash"):
+        torch.manual_seed(0)
+        d = build_drafter(method, target, cfg).eval()
+        d.set_draft_vocab(torch.rand(V))
+        assert d.config.model_type == "qwen3" and d.config.deepspec_mask_token_id is None and d.reduced_vocab
+        out = export.export_drafter(d, target, "deepspec", tmp_path / method, engine="vllm")
+        assert_export_is_the_drafter(out, d, target)
+        drafters[method] = d
+        cases.append({"name": method, "draft": str(out), "target": str(paths.RunPaths.of(cfg).target_checkpoint())})
+    results = run_loadcheck(vllm_python, cases, tmp_path)
+    for method, d in drafters.items():
+        res = results[method]
+        assert_loaded_bit_for_bit(res, {"model.embed_tokens.weight"})  # V + 1 rows, padded to vLLM's multiple
+        s = res["settings"]
+        assert s["model_class"] == "Qwen3DSparkForCausalLM" and s["draft_layers"] == d.config.num_hidden_layers
+        assert s["mask_token_id"] == s["model_mask_token_id"] == V and s["draft_input_vocab"] == V + 1
+        assert s["target_vocab"] == V and s["reduced_vocab"] is True
+        assert s["target_layer_ids"] == list(cfg["target"]["feature_layers"])
+        assert s["markov_rank"] == (export.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])
