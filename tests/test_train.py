@@ -308,6 +308,28 @@ def test_a_second_trainer_of_the_same_directory_stops(tmp_path):
     T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(), tmp_path, collate_fn=collate)
 
 
+def test_disk_full_at_a_checkpoint_names_it_and_leaves_no_partial(tmp_path, monkeypatch):
+    """F1: safetensors reports a full disk as a SafetensorError ('... (os error
+    28)'), not an OSError: the CLI's one line needs an OSError naming the
+    checkpoint, and the half-written .step_N.partial goes."""
+    import errno
+
+    def full(self, path, **kw):
+        (tmp_path / "seen").write_text(path)
+        open(f"{path}/model.safetensors", "wb").write(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ToyModel, "save_pretrained", full)
+    out = tmp_path / "run"
+    with pytest.raises(OSError) as e:
+        T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(checkpoint_every=1), out,
+                collate_fn=collate)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out / "checkpoints" / "step_1")
+    assert (tmp_path / "seen").read_text().endswith(".step_1.partial")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == []
+    assert not (out / "config.json").exists()
+
+
 # --------------------------------------------------------------------------- the real thing
 
 
