@@ -1,8 +1,9 @@
 """Files: atomic writes (temp file, then rename), JSON / JSONL / CSV reading and
 writing with one-line errors naming the file and line.
 
-Every directory the atomic writers make holds `OUTPUT_MARKER`; `--overwrite`
-replaces only such a directory, never one this project did not write. A write
+Every directory the atomic writers make whole holds `OUTPUT_MARKER` (not a
+training run's, into which they merge); `--overwrite` replaces only such a
+directory, never one this project did not write, nor a training run. A write
 that fails for a reason of the file system (disk full, read-only, permissions;
 also when a library reports it in other words, as safetensors and torch.save
 do) leaves nothing half-written and raises an OSError naming the output, which
@@ -109,12 +110,10 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
         os.replace(tmp, path)
 
 
-def _finish_dir(tmp: Path) -> None:
-    """Mark a finished temporary directory as ours (`OUTPUT_MARKER`) and give the
-    files in it the mode open() gives under the umask: libraries make some 0600
-    (safetensors writes through a temporary file of its own). Hard links (a hub
-    target's files) are left as they are: their mode is the linked file's."""
-    (tmp / OUTPUT_MARKER).write_text("written by deepspec; --overwrite may replace this directory\n")
+def _umask_modes(tmp: Path) -> None:
+    """Give the files in directory `tmp` the mode open() gives under the umask:
+    libraries make some 0600 (safetensors writes through a temporary file of its
+    own). Hard links (a hub target's files) keep the linked file's mode."""
     umask = _umask()
     for p in tmp.rglob("*"):
         st = p.lstat()
@@ -133,19 +132,20 @@ def check_overwrite(out: str | os.PathLike, overwrite: bool) -> None:
         raise DeepSpecError(f"output {out} exists (use --overwrite)")
     if out.is_symlink() or not out.is_dir() or not (out / OUTPUT_MARKER).is_file():
         what = "a symbolic link" if out.is_symlink() else "not a directory" if not out.is_dir() else \
-            f"a directory deepspec did not write (no {OUTPUT_MARKER} in it)"
+            f"not an output directory deepspec wrote (no {OUTPUT_MARKER} in it)"
         raise DeepSpecError(f"output {out} is {what}: --overwrite replaces only deepspec's own outputs; "
                             "remove it yourself or choose another output")
 
 
 def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike, overwrite: bool = True) -> None:
-    """Rename the finished directory `tmp` onto `out` (marked as ours, files in
-    their umask mode: `_finish_dir`). An existing `out` is removed first when
+    """Rename the finished directory `tmp` onto `out`, marked as ours
+    (`OUTPUT_MARKER`), its files in their umask mode. An existing `out` is removed first when
     `overwrite` and it is one of ours, else is a one-line DeepSpecError
     (`check_overwrite`)."""
     tmp, out = Path(tmp), Path(out)
     check_overwrite(out, overwrite)
-    _finish_dir(tmp)
+    (tmp / OUTPUT_MARKER).write_text("written by deepspec; --overwrite may replace this directory\n")
+    _umask_modes(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -171,8 +171,8 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, merge: bool = Fa
     with removed_on_failure(tmp, out):
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the mode mkdir would
         yield tmp
-        if merge:
-            _finish_dir(tmp)
+        if merge:  # no OUTPUT_MARKER: `out` holds more than this (a training run: its checkpoints)
+            _umask_modes(tmp)
             names = sorted(p.name for p in tmp.iterdir())
             for name in [x for x in names if x != "config.json"] + [x for x in names if x == "config.json"]:
                 os.replace(tmp / name, out / name)

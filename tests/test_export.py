@@ -458,7 +458,7 @@ def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_
 
 
 def test_overwrite_replaces_an_export_not_an_unrelated_folder(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
-    """X2: --overwrite onto a folder deepspec did not write is refused in one line
+    """X2: --overwrite onto a folder that is not a deepspec output is refused in one line
     and the folder keeps its files; an earlier export is replaced. F4: a disk
     full during the write (safetensors says so in a SafetensorError, not an
     OSError) is one line naming --out, and nothing is left."""
@@ -475,7 +475,7 @@ def test_overwrite_replaces_an_export_not_an_unrelated_folder(qwen3_target, qwen
     base = ["export-checkpoint", "--preset", "tiny", "--src", str(tmp_path / "src"), "--format", "deepspec", "--overwrite"]
     assert cli_main(base + ["--out", str(victim)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"deepspec export-checkpoint: error: output {victim} is a directory deepspec did not write "
+    assert err[-1] == (f"deepspec export-checkpoint: error: output {victim} is not an output directory deepspec wrote "
                        f"(no {OUTPUT_MARKER} in it): --overwrite replaces only deepspec's own outputs; remove it "
                        "yourself or choose another output")
     assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == ["notes.txt", "sub", "sub/data.csv"]

@@ -47,9 +47,11 @@ def test_atomic_dir_merge_moves_config_json_last(tmp_path, monkeypatch):
         assert tmp.parent == out
         for name in ("config.json", "model.safetensors", "a.json"):
             (tmp / name).write_text("new")
-    assert moved == [OUTPUT_MARKER, "a.json", "model.safetensors", "config.json"]
-    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "a.json", "config.json", "model.safetensors",
-                                                     "train_log.csv"]
+    assert moved == ["a.json", "model.safetensors", "config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "config.json", "model.safetensors", "train_log.csv"]
+    # no marker: --overwrite never replaces a training run (its checkpoints) named as an output
+    with pytest.raises(DeepSpecError, match="is not an output directory deepspec wrote"):
+        check_overwrite(out, True)
     assert (out / "model.safetensors").read_text() == "new" and (out / "train_log.csv").read_text() == "kept"
 
 
@@ -61,7 +63,7 @@ def test_overwrite_replaces_only_a_directory_deepspec_wrote(tmp_path):
     (victim / "sub").mkdir(parents=True)
     (victim / "notes.txt").write_text("precious")
     (victim / "sub" / "data.csv").write_text("data")
-    with pytest.raises(DeepSpecError, match=rf"output {victim} is a directory deepspec did not write "
+    with pytest.raises(DeepSpecError, match=rf"output {victim} is not an output directory deepspec wrote "
                                             rf"\(no {OUTPUT_MARKER} in it\): --overwrite replaces only") as e:
         with atomic_dir(victim, overwrite=True) as tmp:
             (tmp / "config.json").write_text("{}")
