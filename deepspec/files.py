@@ -124,9 +124,12 @@ def _umask_modes(tmp: Path) -> None:
 def check_overwrite(out: str | os.PathLike, overwrite: bool) -> None:
     """Refuse, in one line, to write output directory `out` over what is there:
     anything at all without `overwrite`; with it, anything but a directory that
-    an atomic writer of this project made (it holds `OUTPUT_MARKER`)."""
+    an atomic writer of this project made (it holds `OUTPUT_MARKER`) or an empty
+    one (Snakemake makes the folders of a rule's output files before the job)."""
     out = Path(out)
     if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_dir() and not out.is_symlink() and overwrite and not any(out.iterdir()):
         return
     if not overwrite:
         raise DeepSpecError(f"output {out} exists (use --overwrite)")

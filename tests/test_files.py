@@ -75,6 +75,9 @@ def test_overwrite_replaces_only_a_directory_deepspec_wrote(tmp_path):
     for name, what in (("file", "not a directory"), ("link", "a symbolic link")):
         with pytest.raises(DeepSpecError, match=f"is {what}: --overwrite replaces only"):
             check_overwrite(tmp_path / name, True)
+    (tmp_path / "empty").mkdir()  # as Snakemake makes it for an output file inside it
+    with atomic_dir(tmp_path / "empty", overwrite=True) as tmp:
+        (tmp / "config.json").write_text("{}")
     ours = tmp_path / "ours"
     with atomic_dir(ours) as tmp:
         (tmp / "old.json").write_text("{}")
