@@ -428,14 +428,14 @@ def machine_memory(device: torch.device) -> tuple[int, str]:
     return total, "this machine"
 
 
-# what the largest part of a step's memory is, and the setting that sizes it
+# the largest part of a step's memory: what it is, and what makes it smaller
 _MEMORY_PARTS = {
-    "data_order": ("the data order of a global batch", "train.global_batch"),
-    "activations": ("a micro batch's cached features at data.max_length", "train.micro_batch or data.max_length"),
-    "adam_moments": ("AdamW's moments", "the drafter's size (drafter.*)"),
-    "gradients": ("the gradients", "the drafter's size (drafter.*)"),
-    "drafter_weights": ("the drafter's weights", "the drafter's size (drafter.*)"),
-    "target_weights": ("the target's weights", "target.dtype, or a machine with more memory"),
+    "data_order": ("the data order of a global batch", "lower train.global_batch"),
+    "activations": ("a micro batch's cached features at data.max_length", "lower train.micro_batch or data.max_length"),
+    "adam_moments": ("AdamW's moments", "a smaller drafter (drafter.num_layers, drafter.draft_vocab_size)"),
+    "gradients": ("the gradients", "a smaller drafter (drafter.num_layers, drafter.draft_vocab_size)"),
+    "drafter_weights": ("the drafter's weights", "a smaller drafter (drafter.num_layers, drafter.draft_vocab_size)"),
+    "target_weights": ("the target's weights", "target.dtype bfloat16, or a machine with more memory"),
 }
 
 
@@ -462,10 +462,9 @@ def check_step_memory(cfg: dict, drafter, target, num_samples: int, device: torc
     have, where = machine_memory(device)
     if need > have:
         big = max(parts, key=parts.get)
-        what, key = _MEMORY_PARTS[big]
+        what, fix = _MEMORY_PARTS[big]
         raise DeepSpecError(f"a training step needs at least {human_bytes(need)}{f' ({procs} processes)' if procs > 1 else ''}"
-                            f" but {where} has {human_bytes(have)}: {human_bytes(procs * parts[big])} of it {what}; "
-                            f"lower {key}")
+                            f" but {where} has {human_bytes(have)}: {human_bytes(procs * parts[big])} of it {what}; {fix}")
     return parts
 
 
