@@ -173,8 +173,11 @@ def test_engine_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp
         d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, markov_head_type=kind)
         _fails_for(d, qwen3_target, "deepspec", "vllm", tmp_path / kind, f"vanilla Markov head only, this drafter's is '{kind}'")
     learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
-    _fails_for(learned, qwen3_target, "deepspec", "vllm", tmp_path / "m", "learned mask embedding.*drafter.mask_token_id")
     _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "learned mask embedding, which SGLang replaces")
+    g4_learned, _ = _drafter("dspark", gemma4_target, gemma4_cfg)
+    _fails_for(g4_learned, gemma4_target, "deepspec", "vllm", tmp_path / "gl", "learned mask embedding.*drafter.mask_token_id")
+    with pytest.raises(DeepSpecError, match="--mask-token-id: a learned mask embedding goes into a new row V"):
+        export.export_drafter(learned, qwen3_target, "deepspec", tmp_path / "mt", engine="vllm", mask_token_id=5)
     e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
     _fails_for(e3, qwen3_target, "deepspec", "vllm", tmp_path / "e", "--format eagle3")
     _fails_for(e3, qwen3_target, "eagle3", "sglang", tmp_path / "q", "LlamaForCausalLMEagle3")
@@ -209,6 +212,37 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
         assert sd["markov_head.markov_w1.weight"].shape == (512, 1) and sd["markov_head.markov_w2.weight"].shape == (300, 1)
         assert not sd["markov_head.markov_w1.weight"].any() and not sd["markov_head.markov_w2.weight"].any()
     _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_export_of_a_learned_mask_appends_it_as_token_v(tiny_target, tiny_cfg, method, tmp_path):
+    """The CPU presets' block drafters (SmolLM2: a Llama target without a reserved token,
+    Qwen3 draft layers, a reduced vocabulary) for vLLM: the learned mask embedding is
+    token V of the drafter's own embed_tokens (V + 1 rows, the target's first), which vLLM's
+    Qwen3 DSpark keeps instead of sharing the target's; markov_w1 has a zero row V; no
+    token's embedding is overwritten. The speculators format says the same; convert-checkpoint
+    refuses the export in one line (it has no such token)."""
+    target, V = tiny_target, tiny_target.vocab_size
+    d, _ = _drafter(method, target, tiny_cfg, layer_arch="qwen3", draft_vocab_size=300)
+    d.set_draft_vocab(torch.arange(V).flip(0).float())
+    assert d.config.model_type == "qwen3" and d.config.deepspec_mask_token_id is None
+    out = export.export_drafter(d, target, "deepspec", tmp_path / "v", engine="vllm")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg[convert.MASK_APPENDED_FIELD] is True
+    assert cfg["vocab_size"] == V + 1 and cfg["mask_token_id"] == V and cfg["draft_vocab_size"] == 300
+    assert convert.MASK_ROW_FIELD not in cfg
+    emb = sd["embed_tokens.weight"]
+    assert torch.equal(emb[:V], target.embed_tokens.weight) and torch.equal(emb[V], d.mask_embedding.detach())
+    w1 = sd["markov_head.markov_w1.weight"]
+    assert w1.shape[0] == V + 1 and not w1[V].any()
+    if method == "dspark":
+        assert torch.equal(w1[:V], d.state_dict()["markov.embed.weight"])
+    spec = export.export_drafter(d, target, "speculators", tmp_path / "sp")
+    spec_cfg = json.loads((spec / "config.json").read_text())
+    assert spec_cfg["transformer_layer_config"]["vocab_size"] == V + 1 and spec_cfg["mask_token_id"] == V
+    with pytest.raises(DeepSpecError, match="learned mask embedding is an extra token") as ei:
+        convert.convert_reference_checkpoint(out, target, tmp_path / "back")
+    assert "\n" not in str(ei.value) and not (tmp_path / "back").exists()
 
 
 def test_vllm_dflash_export_converts_back_to_the_same_dflash(qwen3_target, qwen3_cfg, tmp_path):
@@ -423,8 +457,6 @@ def test_speculators_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg
     _fails_with(e3, qwen3_target, tmp_path / "e", "--format eagle3", fmt="speculators")
     g4, _ = _drafter("dspark", gemma4_target, gemma4_cfg, mask_token_id=4)
     _fails_with(g4, gemma4_target, tmp_path / "g", "Qwen3DSparkModel \\(Qwen3 draft layers\\) only", fmt="speculators")
-    learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
-    _fails_with(learned, qwen3_target, tmp_path / "m", "learned mask embedding", fmt="speculators")
     d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
     _fails_with(d, qwen3_target, tmp_path / "s", "read by vLLM, not sglang", fmt="speculators", engine="sglang")
     _fails_with(d, qwen3_target, tmp_path / "v", "--verifier names the target", verifier="x")

@@ -320,6 +320,10 @@ def served_markdown(cfg) -> list[str]:
                      f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
                      f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
                      f"{yes[s['agree']] if s.get('agree') is not None else 'n/a'} |")
+    patches = sorted({x for r in recs.values() for x in r.get("vllm_patches", [])})
+    if patches:
+        lines += ["", "vLLM was patched in the checking process (deepspec/interop/vllm_run.py `fix_cpu_expand`): "
+                  + "; ".join(patches) + "."]
     for m, r in recs.items():
         by = (r.get("sampled") or {}).get("benchmarks") or {}
         if by:
