@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir
+from ..files import atomic_dir, check_overwrite
 from .convert import (MASK_APPENDED_FIELD, MASK_ROW_FIELD, NOT_IN_CHECKPOINT, NULL_MARKOV_FIELD, NULL_MARKOV_TENSORS,
                       check_out_apart, embed_scale, to_reference)
 
@@ -523,8 +523,7 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         raise DeepSpecError("--verifier names the target in a speculators-format export: use --format speculators")
     if fmt == "speculators" and engine not in (None, "vllm"):
         raise DeepSpecError(f"the speculators format is read by vLLM, not {engine} (SGLang: --format deepspec --engine sglang)")
-    if out.exists() and not overwrite:
-        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    check_overwrite(out, overwrite)  # before the work: only a deepspec output may be replaced
     files = {}
     if fmt == "deepspec":
         cfg, sd = deepspec_layout(d, target, mask_token_id, engine)

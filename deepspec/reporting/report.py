@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.acceptance import domain_position_table
+from ..errors import DeepSpecError
 from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
 from .provenance import collect as collect_provenance, provenance_markdown
 from ..paths import RunPaths
@@ -84,8 +85,26 @@ def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
     domains: dict[str, list[str]] = {}
     for bench, spec in cfg["data"]["benchmarks"].items():
         domains.setdefault(spec["domain"], []).append(bench)
-    return {m: {d: [pd.read_csv(require_file(paths.records(m, b), "evaluation output", _RUN_EVALUATE)) for b in benches] for d, benches in domains.items()}
+    return {m: {d: [read_records(paths, m, b) for b in benches] for d, benches in domains.items()}
             for m in cfg["train"]["methods"]}
+
+
+def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
+    """evaluate's per-round records of one benchmark, as many rows as its
+    summary counts rounds: records cut short or damaged would otherwise give
+    Figure 2 fewer rounds than Table 1 (read from the summary) without a word."""
+    csv = require_file(paths.records(method, bench), "evaluation output", _RUN_EVALUATE)
+    summary = paths.summary(method, bench)
+    rounds = read_json(summary, f"evaluation output not found: {summary}{_RUN_EVALUATE}").get("rounds")
+    try:
+        df = pd.read_csv(csv)
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        raise DeepSpecError(f"{csv}: unreadable per-round records ({str(e).strip().splitlines()[0]}): "
+                            "rerun evaluate") from None
+    if len(df) != rounds:
+        raise DeepSpecError(f"{csv}: {len(df)} rounds, but {summary.name} beside it counts {rounds}: "
+                            "the records are cut short or damaged (rerun evaluate)")
+    return df
 
 
 def build_fig2(cfg, gamma: int | None = None, records: dict | None = None) -> pd.DataFrame:
