@@ -117,6 +117,23 @@ def randomize(d, seed=0):
     return d
 
 
+def random_drafter(method, target, cfg, **drafter):
+    """A drafter with random weights (`randomize`) for `target`, the preset's drafter
+    section updated by `drafter`, 1 (Eagle3) or 2 layers; a reserved mask token's row
+    set again after randomizing. Returns (drafter, its config)."""
+    import copy
+
+    from deepspec.drafters import build_drafter, freeze_mask_embedding
+
+    c = copy.deepcopy(cfg)
+    c["drafter"].update(drafter)
+    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
+    torch.manual_seed(0)
+    d = randomize(build_drafter(method, target, c).eval())
+    freeze_mask_embedding(d, target, init=True)
+    return d, c
+
+
 def plain_ttt(d, W, ids, feats, steps, arch, embed):
     """The TTT forward from the equations: post-norm outputs per step."""
     B, L = ids.shape

@@ -19,24 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepspec.drafters import build_drafter, freeze_mask_embedding, load_drafter
+from deepspec.drafters import build_drafter, load_drafter
 from deepspec.errors import DeepSpecError
 from deepspec.files import OUTPUT_MARKER
 from deepspec.interop import convert
 from deepspec.interop import export
-from helpers import randomize, plain_ttt
+from helpers import plain_ttt, random_drafter
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]
 
 
-def _drafter(method, target, cfg, **drafter):
-    c = copy.deepcopy(cfg)
-    c["drafter"].update(drafter)
-    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
-    torch.manual_seed(0)
-    d = randomize(build_drafter(method, target, c).eval())
-    freeze_mask_embedding(d, target, init=True)  # the reserved token's row again, after randomize
-    return d, c
+_drafter = random_drafter
 
 
 def _outputs(d, ids, f):
