@@ -205,7 +205,9 @@ def test_multi_node_training_plans(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     train = [c for c in _shell_commands(out) if "deepspec train" in c]
-    assert len(train) == 1 and "srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 " in train[0]
+    # exec'd (a SIGTERM reaches srun); the task count and each node's CPUs (resources.train.threads) named
+    assert len(train) == 1 and train[0].startswith("exec env ") and (
+        "srun --overlap --nodes 2 --ntasks 2 --ntasks-per-node 1 --cpus-per-task 32 --gpus-per-node 8 " in train[0])
     assert "claim-gpus" not in train[0]
     assert re.search(r"gpu=16, nodes=2", out), out[-3000:]
     r = snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
