@@ -6,7 +6,7 @@
 # GPU), or train.processes > 1 on CPU, and with train.nodes > 1 one accelerate
 # per node of the SLURM allocation (deepspec/training/launch.py). An
 # interrupted job resumes from its newest intact checkpoint when rerun; SIGTERM
-# (SLURM's warning before the time limit, workflow/profiles/slurm) makes it
+# (SLURM's warning before the time limit, profiles/slurm) makes it
 # write a checkpoint and stop first.
 TRAIN_GPUS = int(CFG["train"]["gpus"])
 TRAIN_NODES = int(CFG["train"]["nodes"])
