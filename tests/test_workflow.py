@@ -80,6 +80,11 @@ def test_checkout_refuses_another_package(tmp_path):
     environ = {"PYTHONPATH": os.pathsep.join(["/elsewhere", str(PACKAGE_DIR.parent)])}
     enter(PACKAGE_DIR.parent, cwd=tmp_path, environ=environ)
     assert environ["PYTHONPATH"] == os.pathsep.join([str(PACKAGE_DIR.parent), "/elsewhere"])
+    # a Snakefile without the package beside it (the DAG copied out of its checkout)
+    copy_workflow(tmp_path / "bare")
+    (tmp_path / "bare" / "deepspec").unlink()
+    r = snakemake(tmp_path / "bare", "-n", "--cores", "1", "--config", "preset=tiny")
+    assert r.returncode != 0 and "has no deepspec/ package beside its Snakefile" in r.stdout + r.stderr
 
 
 def test_non_editable_install_says_it_needs_a_checkout(tmp_path):
