@@ -87,13 +87,13 @@ def settings(rule):
 
 
 def res(rule, key, default):
-    """Per-rule scheduler resources from the preset (resources.<rule>.<key>)."""
+    """Per-rule scheduler resources from the preset (resources.<rule>.<key>).
+    A rule's threads (resources.<rule>.threads) are also its resources'
+    cpus_per_task: Snakemake caps `threads` at the --cores of the machine it runs
+    on, even for SLURM jobs, while the SLURM executor asks for cpus_per_task as
+    it is (profiles/slurm)."""
     return CFG["resources"].get(rule, {}).get(key, default)
 
-
-# A rule's threads (resources.<rule>.threads) are also its resources' cpus_per_task:
-# Snakemake caps `threads` at the --cores of the machine it runs on, even for SLURM
-# jobs, while the SLURM executor asks for cpus_per_task as it is (profiles/slurm).
 
 
 # gpu_env(n) (deepspec/training/launch.py): the prefix of a GPU rule's command that
