@@ -67,11 +67,15 @@ def main(argv=None) -> int:
     except DeepSpecError as e:
         print(f"deepspec {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except OSError as e:  # the atomic writers name the output (deepspec.files.removed_on_failure)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"deepspec {args.command}: error: disk full writing {e.filename or 'output'} ({e.strerror}); "
+                  "nothing half-written was kept: free space and rerun", file=sys.stderr)
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            print(f"deepspec {args.command}: error: {e.filename or 'output'}: {e.strerror}; "
+                  "nothing half-written was kept: make it writable or choose another path", file=sys.stderr)
+        else:
             raise
-        print(f"deepspec {args.command}: error: disk full writing {e.filename or 'output'} ({e.strerror}); "
-              "nothing half-written was kept: free space and rerun", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         if e.name == module_name:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from deepspec.drafters import build_drafter, freeze_mask_embedding, load_drafter
 from deepspec.errors import DeepSpecError
+from deepspec.files import OUTPUT_MARKER
 from deepspec.interop import convert
 from deepspec.interop import export
 from helpers import randomize, plain_ttt
@@ -172,8 +173,11 @@ def test_engine_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp
         d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, markov_head_type=kind)
         _fails_for(d, qwen3_target, "deepspec", "vllm", tmp_path / kind, f"vanilla Markov head only, this drafter's is '{kind}'")
     learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
-    _fails_for(learned, qwen3_target, "deepspec", "vllm", tmp_path / "m", "learned mask embedding.*drafter.mask_token_id")
     _fails_for(learned, qwen3_target, "deepspec", "sglang", tmp_path / "s", "learned mask embedding, which SGLang replaces")
+    g4_learned, _ = _drafter("dspark", gemma4_target, gemma4_cfg)
+    _fails_for(g4_learned, gemma4_target, "deepspec", "vllm", tmp_path / "gl", "learned mask embedding.*drafter.mask_token_id")
+    with pytest.raises(DeepSpecError, match="--mask-token-id: a learned mask embedding goes into a new row V"):
+        export.export_drafter(learned, qwen3_target, "deepspec", tmp_path / "mt", engine="vllm", mask_token_id=5)
     e3, _ = _drafter("eagle3", qwen3_target, qwen3_cfg)
     _fails_for(e3, qwen3_target, "deepspec", "vllm", tmp_path / "e", "--format eagle3")
     _fails_for(e3, qwen3_target, "eagle3", "sglang", tmp_path / "q", "LlamaForCausalLMEagle3")
@@ -208,6 +212,37 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
         assert sd["markov_head.markov_w1.weight"].shape == (512, 1) and sd["markov_head.markov_w2.weight"].shape == (300, 1)
         assert not sd["markov_head.markov_w1.weight"].any() and not sd["markov_head.markov_w2.weight"].any()
     _fails(d, qwen3_target, "deepspec", tmp_path / "plain", "reduced draft vocabulary.*--engine vllm")
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_vllm_export_of_a_learned_mask_appends_it_as_token_v(tiny_target, tiny_cfg, method, tmp_path):
+    """The CPU presets' block drafters (SmolLM2: a Llama target without a reserved token,
+    Qwen3 draft layers, a reduced vocabulary) for vLLM: the learned mask embedding is
+    token V of the drafter's own embed_tokens (V + 1 rows, the target's first), which vLLM's
+    Qwen3 DSpark keeps instead of sharing the target's; markov_w1 has a zero row V; no
+    token's embedding is overwritten. The speculators format says the same; convert-checkpoint
+    refuses the export in one line (it has no such token)."""
+    target, V = tiny_target, tiny_target.vocab_size
+    d, _ = _drafter(method, target, tiny_cfg, layer_arch="qwen3", draft_vocab_size=300)
+    d.set_draft_vocab(torch.arange(V).flip(0).float())
+    assert d.config.model_type == "qwen3" and d.config.deepspec_mask_token_id is None
+    out = export.export_drafter(d, target, "deepspec", tmp_path / "v", engine="vllm")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg[convert.MASK_APPENDED_FIELD] is True
+    assert cfg["vocab_size"] == V + 1 and cfg["mask_token_id"] == V and cfg["draft_vocab_size"] == 300
+    assert convert.MASK_ROW_FIELD not in cfg
+    emb = sd["embed_tokens.weight"]
+    assert torch.equal(emb[:V], target.embed_tokens.weight) and torch.equal(emb[V], d.mask_embedding.detach())
+    w1 = sd["markov_head.markov_w1.weight"]
+    assert w1.shape[0] == V + 1 and not w1[V].any()
+    if method == "dspark":
+        assert torch.equal(w1[:V], d.state_dict()["markov.embed.weight"])
+    spec = export.export_drafter(d, target, "speculators", tmp_path / "sp")
+    spec_cfg = json.loads((spec / "config.json").read_text())
+    assert spec_cfg["transformer_layer_config"]["vocab_size"] == V + 1 and spec_cfg["mask_token_id"] == V
+    with pytest.raises(DeepSpecError, match="learned mask embedding is an extra token") as ei:
+        convert.convert_reference_checkpoint(out, target, tmp_path / "back")
+    assert "\n" not in str(ei.value) and not (tmp_path / "back").exists()
 
 
 def test_vllm_dflash_export_converts_back_to_the_same_dflash(qwen3_target, qwen3_cfg, tmp_path):
@@ -306,7 +341,7 @@ def test_sglang_export_holds_exactly_sglangs_names(qwen3_target, qwen3_cfg, kind
     assert cfg["enable_confidence_head"] is confidence
     assert cfg.get("confidence_head_with_markov") == (with_markov if confidence else None)
     assert cfg["deepspec_serve_sglang"] == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7}
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors"]
     # the tensors are the drafter's, under the reference names (RNN cell = joint_proj, same [s; W1[x]; h] order)
     ours = d.state_dict()
     for name, t in sd.items():
@@ -422,8 +457,6 @@ def test_speculators_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg
     _fails_with(e3, qwen3_target, tmp_path / "e", "--format eagle3", fmt="speculators")
     g4, _ = _drafter("dspark", gemma4_target, gemma4_cfg, mask_token_id=4)
     _fails_with(g4, gemma4_target, tmp_path / "g", "Qwen3DSparkModel \\(Qwen3 draft layers\\) only", fmt="speculators")
-    learned, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
-    _fails_with(learned, qwen3_target, tmp_path / "m", "learned mask embedding", fmt="speculators")
     d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
     _fails_with(d, qwen3_target, tmp_path / "s", "read by vLLM, not sglang", fmt="speculators", engine="sglang")
     _fails_with(d, qwen3_target, tmp_path / "v", "--verifier names the target", verifier="x")
@@ -456,6 +489,45 @@ def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_
     assert (tmp_path / "runs" / "dspark-export" / "model.safetensors").exists()
 
 
+def test_overwrite_replaces_an_export_not_an_unrelated_folder(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
+    """X2: --overwrite onto a folder that is not a deepspec output is refused in one line
+    and the folder keeps its files; an earlier export is replaced. F4: a disk
+    full during the write (safetensors says so in a SafetensorError, not an
+    OSError) is one line naming --out, and nothing is left."""
+    from deepspec.cli import main as cli_main
+    from deepspec.targets import loading as target_mod
+
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    d.save_pretrained(str(tmp_path / "src"))
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "notes.txt").write_text("precious")
+    (victim / "sub" / "data.csv").write_text("data")
+    base = ["export-checkpoint", "--preset", "tiny", "--src", str(tmp_path / "src"), "--format", "deepspec", "--overwrite"]
+    assert cli_main(base + ["--out", str(victim)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"deepspec export-checkpoint: error: output {victim} is not an output directory deepspec wrote "
+                       f"(no {OUTPUT_MARKER} in it): --overwrite replaces only deepspec's own outputs; remove it "
+                       "yourself or choose another output")
+    assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == ["notes.txt", "sub", "sub/data.csv"]
+    out = tmp_path / "exp"
+    assert cli_main(base + ["--out", str(out)]) == 0
+    (out / "model.safetensors").write_bytes(b"old")
+    assert cli_main(base + ["--out", str(out)]) == 0 and (out / "model.safetensors").stat().st_size > 1000
+
+    def full(*args, **kwargs):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    capsys.readouterr()
+    assert cli_main(base + ["--out", str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"deepspec export-checkpoint: error: disk full writing {tmp_path / 'full'} (No space left on "
+                       "device); nothing half-written was kept: free space and rerun")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "src", "victim"]
+
+
 def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path, monkeypatch):
     """export-checkpoint's --engine sglang --sts/--sps and --format speculators --verifier reach the export."""
     from deepspec.cli import main as cli_main
@@ -469,7 +541,7 @@ def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path,
     assert cli_main(base + ["--format", "deepspec", "--engine", "sglang", "--sts", str(alg1), "--sps", str(alg1),
                             "--out", str(tmp_path / "sg")]) == 0
     assert {p.name for p in (tmp_path / "sg").iterdir()} == {"config.json", "model.safetensors", "sglang_sts.json",
-                                                             "sglang_sps.json"}
+                                                             "sglang_sps.json", OUTPUT_MARKER}
     assert cli_main(base + ["--format", "speculators", "--verifier", "Qwen/Qwen3-4B", "--out", str(tmp_path / "sp")]) == 0
     cfg = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"

@@ -55,6 +55,12 @@ def test_sampling_is_per_row_seeded_and_matches_the_distribution():
     assert torch.allclose(freq, probs, atol=0.04)
 
 
+def test_duplicate_prompt_ids_are_named(tiny_cfg, tmp_path):
+    with pytest.raises(DeepSpecError, match=r"^duplicate prompt id 't:2' in the training prompts$"):
+        regenerate(_cfg(tiny_cfg, tmp_path), tmp_path / "conv.jsonl", prompts=[*PROMPTS, PROMPTS[1]])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_local_regeneration_multi_turn_resume_and_errors(tiny_cfg, tiny_target, tmp_path):
     cfg = _cfg(tiny_cfg, tmp_path)
     out = tmp_path / "conv.jsonl"

@@ -7,6 +7,7 @@ import pytest
 
 from deepspec.config import load_config
 from deepspec.core.acceptance import summarize_rounds
+from deepspec.errors import DeepSpecError
 from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
@@ -92,7 +93,6 @@ def test_report_refuses_summaries_made_with_other_settings(fake_results):
     baseline timed at another temperature) is refused in one line naming the file and
     the key, instead of a table whose rows mix settings under REPORT.md's one line.
     Summaries recording this config's settings pass."""
-    from deepspec.errors import DeepSpecError
     from deepspec.evaluation.evaluate import baseline_settings, evaluation_settings
 
     cfg, tmp = fake_results
@@ -125,6 +125,26 @@ def test_report_refuses_summaries_made_with_other_settings(fake_results):
     base.write_text(json.dumps(dict(json.loads(base.read_text()), settings=baseline_settings(hot))))
     with pytest.raises(DeepSpecError, match="baseline/gsm8k.json was made with eval.temperature = 0.5"):
         build_table1(cfg)
+
+
+def test_report_refuses_records_cut_short(fake_results, monkeypatch):
+    """A per-round CSV cut in half (the last row cut mid-line): one line naming
+    it, since its summary counts twice the rounds; nothing written."""
+    cfg, tmp = fake_results
+    monkeypatch.chdir(tmp)
+    bench = next(iter(cfg["data"]["benchmarks"]))
+    csv = tmp / "results" / "tiny" / "eval" / "eagle3" / f"{bench}.csv"
+    data = csv.read_bytes()
+    csv.write_bytes(data[: len(data) // 2])
+    s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
+    with pytest.raises(DeepSpecError, match=rf"{csv}: \d+ rounds, but {bench}\.json beside it counts 2400: the records "
+                                            r"are cut short or damaged \(rerun evaluate\)") as e:
+        cli_report(s)
+    assert "\n" not in str(e.value)
+    assert not (tmp / "results" / "tables").exists() and not (tmp / "figures").exists()
+    csv.write_bytes(b"")
+    with pytest.raises(DeepSpecError, match=rf"{csv}: unreadable per-round records \(No columns to parse"):
+        cli_report(s)
 
 
 def test_paper_macro_gains_come_from_table1():

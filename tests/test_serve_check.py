@@ -137,3 +137,28 @@ def test_serve_check_refuses_block_drafters_on_cpu_in_one_line(capsys):
     assert main(["serve-check", "--preset", "tiny", "--method", "dspark", "--vllm-python", sys.executable]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model runner V2, which needs a GPU" in err[0]
+
+
+def test_report_section_shows_failures_taus_and_vllm_patches(tiny_cfg, tmp_path):
+    """REPORT.md's "Served in vLLM": one row per serve-check record, a failed check named
+    at the top, and the patches vLLM ran with (vllm_run.fix_cpu_expand) stated."""
+    import copy
+    import json
+
+    from deepspec.paths import RunPaths
+    from deepspec.reporting.report import served_markdown
+
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["results_dir"] = str(tmp_path)
+    paths = RunPaths.of(cfg)
+    assert served_markdown(cfg) == []  # no record: no section
+    g = {"lossless": True, "rounds_identical": True, "prompts": 2, "rounds": 30, "eos_rounds": 1}
+    s = {"temperature": 1.0, "tau_deepspec": 1.2, "tau_vllm": 1.25, "agree": False, "benchmarks": {}}
+    patch = "rejection_sampler.expand_batch_to_tokens: the CPU kernel left its output unwritten"
+    for m, rec in (("eagle3", {"passed": False, "sampled": s, "vllm_patches": [patch]}), ("dflash", {"passed": True})):
+        paths.serve_check(m).parent.mkdir(parents=True, exist_ok=True)
+        paths.serve_check(m).write_text(json.dumps(dict(rec, greedy=g, vllm_version="0.32.0")))
+    text = "\n".join(served_markdown(cfg))
+    assert "**The serve check failed for eagle3**" in text and "dflash" not in text.split("failed for")[1].split(":")[0]
+    assert "| eagle3 | 0.32.0 | yes (2) | yes (30, 1) | 1.0 | 1.200 | 1.250 | **no** |" in text
+    assert "vLLM was patched in the checking process" in text and patch in text

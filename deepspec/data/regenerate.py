@@ -326,8 +326,9 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
     partial = out.with_name(out.name + ".partial")
     prompts = load_train_prompts(cfg) if prompts is None else prompts
     ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):
-        raise DeepSpecError("duplicate prompt ids in the training prompts")
+    if len(set(ids)) != len(ids):  # load_train_prompts names the files; this is for prompts given here
+        dup = next(i for k, i in enumerate(ids) if i in ids[:k])
+        raise DeepSpecError(f"duplicate prompt id '{dup}' in the training prompts")
     _forget_other_settings(cfg, out, partial)
     if out.exists():  # reopen a finished file to add what is missing (e.g. a larger cap)
         done = recover_jsonl(out)

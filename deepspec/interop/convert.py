@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir, read_json
+from ..files import atomic_dir, check_overwrite, read_json
 from ..paths import RunPaths
 from ..provenance import snapshot_commit
 
@@ -240,6 +240,9 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
     if n is not None and int(n) != int(target.num_layers):
         raise DeepSpecError(f"{where}: made for a {n}-layer target, {target.target_id!r} has {target.num_layers}")
     mid = ref.get("mask_token_id")
+    if ref.get(MASK_APPENDED_FIELD):
+        raise DeepSpecError(f"{where}: an export for vLLM whose learned mask embedding is an extra token "
+                            f"{mid}: convert the plain deepspec export of that drafter instead")
     if mid is not None and not 0 <= int(mid) < int(target.vocab_size):
         raise DeepSpecError(f"{where}: mask_token_id {mid} is outside the target vocabulary")
     try:
@@ -282,6 +285,7 @@ def _check_same(name: str, w: torch.Tensor, ref_w: torch.Tensor, where: str, row
 # then holds that embedding (divided by the target's embedding scale) instead of
 # the target's row.
 MASK_ROW_FIELD = "deepspec_mask_row_overwritten"
+MASK_APPENDED_FIELD = "deepspec_mask_row_appended"  # export.py: the learned mask as token V, for vLLM
 # A config field written by `export-checkpoint --engine vllm` (and --format
 # speculators) for a DFlash drafter: vLLM serves DeepSpec's anchor-first block only
 # as a DSpark, so the export carries a null Markov head (markov_rank 1, both factors
@@ -359,8 +363,7 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
 
     src, out = Path(src), Path(out)
     check_out_apart(src, out)
-    if out.exists() and not overwrite:
-        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    check_overwrite(out, overwrite)  # before the work: only a deepspec output may be replaced
     ref = read_reference_config(src)
     where = str(src / "config.json")
     method, drafter_cfg = _method(ref)

@@ -26,7 +26,8 @@ anything is written (wrong layer family, depth, number of feature layers,
 reduced vocabulary where the layout has none); `out` appears only complete.
 Block drafters without a reserved mask token (a learned mask embedding) are
 exported with `embed_tokens` row `mask_token_id` overwritten by that embedding,
-and the config says so (`convert.MASK_ROW_FIELD`).
+and the config says so (`convert.MASK_ROW_FIELD`); for vLLM the embedding becomes
+a new row V instead (MASK_APPENDED_FIELD), overwriting no token.
 """
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir
-from .convert import (MASK_ROW_FIELD, NOT_IN_CHECKPOINT, NULL_MARKOV_FIELD, NULL_MARKOV_TENSORS, check_out_apart,
-                      embed_scale, to_reference)
+from ..files import atomic_dir, check_overwrite
+from .convert import (MASK_APPENDED_FIELD, MASK_ROW_FIELD, NOT_IN_CHECKPOINT, NULL_MARKOV_FIELD, NULL_MARKOV_TENSORS,
+                      check_out_apart, embed_scale, to_reference)
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ VLLM_DSPARK_SPEC = {"method": "dspark", "draft_sample_method": "probabilistic"}
 # therefore writes a null Markov head: rank NULL_MARKOV_RANK, both factors zero, so the
 # bias W1[x] W2^T is exactly 0 and the drafter computes DFlash's proposals bit for bit.
 NULL_MARKOV_RANK = 1
+# MASK_APPENDED_FIELD: a block drafter with a learned mask embedding (a target without a
+# reserved token, such as SmolLM2) for vLLM: the mask becomes token V, one past the target's vocabulary, in
+# the drafter's own input embedding of V + 1 rows (the target's rows, then the learned
+# one; markov_w1 gets a zero row V). vLLM's Qwen3 DSpark loads such an "expanded input
+# vocabulary" with its own embed_tokens and never shares the target's
+# (qwen3_dspark.py load_weights, v1/worker/gpu/spec_decode/dspark/utils.py
+# load_dspark_model), so no token's embedding is overwritten.
+
 # SGLang's DSPARK loads these files (docs/FORMATS.md §1.3), written beside the weights.
 SGLANG_STS_FILE, SGLANG_SPS_FILE = "sglang_sts.json", "sglang_sps.json"
 EAGLE3_ARCH = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "LlamaForCausalLMEagle3"}
@@ -87,19 +96,25 @@ def _refuse(what: str, why: str):
 # the deepspec (reference) layout
 
 
-def _mask_token(d, target, mask_token_id):
-    """(mask id, row overwritten?) of a block drafter."""
+def _mask_token(d, target, mask_token_id, engine=None):
+    """(mask id, how its embedding is written: None = the target's row, "row" = a
+    target row overwritten, "appended" = a new row V) of a block drafter."""
     mid = d.config.deepspec_mask_token_id
     if mid is not None:
         with torch.no_grad():
             ref = target.embed_tokens(torch.tensor([mid], device=target.embed_tokens.weight.device))[0]
         if not torch.equal(ref.float().cpu(), d.mask_embedding.detach().float().cpu()):
             _refuse("the mask embedding", f"it is not the target's embedding of mask_token_id {mid}")
-        return mid, False
+        return mid, None
+    if engine == "vllm":  # see MASK_APPENDED_FIELD
+        if mask_token_id is not None:
+            _refuse("for vLLM with --mask-token-id", "a learned mask embedding goes into a new row V of the "
+                    "drafter's own input vocabulary, overwriting no token")
+        return int(target.vocab_size), "appended"
     mid = int(target.vocab_size) - 1 if mask_token_id is None else int(mask_token_id)
     if not 0 <= mid < target.vocab_size:
         _refuse("the mask embedding", f"mask token {mid} is outside the target vocabulary")
-    return mid, True
+    return mid, "row"
 
 
 def _check_for_vllm(d) -> None:
@@ -110,9 +125,9 @@ def _check_for_vllm(d) -> None:
     if c.deepspec_markov_rank > 0 and c.deepspec_markov_head_type != "vanilla":
         _refuse("for vLLM", f"vLLM's DSpark implements the vanilla Markov head only, this drafter's is "
                 f"{c.deepspec_markov_head_type!r} (its weights would be rejected or, for Gemma4, ignored)")
-    if c.deepspec_mask_token_id is None:
-        _refuse("for vLLM", "this drafter has a learned mask embedding, which vLLM's V1 proposer replaces by the "
-                "target's embedding of mask_token_id: train with drafter.mask_token_id")
+    if c.deepspec_mask_token_id is None and gemma4:
+        _refuse("a Gemma4 drafter for vLLM", "this drafter has a learned mask embedding, and vLLM's Gemma4 DSpark "
+                "has no input vocabulary of its own to carry it: train with drafter.mask_token_id")
     if gemma4 and d.reduced_vocab:
         _refuse("a Gemma4 drafter for vLLM", "vLLM's Gemma4 DSpark has a full-vocabulary head only")
     if gemma4 and not getattr(c, "attention_k_eq_v", False):
@@ -177,7 +192,7 @@ def deepspec_layout(d, target, mask_token_id=None, engine=None):
         cfg.update(architectures=[f"{PREFIX[family]}Eagle3Model"], ttt_length=int(c.deepspec_ttt_length),
                    step_loss_decay=0.8, draft_num_hidden_layers=int(c.num_hidden_layers))
     else:
-        mid, overwritten = _mask_token(d, target, mask_token_id)
+        mid, written = _mask_token(d, target, mask_token_id, engine)
         cfg.update(architectures=[f"{PREFIX[family]}DSparkModel"], block_size=int(c.deepspec_block_size),
                    mask_token_id=mid, num_anchors=512, markov_rank=int(c.deepspec_markov_rank),
                    enable_confidence_head=bool(c.deepspec_confidence_head))
@@ -186,7 +201,12 @@ def deepspec_layout(d, target, mask_token_id=None, engine=None):
         conf = getattr(d, "confidence", None)
         if conf is not None:  # the head as built: no Markov input without a Markov head
             cfg["confidence_head_with_markov"] = bool(conf.with_markov)
-        if overwritten:
+        if written == "appended":
+            emb = torch.cat([emb, (d.mask_embedding.detach().float().cpu() / embed_scale(target)).to(emb.dtype)[None]])
+            cfg.update(vocab_size=mid + 1, **{MASK_APPENDED_FIELD: True})
+            cfg["deepspec_note"] = (f"embed_tokens row {mid} (one past the target's vocabulary) holds the drafter's "
+                                    f"learned mask embedding; markov_w1 row {mid} is zero (no token is ever {mid})")
+        elif written == "row":
             log.warning("the learned mask embedding goes into embed_tokens row %d: vLLM's V1 DSpark proposer and "
                         "SGLang replace that row by the target's embedding (only vLLM's model runner V2 keeps it)", mid)
             emb[mid] = (d.mask_embedding.detach().float().cpu() / embed_scale(target)).to(emb.dtype)
@@ -203,6 +223,9 @@ def deepspec_layout(d, target, mask_token_id=None, engine=None):
     if engine == "vllm" and d.method != "eagle3":
         if c.deepspec_markov_rank == 0:
             _null_markov_head(cfg, sd, d)
+        elif cfg.get(MASK_APPENDED_FIELD):  # markov_w1 spans the input vocabulary, the mask's row included
+            w1 = NULL_MARKOV_TENSORS[0]
+            sd[w1] = torch.cat([sd[w1], sd[w1].new_zeros(1, sd[w1].shape[1])])
         cfg["deepspec_serve_vllm"] = {"speculative_config": dict(VLLM_DSPARK_SPEC, num_speculative_tokens=int(c.deepspec_block_size))}
     if engine == "sglang":
         cfg["sample_from_anchor"] = True  # DeepSpec's block (SGLang's default; speculators checkpoints say false)
@@ -214,7 +237,7 @@ def _null_markov_head(cfg: dict, sd: dict, d) -> None:
     factors are zero, so its bias is exactly 0 (see NULL_MARKOV_RANK)."""
     w1, w2 = NULL_MARKOV_TENSORS
     dtype = sd["fc.weight"].dtype
-    sd[w1] = torch.zeros(d.vocab_size, NULL_MARKOV_RANK, dtype=dtype)
+    sd[w1] = torch.zeros(int(cfg["vocab_size"]), NULL_MARKOV_RANK, dtype=dtype)
     sd[w2] = torch.zeros(d.draft_vocab_size, NULL_MARKOV_RANK, dtype=dtype)
     cfg.update(markov_rank=NULL_MARKOV_RANK, markov_head_type="vanilla", confidence_head_with_markov=False)
     cfg[NULL_MARKOV_FIELD] = True
@@ -380,7 +403,7 @@ def speculators_layout(d, target, mask_token_id=None, verifier=None):
                 "Qwen3DSparkModel (Qwen3 draft layers) only")
     ref, sd = deepspec_layout(d, target, mask_token_id, engine="vllm")
     layer = {k: v for k, v in _base_config(d).items() if k != "architectures"}
-    layer["num_hidden_layers"] = int(c.num_hidden_layers)
+    layer.update(num_hidden_layers=int(c.num_hidden_layers), vocab_size=int(ref["vocab_size"]))
     gamma = int(ref["block_size"])
     name = verifier or c.deepspec_target_id
     cfg = {"architectures": ["Qwen3DSparkModel"], "speculators_model_type": "dspark",
@@ -400,7 +423,8 @@ def speculators_layout(d, target, mask_token_id=None, verifier=None):
            "sample_from_anchor": True,  # DeepSpec's block: the anchor predicts draft token 1 (vLLM's default: false)
            "deepspec_feature_layers": list(c.deepspec_feature_layers),
            "deepspec_serve_vllm": {"speculative_config": {"draft_sample_method": "probabilistic"}}}
-    for key in ("confidence_head_with_markov", NULL_MARKOV_FIELD, "deepspec_note_markov"):
+    for key in ("confidence_head_with_markov", NULL_MARKOV_FIELD, "deepspec_note_markov", MASK_APPENDED_FIELD,
+                "deepspec_note"):
         if key in ref:
             cfg[key] = ref[key]
     return cfg, sd
@@ -499,8 +523,7 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         raise DeepSpecError("--verifier names the target in a speculators-format export: use --format speculators")
     if fmt == "speculators" and engine not in (None, "vllm"):
         raise DeepSpecError(f"the speculators format is read by vLLM, not {engine} (SGLang: --format deepspec --engine sglang)")
-    if out.exists() and not overwrite:
-        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    check_overwrite(out, overwrite)  # before the work: only a deepspec output may be replaced
     files = {}
     if fmt == "deepspec":
         cfg, sd = deepspec_layout(d, target, mask_token_id, engine)

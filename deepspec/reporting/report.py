@@ -119,8 +119,26 @@ def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
     domains: dict[str, list[str]] = {}
     for bench, spec in cfg["data"]["benchmarks"].items():
         domains.setdefault(spec["domain"], []).append(bench)
-    return {m: {d: [pd.read_csv(require_file(paths.records(m, b), "evaluation output", _RUN_EVALUATE)) for b in benches] for d, benches in domains.items()}
+    return {m: {d: [read_records(paths, m, b) for b in benches] for d, benches in domains.items()}
             for m in cfg["train"]["methods"]}
+
+
+def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
+    """evaluate's per-round records of one benchmark, as many rows as its
+    summary counts rounds: records cut short or damaged would otherwise give
+    Figure 2 fewer rounds than Table 1 (read from the summary) without a word."""
+    csv = require_file(paths.records(method, bench), "evaluation output", _RUN_EVALUATE)
+    summary = paths.summary(method, bench)
+    rounds = read_json(summary, f"evaluation output not found: {summary}{_RUN_EVALUATE}").get("rounds")
+    try:
+        df = pd.read_csv(csv)
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        raise DeepSpecError(f"{csv}: unreadable per-round records ({str(e).strip().splitlines()[0]}): "
+                            "rerun evaluate") from None
+    if len(df) != rounds:
+        raise DeepSpecError(f"{csv}: {len(df)} rounds, but {summary.name} beside it counts {rounds}: "
+                            "the records are cut short or damaged (rerun evaluate)")
+    return df
 
 
 def build_fig2(cfg, gamma: int | None = None, records: dict | None = None) -> pd.DataFrame:
@@ -336,6 +354,10 @@ def served_markdown(cfg) -> list[str]:
                      f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
                      f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
                      f"{yes[s['agree']] if s.get('agree') is not None else 'n/a'} |")
+    patches = sorted({x for r in recs.values() for x in r.get("vllm_patches", [])})
+    if patches:
+        lines += ["", "vLLM was patched in the checking process (deepspec/interop/vllm_run.py `fix_cpu_expand`): "
+                  + "; ".join(patches) + "."]
     for m, r in recs.items():
         by = (r.get("sampled") or {}).get("benchmarks") or {}
         if by:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json, replace_dir, sha256_file, write_json_atomic, write_text_atomic
+from ..files import read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 from .state import TrainRun
 
 log = logging.getLogger(__name__)
@@ -157,9 +157,16 @@ def save_checkpoint(run: TrainRun, step: int, elapsed: float) -> None:
     temporary name, then renamed) and the `latest` pointer, written atomically;
     the trainer state (written last) holds the fingerprint and every file's
     sha256. elapsed: seconds trained so far."""
-    acc, model, opt, sched, out = run.acc, run.model, run.opt, run.sched, run.out
-    root = out / CKPT_DIR
+    acc, root = run.acc, run.out / CKPT_DIR
     final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
+    # a failure (disk full: an OSError naming the checkpoint) leaves no .partial behind
+    with removed_on_failure(tmp if acc.is_main_process else None, final):
+        _write_checkpoint(run, step, elapsed, tmp, final)
+    acc.wait_for_everyone()
+
+
+def _write_checkpoint(run: TrainRun, step: int, elapsed: float, tmp: Path, final: Path) -> None:
+    acc, model, opt, sched, out = run.acc, run.model, run.opt, run.sched, run.out
     if acc.is_main_process:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -185,10 +192,9 @@ def save_checkpoint(run: TrainRun, step: int, elapsed: float) -> None:
     acc.wait_for_everyone()
     if acc.is_main_process:
         replace_dir(tmp, final)  # not atomic_dir: every process writes into tmp between barriers
-        write_text_atomic(root / LATEST, final.name + "\n")
-        prune_checkpoints(root, run.settings.keep_checkpoints)
+        write_text_atomic(final.parent / LATEST, final.name + "\n")
+        prune_checkpoints(final.parent, run.settings.keep_checkpoints)
         log.info("checkpoint %s", final)
-    acc.wait_for_everyone()
 
 
 def prune_checkpoints(root: Path, keep: Optional[int]) -> None:

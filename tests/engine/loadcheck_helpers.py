@@ -18,13 +18,15 @@ LOADCHECK = REPO / "deepspec" / "interop" / "vllm_loadcheck.py"
 HEAD_DIM = 32  # vLLM's CPU attention backend's smallest supported head size
 
 
-def vllm_target(where: Path):
-    """The tiny Qwen3 target with head_dim 32, and its HF directory (what vLLM reads as the target)."""
+def vllm_target(where: Path, arch: str = "qwen3"):
+    """The tiny target (Qwen3, or Llama as SmolLM2 is) with head_dim 32, and its HF
+    directory (what vLLM reads as the target)."""
     from deepspec.core.target import Target, eos_ids_of
     from deepspec.targets.tiny import build_tiny
 
-    model = build_tiny("qwen3", head_dim=HEAD_DIM).eval().requires_grad_(False)
-    model.config.architectures = ["Qwen3ForCausalLM"]
+    layers = {"num_hidden_layers": 3} if arch == "llama" else {}  # the Qwen3 tiny's depth: the same feature layers
+    model = build_tiny(arch, head_dim=HEAD_DIM, **layers).eval().requires_grad_(False)
+    model.config.architectures = [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
     model.save_pretrained(where)
     return Target(model=model, tokenizer=None, target_id=str(where), eos_token_ids=eos_ids_of(model, None)), where
 
@@ -53,8 +55,14 @@ def assert_export_is_the_drafter(out: Path, d, target) -> None:
     bit for bit; a null Markov head is zero."""
     sd, ours = load_file(str(out / "model.safetensors")), d.state_dict()
     cfg = json.loads((out / "config.json").read_text())
+    appended = cfg.get(convert.MASK_APPENDED_FIELD)  # the learned mask embedding as row V (export.py)
+    V = target.vocab_size
     for name, t in sd.items():
-        if name == "embed_tokens.weight":
+        if name == "embed_tokens.weight" and appended:
+            vocab = cfg.get("transformer_layer_config", cfg)["vocab_size"]  # speculators: the layers' config
+            assert t.shape[0] == V + 1 == vocab and cfg["mask_token_id"] == V
+            assert torch.equal(t[:V], target.embed_tokens.weight) and torch.equal(t[V], d.mask_embedding)
+        elif name == "embed_tokens.weight":
             assert torch.equal(t, target.embed_tokens.weight)
         elif name == "lm_head.weight":
             rows = d.d2t if d.reduced_vocab else slice(None)
@@ -63,6 +71,8 @@ def assert_export_is_the_drafter(out: Path, d, target) -> None:
             assert torch.equal(torch.arange(t.numel()) + t, d.d2t)
         elif cfg.get(convert.NULL_MARKOV_FIELD) and name in convert.NULL_MARKOV_TENSORS:
             assert not t.any()
+        elif appended and name == convert.NULL_MARKOV_TENSORS[0]:  # markov_w1: a zero row for the mask token
+            assert torch.equal(t[:V], ours[convert.to_ours(name)]) and not t[V].any()
         else:
             assert torch.equal(t, ours[convert.to_ours(name)]), name
 

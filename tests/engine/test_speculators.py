@@ -8,6 +8,7 @@ tokens, target layer ids, mask token and DeepSpec's anchor-first block
 import json
 
 import pytest
+import torch
 
 from deepspec.interop import export
 from loadcheck_helpers import assert_export_is_the_drafter, assert_loaded_bit_for_bit, drafter, run_loadcheck, vllm_target
@@ -16,32 +17,47 @@ from loadcheck_helpers import assert_export_is_the_drafter, assert_loaded_bit_fo
 @pytest.fixture(scope="module")
 def parsed(vllm_python, qwen3_cfg, tmp_path_factory):
     where = tmp_path_factory.mktemp("vllm-speculators")
-    target, target_dir = vllm_target(where / "target")
+    targets = {arch: vllm_target(where / arch, arch) for arch in ("qwen3", "llama")}
     drafters, cases = {}, []
-    for method in ("dspark", "dflash"):
-        d = drafter(method, target, qwen3_cfg, mask_token_id=9)
-        out = export.export_drafter(d, target, "speculators", where / method, verifier=str(target_dir))
+    for name, (arch, method, settings) in CASES.items():
+        target, target_dir = targets[arch]
+        d = drafter(method, target, qwen3_cfg, **settings)
+        if d.reduced_vocab:  # the draft vocabulary: the 300 highest ids, in draft order
+            d.set_draft_vocab(torch.arange(target.vocab_size).flip(0).float())
+        out = export.export_drafter(d, target, "speculators", where / name, verifier=str(target_dir))
         assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "dspark"
         assert_export_is_the_drafter(out, d, target)
-        drafters[method] = d
-        cases.append({"name": method, "draft": str(out), "speculators": True})
-    return drafters, run_loadcheck(vllm_python, cases, where), qwen3_cfg, target_dir
+        drafters[name] = (d, target, target_dir)
+        cases.append({"name": name, "draft": str(out), "speculators": True})
+    return drafters, run_loadcheck(vllm_python, cases, where), qwen3_cfg
 
 
-@pytest.mark.parametrize("method", ["dspark", "dflash"])
-def test_vllm_configures_itself_from_our_speculators_export(parsed, method):
-    drafters, results, cfg, target_dir = parsed
-    d, res = drafters[method], results[method]
+CASES = {  # name: (target, method, drafter settings)
+    "dspark": ("qwen3", "dspark", {"mask_token_id": 9}),
+    "dflash": ("qwen3", "dflash", {"mask_token_id": 9}),
+    # the CPU presets' DSpark (SmolLM2): Llama target, Qwen3 layers, learned mask (token V), reduced vocabulary
+    "llama-target-dspark": ("llama", "dspark", {"layer_arch": "qwen3", "draft_vocab_size": 300}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_vllm_configures_itself_from_our_speculators_export(parsed, name):
+    drafters, results, cfg = parsed
+    (d, target, target_dir), res = drafters[name], results[name]
+    method = d.method
     assert res.get("error") is None, res.get("traceback")
     assert res["verifier"] == str(target_dir)  # vllm serve DIR loads the verifier the export names
     assert res["speculative_config"] == {"method": "dspark", "num_speculative_tokens": 7}
-    assert_loaded_bit_for_bit(res)
+    learned = d.config.deepspec_mask_token_id is None
+    assert_loaded_bit_for_bit(res, ({"lm_head.weight", "model.markov_head.markov_w2.weight"} if d.reduced_vocab else set())
+                              | ({"model.embed_tokens.weight"} if learned else set()))
     s = res["settings"]
     assert s["method"] == "dspark" and s["architectures"] == ["Qwen3DSparkModel"]
     assert s["model_class"] == "Qwen3DSparkForCausalLM" and s["num_speculative_tokens"] == d.gamma == 7
     feats = cfg["target"]["feature_layers"]
     assert s["target_layer_ids"] == feats and s["aux_layer_ids"] == [x + 1 for x in feats]
-    assert s["mask_token_id"] == s["model_mask_token_id"] == 9
+    assert s["mask_token_id"] == s["model_mask_token_id"] == (target.vocab_size if learned else 9)
+    assert s["draft_input_vocab"] == target.vocab_size + learned and s["reduced_vocab"] == d.reduced_vocab
     assert s["sample_from_anchor"] is True and s["dspark_bonus_anchor"] is False
     assert s["markov_rank"] == (export.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])
     assert s["confidence_head"] is (method == "dspark")
