@@ -25,9 +25,19 @@ import yaml
 
 from .errors import DeepSpecError
 
+# DeepSpec runs from its checkout (`pip install -e .`): the presets, the schema and
+# the target facts are files of the checkout beside the package, not package data.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 PRESETS_DIR = REPO_ROOT / "config" / "presets"
+
+
+def _require_checkout() -> None:
+    """One line when the package is not inside a checkout (a non-editable `pip install .`)."""
+    if not PRESETS_DIR.is_dir() and not SCHEMA_PATH.exists():
+        raise DeepSpecError(f"the deepspec package in {REPO_ROOT} is not inside a DeepSpec checkout (no config/presets, "
+                            "no workflow/schemas beside it; a non-editable install carries neither): DeepSpec runs "
+                            "from its checkout, installed with `pip install -e .`")
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -70,6 +80,7 @@ def coerce_overrides(node):
 
 
 def _schema() -> dict:
+    _require_checkout()
     if not SCHEMA_PATH.exists():
         raise DeepSpecError(f"config schema not found: {SCHEMA_PATH}")
     return yaml.safe_load(SCHEMA_PATH.read_text())
@@ -148,6 +159,7 @@ def preset_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
         return p
+    _require_checkout()
     cand = PRESETS_DIR / f"{name_or_path}.yaml"
     if not cand.exists():
         known = ", ".join(sorted(x.stem for x in PRESETS_DIR.glob("*.yaml")))

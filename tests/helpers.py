@@ -222,10 +222,13 @@ def gemma4_reference_config(d, target, layout) -> dict:
 
 
 def copy_workflow(dst: Path) -> None:
-    """The DAG (workflow/, with workflow/Snakefile) and the presets: run from `dst`
+    """The DAG (Snakefile, workflow/, profiles/), the presets and the package (a
+    link to this checkout's deepspec/, which the Snakefile imports): run from `dst`
     as from the repository root."""
-    for name in ["workflow", "config"]:
-        shutil.copytree(REPO / name, dst / name)
+    for name in ["workflow", "config", "profiles"]:
+        shutil.copytree(REPO / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "Snakefile", dst / "Snakefile")
+    (dst / "deepspec").symlink_to(REPO / "deepspec", target_is_directory=True)
 
 
 def snakemake(cwd, *args, env=None, timeout=600):
@@ -297,7 +300,7 @@ def local_rules(workdir: Path, preset: str = "qwen3-4b") -> list[str] | None:
             "with SnakemakeApi(OutputSettings()) as api:\n"
             "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
             f"                      config_settings=ConfigSettings(config={{'preset': {preset!r}}}),\n"
-            "                      snakefile=Path('workflow/Snakefile'), workdir=Path('.'))\n"
+            "                      snakefile=Path('Snakefile'), workdir=Path('.'))\n"
             "    print('LOCAL', ' '.join(sorted(wf._workflow._localrules)))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
     return next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), None)

@@ -9,6 +9,7 @@ second or two.
 import csv
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -516,3 +517,32 @@ def test_train_settings_are_the_presets_train_keys(preset):
         assert getattr(settings, f.name) == train[f.name], f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.seed = 1
+
+
+def test_training_lock_without_flock_trains_with_a_warning(tmp_path, monkeypatch, caplog):
+    """NR12: on a filesystem without flock (ENOSYS, ENOLCK, EOPNOTSUPP) the training
+    lock is skipped with a warning, as the token lock is; a held lock still stops a
+    second trainer in one line, and any other error of flock is raised."""
+    import errno
+    import fcntl
+
+    from deepspec.errors import DeepSpecError
+    from deepspec.training import checkpoints as C
+
+    real = fcntl.flock
+    for code in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+        def no_flock(f, op, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(C.fcntl, "flock", no_flock)
+        ran = []
+        with caplog.at_level("WARNING"), C.training_lock(tmp_path / "out"):
+            ran.append(1)
+        assert ran == [1] and "no file locks on this filesystem" in caplog.text
+    monkeypatch.setattr(C.fcntl, "flock", lambda f, op: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"), C.training_lock(tmp_path / "out"):
+        pass
+    monkeypatch.setattr(C.fcntl, "flock", real)
+    with C.training_lock(tmp_path / "out"):
+        with pytest.raises(DeepSpecError, match="another training run is writing"), C.training_lock(tmp_path / "out"):
+            pass

@@ -3,7 +3,11 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -18,6 +22,83 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 
+
+
+def _checkout_copy(dst: Path) -> Path:
+    """A second checkout of this one, as a clone or a git worktree holds it: the
+    Snakefile, the rules, the profiles, the presets and the package."""
+    for name in ["workflow", "config", "profiles", "deepspec"]:
+        shutil.copytree(REPO / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "Snakefile", dst / "Snakefile")
+    return dst
+
+
+@pytest.mark.parametrize("installed", ["editable", "non-editable"])
+def test_dag_plans_from_the_presets_of_its_own_checkout(tmp_path, installed):
+    """W1-W4, N3: two checkouts share one environment, in which this one is installed
+    (editable: its directory on sys.path, as `pip install -e .` puts it; non-editable:
+    its package alone in a site-packages, without presets or schema, as `pip install .`
+    copies it). A second checkout drops mt-bench from its tiny preset; `snakemake -n`
+    there, started as the `snakemake` script starts it (sys.path not led by the working
+    directory: python -P), plans from the second checkout's preset, not the installed one's."""
+    site = REPO
+    if installed == "non-editable":
+        site = tmp_path / "site-packages"
+        shutil.copytree(REPO / "deepspec", site / "deepspec", ignore=shutil.ignore_patterns("__pycache__"))
+    second = _checkout_copy(tmp_path / "second")
+    preset = second / "config" / "presets" / "tiny.yaml"
+    text = preset.read_text()
+    edited = text.replace("    mt-bench: {path: eval/mt-bench.jsonl, cap: 2, domain: Chat}\n", "").replace(
+        "speed_benchmarks: [gsm8k, mt-bench]", "speed_benchmarks: [gsm8k]")
+    assert edited.count("mt-bench") == 0 < text.count("mt-bench")
+    preset.write_text(edited)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = subprocess.run([sys.executable, "-P", "-m", "snakemake", "-n", "--cores", "2", "figures/fig2.pdf",
+                        "--config", "preset=tiny"], cwd=second, capture_output=True, text=True, env=env, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "eval/gsm8k.jsonl" in out and "mt-bench" not in out, out[-3000:]
+
+
+def test_checkout_refuses_another_package(tmp_path):
+    """The DAG's checkout check (deepspec/checkout.py): a package imported from another
+    checkout, or a working directory whose deepspec/ (which the jobs' `python -m deepspec`
+    would import) is another one, is refused in one line naming both; the jobs get the
+    checkout first on PYTHONPATH."""
+    from deepspec.checkout import PACKAGE_DIR, enter
+    from deepspec.errors import DeepSpecError
+
+    other = tmp_path / "other"
+    (other / "deepspec").mkdir(parents=True)
+    (other / "deepspec" / "__init__.py").write_text("")
+    with pytest.raises(DeepSpecError, match="would run the deepspec package of") as e:
+        enter(other, cwd=other, environ={})
+    assert str(other) in str(e.value) and str(PACKAGE_DIR.parent) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(DeepSpecError, match="the jobs would run the deepspec package of the working directory") as e:
+        enter(PACKAGE_DIR.parent, cwd=other, environ={})
+    assert str(other) in str(e.value) and str(PACKAGE_DIR.parent) in str(e.value)
+    environ = {"PYTHONPATH": os.pathsep.join(["/elsewhere", str(PACKAGE_DIR.parent)])}
+    enter(PACKAGE_DIR.parent, cwd=tmp_path, environ=environ)
+    assert environ["PYTHONPATH"] == os.pathsep.join([str(PACKAGE_DIR.parent), "/elsewhere"])
+    # a Snakefile without the package beside it (the DAG copied out of its checkout)
+    copy_workflow(tmp_path / "bare")
+    (tmp_path / "bare" / "deepspec").unlink()
+    r = snakemake(tmp_path / "bare", "-n", "--cores", "1", "--config", "preset=tiny")
+    assert r.returncode != 0 and "has no deepspec/ package beside its Snakefile" in r.stdout + r.stderr
+
+
+def test_non_editable_install_says_it_needs_a_checkout(tmp_path):
+    """N2: the package alone (what a non-editable `pip install .` puts in site-packages)
+    has no presets or schema: one line saying that DeepSpec runs from its checkout with
+    `pip install -e .`, for a preset name and for a preset file alike."""
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "deepspec", site / "deepspec", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(site))
+    for preset in ["tiny", str(REPO / "config" / "presets" / "tiny.yaml")]:
+        r = subprocess.run([sys.executable, "-P", "-m", "deepspec", "show-config", "--preset", preset],
+                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "is not inside a DeepSpec checkout" in r.stderr and "pip install -e ." in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
@@ -205,7 +286,9 @@ def test_multi_node_training_plans(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout + r.stderr
     train = [c for c in _shell_commands(out) if "deepspec train" in c]
-    assert len(train) == 1 and "srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 " in train[0]
+    # exec'd (a SIGTERM reaches srun); the task count and each node's CPUs (resources.train.threads) named
+    assert len(train) == 1 and train[0].startswith("exec env ") and (
+        "srun --overlap --nodes 2 --ntasks 2 --ntasks-per-node 1 --cpus-per-task 32 --gpus-per-node 8 " in train[0])
     assert "claim-gpus" not in train[0]
     assert re.search(r"gpu=16, nodes=2", out), out[-3000:]
     r = snakemake(tmp_path, "-n", "--cores", "1", "--config", "preset=qwen3-4b", "train={gpus: 8, nodes: 2}",
@@ -220,7 +303,7 @@ def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
     import yaml
 
     copy_workflow(tmp_path)
-    prof = yaml.safe_load((REPO / "workflow/profiles/slurm/config.yaml").read_text())
+    prof = yaml.safe_load((REPO / "profiles/slurm/config.yaml").read_text())
     prof.pop("executor")
     (tmp_path / "prof").mkdir()
     (tmp_path / "prof" / "config.yaml").write_text(yaml.safe_dump(prof))
@@ -229,6 +312,78 @@ def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
     jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", r.stdout + r.stderr)
     signalled = sorted({name for name, res in jobs if "slurm_extra=--signal=TERM@900" in res})
     assert signalled == ["train"], jobs[:3]
+def test_sigterm_to_the_train_job_writes_a_checkpoint(tmp_path):
+    """NR2: SIGTERM to a train job's shell (what Snakemake holds, and what SLURM's
+    warning ahead of the time limit reaches first) reaches the trainer, which the shell
+    exec's: the job ends only after the trainer wrote its checkpoint and stopped, so
+    the rerun resumes from it. (A shell that stayed the trainer's parent died at once,
+    with no checkpoint written, leaving the trainer to be killed by the job's cleanup.)
+    The command is the train rule's, as `snakemake -p` prints it, run as Snakemake
+    runs it (bash, `set -euo pipefail`)."""
+    from helpers import write_conversations
+
+    copy_workflow(tmp_path)
+    drafter = Path("results/tiny/drafters/dspark")
+    r = snakemake(tmp_path, str(drafter / "config.json"), "-n", "-p", "--cores", "1", "--config", "preset=tiny",
+                  "cache={mode: online}", "train={epochs: 1000, global_batch: 2, checkpoint_every: 1000000}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    cmd = [c for c in _shell_commands(out) if "-m deepspec train" in c]
+    assert len(cmd) == 1 and cmd[0].startswith("exec "), cmd
+    write_conversations(tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl")
+    (tmp_path / "logs" / "tiny").mkdir(parents=True)
+    log, ckpts = tmp_path / "logs" / "tiny" / "train_dspark.log", tmp_path / drafter / "checkpoints"
+    job = subprocess.Popen(["bash", "-c", "set -euo pipefail; " + cmd[0]], cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / drafter / "train_log.csv").exists():  # written after the first step
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+        rc = job.wait(timeout=240)
+        text = log.read_text()
+        latest = (ckpts / "latest").read_text().strip() if (ckpts / "latest").exists() else None
+        assert rc != 0 and latest and (ckpts / latest).is_dir(), (rc, latest, text[-3000:])
+        assert f"stopped by SIGTERM after step {latest[5:]}/" in text and "rerun to resume" in text, text[-3000:]
+        assert not (tmp_path / drafter / "config.json").exists()  # stopped, not finished
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # whatever the job left running
+        except ProcessLookupError:
+            pass
+
+
+def test_slurm_jobs_ask_for_the_threads_of_their_preset(tmp_path):
+    """NR3: SLURM jobs get the CPUs their preset asks for (resources.<rule>.threads),
+    whatever the cores of the machine Snakemake runs on: each rule declares them as
+    cpus_per_task, which the SLURM executor requests as it is, and the workflow profile
+    (loaded beside --profile profiles/slurm) sets no cores. Planned on this small
+    machine with the SLURM profile minus its executor, and with --cores 2 given."""
+    import yaml
+
+    assert "cores" not in yaml.safe_load((REPO / "profiles/default/config.yaml").read_text())
+    copy_workflow(tmp_path)
+    prof = yaml.safe_load((REPO / "profiles/slurm/config.yaml").read_text())
+    prof.pop("executor")
+    (tmp_path / "prof").mkdir()
+    (tmp_path / "prof" / "config.yaml").write_text(yaml.safe_dump(prof))
+    r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--profile", "prof", "--cores", "2", "--config", "preset=qwen3-4b")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Using profiles prof and workflow specific profile profiles/default" in out
+    cfg = load_config("qwen3-4b")
+    want = {"train": cfg["resources"]["train"]["threads"], "evaluate": cfg["resources"]["evaluate"]["threads"],
+            "baseline": cfg["resources"]["evaluate"]["threads"], "regenerate_server": cfg["regenerate"]["server"]["threads"],
+            "regenerate_shard": 0}  # beside the server a shard only sends requests
+    assert want["train"] > 2 and want["regenerate_server"] > 2
+    got = {}
+    for block in re.split(r"\n\s*(?:local)?rule ", out)[1:]:
+        name = block.split(":", 1)[0]
+        if name in want:
+            got.setdefault(name, set()).update(int(c) for c in re.findall(r"cpus_per_task=(\d+)", block.split("Shell command")[0]))
+    assert got == {k: {v} for k, v in want.items()}, got
+
+
 def _server_config(port: int) -> str:
     return ("regenerate={backend: server, server: {command: 'python -m deepspec serve {model} --host {host} "
             f"--port {{port}} --served-model-name {{name}} --max-tokens 64', port: {port}, threads: 1}}}}")

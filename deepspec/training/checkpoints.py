@@ -13,6 +13,7 @@ settings is never resumed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -49,7 +50,9 @@ def training_fingerprint(*parts) -> str:
 @contextlib.contextmanager
 def training_lock(out: Path, enabled: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on the output directory while training: a second
-    trainer of the same directory stops with one line instead of interleaving."""
+    trainer of the same directory stops with one line instead of interleaving.
+    Where the filesystem has no flock (Lustre mounted without it), training runs
+    without the lock, with a warning, as the token lock does (data/conversations.py)."""
     if not enabled:
         yield
         return
@@ -59,6 +62,13 @@ def training_lock(out: Path, enabled: bool = True) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DeepSpecError(f"another training run is writing {out} (lock {out / LOCK})") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            log.warning("%s: no file locks on this filesystem (%s); training without the lock that keeps a "
+                        "second trainer of %s out", out / LOCK, e.strerror, out)
+            yield
+            return
         try:
             yield
         finally:

@@ -43,19 +43,26 @@ from ..errors import DeepSpecError
 log = logging.getLogger(__name__)
 
 
-def launcher(train_cfg: dict, port: str | int | None = None) -> str:
+def launcher(train_cfg: dict, port: str | int | None = None, cpus: int | None = None) -> str:
     """The command prefix the train rule puts before `-m deepspec train ...`
     (without the CUDA_VISIBLE_DEVICES prefix, which the rule adds). `port` is
     the rendezvous port (default train.main_process_port; the rule passes
     each method its own, so that parallel trainers on one machine do not
-    collide: train_port in workflow/rules/common.smk)."""
+    collide: train_port in workflow/rules/common.smk). `cpus`: the CPUs of each
+    node's task with train.nodes > 1 (the rule's threads, resources.train.threads).
+
+    The inner srun names its task count and CPUs: run inside the executor's job
+    step (`srun -n1 --cpus-per-task=T`), it would otherwise inherit that step's
+    SLURM_NTASKS=1 and SLURM_CPUS_PER_TASK, and Slurm may then start one task on
+    one node instead of one per node."""
     gpus, procs, nodes = int(train_cfg["gpus"]), int(train_cfg["processes"]), int(train_cfg["nodes"])
     port = train_cfg["main_process_port"] if port is None else port
     if nodes > 1:
         if gpus < 1:
             raise DeepSpecError("train.nodes > 1 needs train.gpus (GPUs per node) >= 1")
-        return (f"srun --overlap --nodes {nodes} --ntasks-per-node 1 --gpus-per-node {gpus} "
-                f"python -m deepspec launch-node --gpus-per-node {gpus} --port {port} --")
+        per_task = f"--cpus-per-task {int(cpus)} " if cpus else ""
+        return (f"srun --overlap --nodes {nodes} --ntasks {nodes} --ntasks-per-node 1 {per_task}"
+                f"--gpus-per-node {gpus} python -m deepspec launch-node --gpus-per-node {gpus} --port {port} --")
     if gpus > 1:
         return f"accelerate launch --multi_gpu --num_processes {gpus} --num_machines 1 --main_process_port {port}"
     if gpus == 0 and procs > 1:

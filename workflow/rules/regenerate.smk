@@ -76,6 +76,7 @@ if REGEN_SERVER:
         threads: int(_srv["threads"])
         resources:
             mem_mb=int(_srv["mem_mb"]),
+            cpus_per_task=int(_srv["threads"]),
             runtime=res("regenerate", "runtime", 60),
             gpu=int(_srv["gpus"]),
         shell:
@@ -113,6 +114,7 @@ rule regenerate_shard:
     priority: 1
     resources:
         **REGEN_RESOURCES,
+        cpus_per_task=0 if REGEN_SERVER else res("regenerate", "threads", 2),
     shell:
         # the same command text for a given N (a changed text would rerun finished shards: the code trigger)
         "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
