@@ -90,18 +90,16 @@ def test_local_regeneration_multi_turn_resume_and_errors(tiny_cfg, tiny_target, 
     assert regenerate(other, tmp_path / "resume.jsonl", prompts=PROMPTS, target=tiny_target)["done"] == 3
     assert all(len(m["content"]) < 40 for r in _lines(tmp_path / "resume.jsonl") for m in r["messages"][1::2])
 
-    # an over-long prompt is an error record, not a crash; beyond the failure
-    # budget the job fails with one line and keeps what was done
+    # an over-long history is skipped as "too long" and counted, never a failure (NR6):
+    # under the default budget of 0 failures the job still succeeds
     cfg["data"]["max_prompt_tokens"] = 45
     bad = tmp_path / "bad.jsonl"
-    with pytest.raises(DeepSpecError, match=r"2 of 3 records failed .*max_failed_fraction"):
-        regenerate(cfg, bad, prompts=PROMPTS, target=tiny_target)
-    assert not bad.exists() and len(_lines(bad.with_name(bad.name + ".partial"))) == 1
-    cfg["regenerate"]["max_failed_fraction"] = 0.7
+    assert cfg["regenerate"]["max_failed_fraction"] == 0.0
     stats = regenerate(cfg, bad, prompts=PROMPTS, target=tiny_target)
     errs = _lines(errors_path(bad))
-    assert stats["failed"] == len(errs) >= 1 and "data.max_prompt_tokens" in errs[0]["error"]
-    assert {r["id"] for r in _lines(bad)}.isdisjoint(e["id"] for e in errs)
+    assert stats["too_long"] == len(errs) == 2 and stats["failed"] == 0 and stats["done"] == 1
+    assert all(e["skipped"] == "too long" and "data.max_prompt_tokens=45" in e["error"] for e in errs)
+    assert {r["id"] for r in _lines(bad)}.isdisjoint(e["id"] for e in errs) and len(_lines(bad)) == 1
 
 
 class _FakeServer(BaseHTTPRequestHandler):
