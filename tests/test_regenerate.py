@@ -150,12 +150,12 @@ def fake_server():
     srv.shutdown()
 
 
-def test_server_backend(tiny_cfg, tmp_path, fake_server):
+def test_server_backend(tiny_cfg, tiny_target, tmp_path, fake_server):
     cfg = _cfg(tiny_cfg, tmp_path, backend="server", urls=[fake_server, fake_server + "/v1"], concurrency=2,
                max_retries=2, retry_backoff_s=0.0, max_failed_fraction=0.25)
     prompts = PROMPTS + [Prompt(id="t:4", turns=["please FAIL"], source="t")]
     out = tmp_path / "conv.jsonl"
-    stats = regenerate(cfg, out, prompts=prompts)
+    stats = regenerate(cfg, out, prompts=prompts, target=tiny_target)
     assert stats["done"] == 3 and stats["failed"] == 1 and stats["new_tokens"] == 3 * 4
     assert sum("FAIL" in b["messages"][-1]["content"] for b in _FakeServer.bodies) == 3  # 1 + 2 retries
     recs = {r["id"]: r for r in _lines(out)}
@@ -174,7 +174,7 @@ def test_server_backend_needs_urls(tiny_cfg, tmp_path):
         regenerate(_cfg(tiny_cfg, tmp_path, backend="server"), tmp_path / "c.jsonl", prompts=PROMPTS)
 
 
-def test_server_errors_are_retried_then_counted(tiny_cfg, tmp_path, fake_server):
+def test_server_errors_are_retried_then_counted(tiny_cfg, tiny_target, tmp_path, fake_server):
     """500s, short, malformed and empty bodies are retried with backoff; what
     still fails is recorded, and past the failure budget (default 0) the job
     fails with one line while a rerun retries only the failed records."""
@@ -183,16 +183,16 @@ def test_server_errors_are_retried_then_counted(tiny_cfg, tmp_path, fake_server)
                retry_backoff_s=0.0)
     _FakeServer.failures = [500, 500, "short", "malformed", "close"]  # the first five requests
     out = tmp_path / "conv.jsonl"
-    assert regenerate(cfg, out, prompts=prompts)["done"] == 12 and not errors_path(out).read_text()
+    assert regenerate(cfg, out, prompts=prompts, target=tiny_target)["done"] == 12 and not errors_path(out).read_text()
 
     out2 = tmp_path / "conv2.jsonl"
     cfg["regenerate"]["max_retries"] = 1
     _FakeServer.failures = [500] * 4  # two records fail twice each
     with pytest.raises(DeepSpecError, match=r"2 of 12 records failed"):
-        regenerate(cfg, out2, prompts=prompts)
+        regenerate(cfg, out2, prompts=prompts, target=tiny_target)
     assert len(_lines(errors_path(out2))) == 2 and not out2.exists()
     n = len(_FakeServer.bodies)
-    stats = regenerate(cfg, out2, prompts=prompts)
+    stats = regenerate(cfg, out2, prompts=prompts, target=tiny_target)
     assert stats["done"] == 2 and stats["skipped"] == 10
     assert len(_FakeServer.bodies) == n + 2  # only the two failed records were asked again
     assert len(_lines(out2)) == 12
