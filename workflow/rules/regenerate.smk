@@ -82,7 +82,7 @@ if REGEN_SERVER:
         log:
             PATHS.log("regenerate_server"),
         params:
-            command=SERVER_COMMAND,
+            command=lambda wc: SERVER_COMMAND,  # a function: {port} is not a wildcard
             status=PATHS.server_status(),
             host=_host,
             port=_srv["port"] or "auto",
