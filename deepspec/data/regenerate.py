@@ -17,11 +17,16 @@ Back ends
   * ``server``: an OpenAI-compatible chat endpoint (SGLang or vLLM), several
     URLs, a thread pool of ``concurrency`` requests per URL, plain urllib.
     With regenerate.server the workflow starts the server itself (a service
-    job, regenerate.smk); either way the job first waits for every URL's
-    ``/models`` (`wait_for_servers`: server.health_timeout_s, or
-    connect_timeout_s for regenerate.urls) and fails in one line if one never answers.
-    top_k / min_p go in the request body (both servers accept them there) and
-    ``chat_template_kwargs.enable_thinking = false``.
+    job under `server_run.run_server`, regenerate.smk) and the job uses only
+    that server: the one reporting this run's token (--server-token) ready in
+    regen/server.json (`server_run.wait_for_own_server`, at most
+    server.health_timeout_s, and at once an error when it failed, stopped or is
+    gone). With regenerate.urls the job waits for every URL's ``/models``
+    (`wait_for_servers`, connect_timeout_s) and fails in one line if one never
+    answers. top_k / min_p go in the request body (both servers accept them
+    there) and ``chat_template_kwargs.enable_thinking = false``. Before each
+    turn the history is counted with the target's chat template (the
+    tokenizer only) against data.max_prompt_tokens.
 
 Resumable and never half-written: records are appended (one write + fsync per
 batch) to ``<out>.partial``; on start a truncated last line is dropped and the
@@ -35,11 +40,16 @@ Failures: server requests are retried with exponential backoff
 refused or reset, timeouts, HTTP 5xx / 408 / 429, malformed or short bodies),
 each request bounded by regenerate.request_timeout_s; a record that fails
 with "connection refused" makes the job check its server, and a server gone for
-regenerate.connect_timeout_s stops the job in one line. A record that still fails
-(or an over-long prompt) goes to ``<out stem>.errors.jsonl`` with its reason.
-More failed records than regenerate.max_failed_fraction of the total (default
-0: any) fail the job with a one-line summary; the records done are kept in
-``<out>.partial`` and the next run retries only the failed ones.
+regenerate.connect_timeout_s (or, for the workflow's server, one that its
+status says is gone) stops the job in one line. A record that still fails goes
+to ``<out stem>.errors.jsonl`` with its reason. More failed records than
+regenerate.max_failed_fraction of the total (default 0: any) fail the job with
+a one-line summary; the records done are kept in ``<out>.partial`` and the next
+run retries only the failed ones. A record whose history (prompt and the
+answers so far) is over data.max_prompt_tokens is skipped as "too long": listed
+in the errors file (``"skipped": "too long"``) and counted, never a failure.
+One regeneration of ``<out>`` at a time: ``<out>.lock`` (flock) is held while it
+runs, and a second one stops in one line.
 """
 from __future__ import annotations
 
