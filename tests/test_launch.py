@@ -82,6 +82,7 @@ def test_cli_waits_a_bounded_time_and_names_the_holder(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", DEEPSPEC_GPU_LOCK_DIR=str(tmp_path), DEEPSPEC_CLAIM_TIMEOUT_S="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     holder = _run_claim(env, 1, "import sys, time\nprint('held', flush=True)\ntime.sleep(120)")
+    waiter = None
     try:
         assert holder.stdout.readline().strip() == "held"
         waiter = _run_claim(env, 1, "print('ran')")
@@ -93,8 +94,10 @@ def test_cli_waits_a_bounded_time_and_names_the_holder(tmp_path):
         with pytest.raises(DeepSpecError, match="DEEPSPEC_CLAIM_TIMEOUT_S"):
             L.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "soon"})
     finally:
-        holder.kill()
-        holder.wait()
+        for p in (holder, waiter):
+            if p is not None:
+                p.kill()
+                p.wait()
 
 
 def test_machine_gpus_from_nvidia_smi(monkeypatch):
