@@ -248,3 +248,60 @@ def _pgid(pid):
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+# A chat server that answers `argv[2]` requests, then exits with code 3 (a crash mid-run).
+DYING = r"""
+import json, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+left = int(sys.argv[2])
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        b = b'{"object": "list", "data": [{"id": "tiny"}]}'
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def do_POST(self):
+        global left
+        if left == 0:
+            os._exit(3)
+        left -= 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        b = json.dumps({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
+                        "usage": {"completion_tokens": 1}}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_shard_stops_at_once_when_its_server_dies_mid_run(tiny_cfg, tiny_target, tmp_path, procs):
+    """The shard's whole server path: it finds its run's server through the
+    status (a port chosen at run time), regenerates from it, and when the server
+    crashes it stops in one line naming why (exit code 3), keeping what was done,
+    instead of waiting connect_timeout_s; without the run's token it refuses to
+    start at all."""
+    import copy
+
+    from deepspec.data.prompts import Prompt
+    from deepspec.data.regenerate import regenerate
+    from deepspec.paths import RunPaths
+
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["results_dir"] = str(tmp_path / "results")
+    cfg["regenerate"].update(backend="server", concurrency=1, max_retries=1, retry_backoff_s=0.1, connect_timeout_s=60,
+                             server={"command": "unused", "gpus": 0, "port": None, "host": None,
+                                     "health_timeout_s": 1800, "threads": 1, "mem_mb": 1000})
+    script = tmp_path / "dying.py"
+    script.write_text(DYING)
+    status = RunPaths.of(cfg).server_status()
+    prompts = [Prompt(id=f"d:{i}", turns=[f"Question {i}?"], source="d") for i in range(8)]
+    out = tmp_path / "c.jsonl"
+    with pytest.raises(DeepSpecError, match="talks only to the server its workflow run starts"):
+        regenerate(cfg, out, prompts=prompts, target=tiny_target)
+    sup = _supervise(procs, status, "run7", f"{sys.executable} {script} {{port}} 3")
+    t0 = time.monotonic()
+    with pytest.raises(DeepSpecError, match=r"server of this run stopped serving \(failed: the regeneration server "
+                                            r"exited with code 3 while serving"):
+        regenerate(cfg, out, prompts=prompts, target=tiny_target, server_token="run7")
+    assert time.monotonic() - t0 < 30 and sup.wait(timeout=30) == 2
+    assert len((tmp_path / "c.jsonl.partial").read_text().splitlines()) == 3
