@@ -299,6 +299,10 @@ def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
     assert not _processes_under(tmp_path)
+    # each snakemake has a run token of its own, but the shards' command text does not change with it
+    r = snakemake(tmp_path, str(conv.relative_to(tmp_path)), "-n", "--cores", "3", "--config", "preset=tiny",
+                   _server_config(None), env=env)
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
 
 
 def _processes_under(path) -> list[str]:

@@ -378,7 +378,6 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
 
 
 def _regenerate(cfg: dict, out: Path, *, prompts, target, server_token) -> dict:
-
     partial = out.with_name(out.name + ".partial")
     prompts = load_train_prompts(cfg) if prompts is None else prompts
     ids = [p.id for p in prompts]
