@@ -305,3 +305,28 @@ def test_a_shard_stops_at_once_when_its_server_dies_mid_run(tiny_cfg, tiny_targe
         regenerate(cfg, out, prompts=prompts, target=tiny_target, server_token="run7")
     assert time.monotonic() - t0 < 30 and sup.wait(timeout=30) == 2
     assert len((tmp_path / "c.jsonl.partial").read_text().splitlines()) == 3
+
+
+def test_the_server_holds_its_gpus_until_its_group_is_gone(tmp_path, procs, fake):
+    """run-server claims the server's GPUs (claim-gpus' locks) and hands the locks
+    to the server's process group: held while it serves, free once it stopped."""
+    from deepspec.training.launch import try_claim
+
+    locks = tmp_path / "locks"
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": "3,4", "DEEPSPEC_GPU_LOCK_DIR": str(locks), "DEEPSPEC_CLAIM_TIMEOUT_S": "5"}
+    seen = tmp_path / "cuda.txt"
+    command = (f"{sys.executable} -c 'import os; open(\"{seen}\", \"w\").write(os.environ[\"CUDA_VISIBLE_DEVICES\"])'; "
+               f"exec {sys.executable} {fake} {{port}} x")
+    status = tmp_path / "server.json"
+    p = subprocess.Popen([sys.executable, "-m", "deepspec", "run-server", "--status", str(status), "--token", "g",
+                          "--gpus", "2", command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    procs.append(p)
+    _wait_state(status, "g", ["ready"])
+    assert seen.read_text() == "3,4" and try_claim(["3", "4"], 1, locks) is None  # both held by the server
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0
+    ids, fds = try_claim(["3", "4"], 2, locks)
+    for fd in fds:
+        os.close(fd)
+    assert ids == ["3", "4"]
