@@ -196,7 +196,10 @@ def try_claim(ids: Sequence[str], n: int, lock_dir: Path) -> Optional[tuple[list
         os.close(guard)  # closing releases the guard's lock
 
 
-CLAIM_TIMEOUT_S = 4 * 3600.0  # claim-gpus' default bound on waiting ($DEEPSPEC_CLAIM_TIMEOUT_S; 0 = none)
+# claim-gpus' default bound on waiting ($DEEPSPEC_CLAIM_TIMEOUT_S; 0 = none). Run as the docs say
+# (--resources gpu=<the machine's GPUs>), a GPU job never waits for another job of its own run, so
+# a long wait means GPUs held from outside it (an orphaned server, another run): say so, by whom.
+CLAIM_TIMEOUT_S = 4 * 3600.0
 
 
 def claim_timeout_s(env: Mapping[str, str]) -> Optional[float]:
