@@ -11,6 +11,8 @@ the CLI prints as one line (`deepspec.cli`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -331,3 +333,39 @@ class JsonlAppender:
 
     def close(self) -> None:
         self.f.close()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, busy: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created, and removed again on the way
+    out) or stop at once with the one-line DeepSpecError `busy` when another
+    process holds it. Where the filesystem has no file locks: no lock, a warning."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DeepSpecError(f"{busy} (lock {path})") from None
+        except OSError as e:
+            f.close()
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            logging.getLogger(__name__).warning("%s: no file locks on this filesystem (%s); going on without one",
+                                                path, e.strerror)
+            yield
+            return
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break  # else the holder removed it as we opened it: take the new one
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still holding it (see the inode check above)
+        f.close()

@@ -312,6 +312,8 @@ def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
     jobs = re.findall(r"rule (\w+):\n(?:    .*\n)*?    resources: (.*)", r.stdout + r.stderr)
     signalled = sorted({name for name, res in jobs if "slurm_extra=--signal=TERM@900" in res})
     assert signalled == ["train"], jobs[:3]
+
+
 def test_sigterm_to_the_train_job_writes_a_checkpoint(tmp_path):
     """NR2: SIGTERM to a train job's shell (what Snakemake holds, and what SLURM's
     warning ahead of the time limit reaches first) reaches the trainer, which the shell
@@ -384,9 +386,11 @@ def test_slurm_jobs_ask_for_the_threads_of_their_preset(tmp_path):
     assert got == {k: {v} for k, v in want.items()}, got
 
 
-def _server_config(port: int) -> str:
+def _server_config(port) -> str:
+    """regenerate.server with deepspec serve on `port` (None: chosen at run time)."""
     return ("regenerate={backend: server, server: {command: 'python -m deepspec serve {model} --host {host} "
-            f"--port {{port}} --served-model-name {{name}} --max-tokens 64', port: {port}, threads: 1}}}}")
+            f"--port {{port}} --served-model-name {{name}} --max-tokens 64', port: {'null' if port is None else port}, "
+            "threads: 1}}")
 
 
 def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
@@ -399,7 +403,13 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     assert "Group job regenerate" in out and "results/tiny/regen/server.service (service)" in out
-    assert "exec python -m deepspec serve resources/targets/tiny --host 127.0.0.1 --port 30999" in out
+    # the server runs under run-server (its own process group, the port checked, a status with this run's
+    # token), and the shards take the same token
+    run = re.search(r"exec python -m deepspec run-server --status results/tiny/regen/server.json --token (\w+) "
+                    r"--host 127.0.0.1 --port 30999 --gpus 0 --log logs/tiny/regenerate_server.log "
+                    r"'python -m deepspec serve resources/targets/tiny --host 127.0.0.1 --port 30999 ", out)
+    assert run, out[-3000:]
+    assert out.count(f"--server-token {run.group(1)} ") == 2
     jobs = re.split(r"\n\s*(?:local)?rule ", out)
     for name, n in (("baseline:", 2), ("evaluate:", 3)):
         blocks = [j for j in jobs if j.startswith(name)]
@@ -411,38 +421,124 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     released = "{released_checkpoints: {eagle3: a/e, dflash: a/f, dspark: a/s}}"
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "8", "--config", "preset=qwen3-4b", f"eval={released}")
     assert r.returncode == 0 and "baseline" in r.stdout and "regenerate" not in r.stdout, (r.stdout + r.stderr)[-3000:]
-    # a GPU server claims its GPUs inside the exec'd command (claim-gpus then execs vLLM: the same pid)
+    # a GPU server: run-server claims its 8 GPUs and picks the port when it starts (qwen3-4b: port null)
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "16", "--config", "preset=qwen3-4b")
-    assert r.returncode == 0 and "; exec python -m deepspec claim-gpus 8 -- vllm serve " in r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and re.search(r"; exec python -m deepspec run-server .* --port auto --gpus 8 .* "
+                                           r"'(vllm|\S+ -m vllm.entrypoints.cli.main) serve .*--port \{port\} ", out), out[-3000:]
 
 
 def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_data):
     """The tiny preset regenerates through `deepspec serve` started by the
-    regenerate_server rule: the shards wait for it, it answers every request,
-    Snakemake terminates it once they are done, and nothing listens afterwards."""
+    regenerate_server rule on a port chosen when it starts (port null): the
+    shards wait for it, it answers every request, Snakemake terminates it once
+    they are done, and nothing listens or runs afterwards."""
     import socket
+
+    copy_workflow(tmp_path)
+    env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
+    conv = tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl"
+    r = snakemake(tmp_path, str(conv.relative_to(tmp_path)), "--cores", "3", "--config", "preset=tiny",
+                   _server_config(None), env=env, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "Terminating service job" in out
+    log = (tmp_path / "logs" / "tiny" / "regenerate_server.log").read_text()
+    port = int(re.search(r"starting the regeneration server on port (\d+)", log).group(1))
+    recs = [json.loads(l) for l in conv.read_text().splitlines()]
+    turns = sum(sum(m["role"] == "assistant" for m in rec["messages"]) for rec in recs)
+    assert len(recs) == 12 and turns >= 12
+    assert log.count('"POST /v1/chat/completions HTTP/1.1" 200') == turns and f"stopped after {turns} requests" in log
+    assert "stopped by SIGTERM; the server's process group is gone" in log
+    for i in range(2):
+        assert "this run's regeneration server is ready" in (tmp_path / "logs" / "tiny" / f"regenerate_{i}.log").read_text()
+    assert not (conv.parent / "server.json").exists() and not (conv.parent / "server.service").exists()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
+    assert not _processes_under(tmp_path)
+    # each snakemake has a run token of its own, but the shards' command text does not change with it
+    r = snakemake(tmp_path, str(conv.relative_to(tmp_path)), "-n", "--cores", "3", "--config", "preset=tiny",
+                   _server_config(None), env=env)
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr, (r.stdout + r.stderr)[-2000:]
+
+
+def _processes_under(path) -> list[str]:
+    """Command lines of the running processes whose working directory is `path`
+    (Snakemake's jobs run there): what a run left behind."""
+    left = []
+    for d in os.listdir("/proc"):
+        try:
+            cwd = os.readlink(f"/proc/{d}/cwd")
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if cwd == str(path) and state != "Z":
+            left.append(cmd)
+    return left
+
+
+# A stale server of the same served name on the port (R2): it counts the chat requests it gets.
+STALE = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        b = json.dumps({"object": "list", "data": [{"id": "tiny"}]}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def do_POST(self):
+        open(sys.argv[2], "a").write("POST\n")
+        b = json.dumps({"choices": [{"message": {"content": "stale"}, "finish_reason": "stop"}]}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+    def log_message(self, *a):
+        pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_stale_server_on_the_port_is_never_used(tmp_path, shared_data):
+    """R2/R5: a stale server of the same served name holds the preset's port (an
+    earlier run's, after a SIGKILL of snakemake). The DAG's own server cannot have
+    that port: the run fails in one line naming it, within seconds (not after
+    health_timeout_s), no request reaches the stale server, nothing is regenerated
+    and nothing of the run is left running."""
+    import socket
+    import subprocess
+    import sys
+    import time
 
     copy_workflow(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
-    conv = tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl"
-    r = snakemake(tmp_path, str(conv.relative_to(tmp_path)), "--cores", "3", "--config", "preset=tiny",
-                   _server_config(port), env=env, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-3000:]
-    assert "Terminating service job" in out
-    log = (tmp_path / "logs" / "tiny" / "regenerate_server.log").read_text()
-    recs = [json.loads(l) for l in conv.read_text().splitlines()]
-    turns = sum(sum(m["role"] == "assistant" for m in rec["messages"]) for rec in recs)
-    assert len(recs) == 12 and turns >= 12
-    assert log.count('"POST /v1/chat/completions HTTP/1.1" 200') == turns and f"stopped after {turns} requests" in log
-    for i in range(2):
-        assert "server(s) up after" in (tmp_path / "logs" / "tiny" / f"regenerate_{i}.log").read_text()
-    assert not (conv.parent / "server.pid").exists() and not (conv.parent / "server.service").exists()
-    with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0  # the server is gone
+    (tmp_path / "stale.py").write_text(STALE)
+    posts = tmp_path / "posts.txt"
+    stale = subprocess.Popen([sys.executable, str(tmp_path / "stale.py"), str(port), str(posts)])
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        env = dict(os.environ, DEEPSPEC_DATA=str(shared_data), HF_HUB_OFFLINE="1")
+        conv = tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl"
+        t0 = time.monotonic()
+        r = snakemake(tmp_path, str(conv.relative_to(tmp_path)), "--cores", "3", "--config", "preset=tiny",
+                       _server_config(port), env=env, timeout=300)
+        wall = time.monotonic() - t0
+        out = r.stdout + r.stderr
+        assert r.returncode != 0 and wall < 120, (wall, out[-3000:])
+        says = f"port {port} on 127.0.0.1 is already in use"
+        for i in range(2):
+            shard = (tmp_path / "logs" / "tiny" / f"regenerate_{i}.log").read_text()
+            errors = [l for l in shard.splitlines() if "error" in l]
+            assert len(errors) == 1 and says in errors[0], shard[-2000:]
+        assert says in (tmp_path / "logs" / "tiny" / "regenerate_server.log").read_text()
+        assert not posts.exists() and not conv.exists()
+        assert stale.poll() is None and not _processes_under(tmp_path)
+    finally:
+        stale.kill()
+        stale.wait()
 
 
 @pytest.mark.parametrize("regen, says", [

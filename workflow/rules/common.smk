@@ -13,6 +13,7 @@
 import json
 import re
 import shlex
+import uuid
 import zlib
 
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
@@ -25,6 +26,7 @@ from deepspec.planning.preflight import preflight
 from deepspec.data.sources import check_sources, needed_files
 from deepspec.data.prompts import data_root, speed_benchmarks
 from deepspec.interop.engine_env import vllm_command
+from deepspec.data.server_run import fill_command
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2
