@@ -20,7 +20,7 @@ COMMANDS = {
     "prepare-data": ("deepspec.data.sources:cli_prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
     "prepare-target": ("deepspec.targets.loading:cli_prepare_target", "convert or download a target into a plain HF checkpoint"),
     "regenerate": ("deepspec.data.regenerate:cli_regenerate", "answer training prompts with the target itself"),
-    "run-server": ("deepspec.data.server_run:cli_run_server", "run the regeneration server of one workflow run: its own process group, a checked port, a status for the shards"),
+    "run-server": ("deepspec.interop.server_run:cli_run_server", "run the regeneration server of one workflow run: its own process group, a checked port, a status for the shards"),
     "serve": ("deepspec.data.serve:cli_serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
     "build-cache": ("deepspec.data.cache:cli_build_cache", "cache the target's feature-layer and final hidden states"),
     "validate-cache": ("deepspec.data.cache:cli_validate_cache", "check a target cache's manifest and shard checksums"),

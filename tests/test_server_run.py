@@ -1,4 +1,4 @@
-"""The regeneration server of one workflow run (deepspec/data/server_run.py,
+"""The regeneration server of one workflow run (deepspec/interop/server_run.py, deepspec/data/server_status.py,
 `python -m deepspec run-server`) and the shards' side of it: a stale or foreign
 server on the port is never used (R2/R5, NR14), a server that cannot start or
 dies fails the shards at once (R3, NR5, N1), and the server's whole process
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.data.server_run import (fill_command, group_listens, own_server_gone, read_status, run_server,
-                                      wait_for_own_server)
+from deepspec.data.server_status import own_server_gone, read_status, wait_for_own_server
+from deepspec.interop.server_run import fill_command, group_listens, run_server
 from deepspec.errors import DeepSpecError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ Back ends
   * ``server``: an OpenAI-compatible chat endpoint (SGLang or vLLM), several
     URLs, a thread pool of ``concurrency`` requests per URL, plain urllib.
     With regenerate.server the workflow starts the server itself (a service
-    job under `server_run.run_server`, regenerate.smk) and the job uses only
+    job under `interop.server_run.run_server`, regenerate.smk) and the job uses only
     that server: the one reporting this run's token (--server-token) ready in
-    regen/server.json (`server_run.wait_for_own_server`, at most
+    regen/server.json (`server_status.wait_for_own_server`, at most
     server.health_timeout_s, and at once an error when it failed, stopped or is
     gone). With regenerate.urls the job waits for every URL's ``/models``
     (`wait_for_servers`, connect_timeout_s) and fails in one line if one never
@@ -160,7 +160,7 @@ def _chat_url(url: str) -> str:
 def server_urls(regen: dict) -> list[str]:
     """The chat-completions URLs of regenerate.urls (servers already running;
     the server the workflow starts, regenerate.server, is found through its
-    status instead: server_run.wait_for_own_server)."""
+    status instead: server_status.wait_for_own_server)."""
     return [_chat_url(u) for u in regen["urls"]]
 
 
@@ -199,7 +199,7 @@ def wait_for_servers(urls: Sequence[str], timeout_s: float, *, poll_s: float = 1
 
 def wait_for_exit(status_file: str | os.PathLike, timeout_s: float = 300.0, *, poll_s: float = 0.2) -> None:
     """Wait until the server supervisor named in `status_file` (its "host" and
-    "pid", as `server_run.run_server` writes them) has exited, then remove the
+    "pid", as `interop.server_run.run_server` writes them) has exited, then remove the
     file. Snakemake only signals a service job; this makes the GPU jobs after
     the merge start once the server has let go of its GPUs (the supervisor
     exits only after its server's whole process group). A process on another
@@ -310,7 +310,7 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar, *, too_long
             raise DeepSpecError("regenerate.server is set: this job talks only to the server its workflow run starts "
                                 "(snakemake passes --server-token); to use a server of your own set "
                                 "regenerate.server=null and regenerate.urls=[http://<host>:<port>/v1]")
-        from .server_run import wait_for_own_server
+        from .server_status import wait_for_own_server
         own = (RunPaths.of(cfg).server_status(), server_token)
         urls = [_chat_url(wait_for_own_server(*own, regen["server"]["health_timeout_s"]))]
     else:
@@ -345,7 +345,7 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar, *, too_long
                 if _refused(e):  # the server is gone (e.g. it crashed): stop in one line, not record by record
                     try:
                         if own:
-                            from .server_run import own_server_gone
+                            from .server_status import own_server_gone
                             why = own_server_gone(*own)
                             if why:
                                 raise DeepSpecError(f"the regeneration server of this run stopped serving ({why})")
@@ -370,7 +370,7 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
     """Regenerate the answers of `prompts` (default: the preset's training prompts)
     into `out`; returns stats {done, skipped, failed, too_long, new_tokens, seconds,
     tokens_per_s}. With regenerate.server, `server_token` is the token of the
-    server this run started (server_run.py). One regeneration of `out` at a
+    server this run started (interop/server_run.py). One regeneration of `out` at a
     time: a second one stops in one line (a lock beside it)."""
     out = Path(out) if out else RunPaths.of(cfg).conversations()
     with exclusive_lock(out.with_name(out.name + ".lock"), f"another regeneration is writing {out}"):

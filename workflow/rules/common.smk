@@ -26,7 +26,7 @@ from deepspec.planning.preflight import preflight
 from deepspec.data.sources import check_sources, needed_files
 from deepspec.data.prompts import data_root, speed_benchmarks
 from deepspec.interop.engine_env import vllm_command
-from deepspec.data.server_run import fill_command
+from deepspec.interop.server_run import fill_command
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2

@@ -43,7 +43,7 @@ if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
 
 # The server rule exists only when there is a server to start (regenerate.server);
 # the shards then take its service as an input (regen_server_input). The server
-# runs under `python -m deepspec run-server` (deepspec/data/server_run.py): it
+# runs under `python -m deepspec run-server` (deepspec/interop/server_run.py): it
 # checks the command's program and the port (regenerate.server.port null: one
 # chosen when it starts), claims the server's GPUs, starts the command in a
 # process group of its own, reports its state in regen/server.json under this

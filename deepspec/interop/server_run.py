@@ -1,6 +1,6 @@
 """`python -m deepspec run-server`: the regeneration server of one workflow run,
-supervised (workflow/rules/regenerate.smk, rule regenerate_server), and the
-shards' side of it (`wait_for_own_server`, `own_server_gone`).
+supervised (workflow/rules/regenerate.smk, rule regenerate_server); the
+shards' side of it is deepspec/data/server_status.py.
 
 The shards must talk only to the server their run started: never to a stale
 one left on the port by an earlier run (a SIGKILLed snakemake), nor to another
@@ -54,14 +54,13 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
+from ..data.server_status import server_url
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-STATUS_WAIT_S = 120.0  # how long a shard waits for its run's server to report at all
 GRACE_S = 30.0  # SIGTERM -> SIGKILL of the server's process group
-FINAL = ("failed", "stopped")
 SHELL_WORDS = {"exec", "cd", "source", ".", "set", "export", "ulimit", "umask", "{", "(", "if", "for", "while", "nohup", "time"}
 
 
@@ -227,24 +226,6 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process took the pid
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://{host}:{port}/v1"
-
-
 # ---------------------------------------------------------------- the watchdog
 
 # Runs in a session of its own, its stdin the read end of a pipe only the
@@ -349,6 +330,22 @@ def _stop_group(proc: subprocess.Popen, pgid: int, grace_s: float) -> None:
     proc.wait()
 
 
+def _claim_gpus(env: dict, gpus: int, claim_timeout_s: Optional[float]) -> list[int]:
+    """Claim `gpus` GPUs of this machine for the server (launch.claim_gpus, a bounded
+    wait), setting CUDA_VISIBLE_DEVICES in `env`; the lock fds the server inherits."""
+    from ..training.launch import claim_gpus, claim_timeout_s as default_timeout, gpu_pool
+
+    ids, lock_dir = gpu_pool(env)
+    if not ids:
+        log.warning("no GPU visible on this machine; the server runs without CUDA_VISIBLE_DEVICES")
+        return []
+    timeout = claim_timeout_s if claim_timeout_s is not None else default_timeout(os.environ)
+    claimed, fds = claim_gpus(ids, gpus, lock_dir, timeout_s=timeout)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)
+    log.info("claimed GPUs %s", env["CUDA_VISIBLE_DEVICES"])
+    return fds
+
+
 def run_server(command: str, *, status: str | os.PathLike, token: str, host: str = "127.0.0.1",
                port: Optional[int] = None, gpus: int = 0, log_path: Optional[str] = None,
                grace_s: float = GRACE_S, poll_s: float = 0.2, claim_timeout_s: Optional[float] = None) -> int:
@@ -372,17 +369,7 @@ def run_server(command: str, *, status: str | os.PathLike, token: str, host: str
                                     "at run time)")
             sup.write(port=port)
             env = dict(os.environ)
-            if gpus > 0:
-                from ..training.launch import claim_gpus, gpu_pool
-                ids, lock_dir = gpu_pool(env)
-                if ids:
-                    from ..training.launch import claim_timeout_s as default_timeout
-                    timeout = claim_timeout_s if claim_timeout_s is not None else default_timeout(os.environ)
-                    claimed, fds = claim_gpus(ids, gpus, lock_dir, timeout_s=timeout)
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)
-                    log.info("claimed GPUs %s", env["CUDA_VISIBLE_DEVICES"])
-                else:
-                    log.warning("no GPU visible on this machine; the server runs without CUDA_VISIBLE_DEVICES")
+            fds = _claim_gpus(env, gpus, claim_timeout_s) if gpus > 0 else []
         except _Stop as e:
             sup.write(state="stopped", message=str(e))
             return 0
@@ -411,10 +398,10 @@ def run_server(command: str, *, status: str | os.PathLike, token: str, host: str
                     break
                 if not ready:
                     mine = group_listens(pgid, port)
-                    if mine is not False and _answers(_url(host, port) + "/models"):
+                    if mine is not False and _answers(server_url(host, port) + "/models"):
                         ready = True
                         sup.write(state="ready")
-                        log.info("the regeneration server is ready at %s%s", _url(host, port),
+                        log.info("the regeneration server is ready at %s%s", server_url(host, port),
                                  "" if mine else " (its port's owner not checked: no /proc)")
                 time.sleep(poll_s)
         finally:
@@ -435,65 +422,6 @@ def run_server(command: str, *, status: str | os.PathLike, token: str, host: str
         for s, h in old.items():
             signal.signal(s, h)
 
-
-# ---------------------------------------------------------------- the shards' side
-
-
-def read_status(path: str | os.PathLike) -> Optional[dict]:
-    try:
-        st = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return st if isinstance(st, dict) else None
-
-
-def _gone(st: dict) -> bool:
-    """The supervisor of status `st` is known to be gone (same host, no process)."""
-    return st.get("host") == socket.gethostname() and isinstance(st.get("pid"), int) and not _pid_alive(st["pid"])
-
-
-def own_server_gone(path: str | os.PathLike, token: str) -> Optional[str]:
-    """Why this run's server (status `path`, `token`) is no longer serving, or None."""
-    st = read_status(path)
-    if st is None or st.get("token") != token:
-        return f"its status {path} is gone or is another run's"
-    if st.get("state") in FINAL:
-        return f"{st['state']}: {st.get('message') or 'no reason given'}"
-    if _gone(st):
-        return f"its supervisor (pid {st['pid']}) is gone" + (f"; see {st['log']}" if st.get("log") else "")
-    return None
-
-
-def wait_for_own_server(path: str | os.PathLike, token: str, timeout_s: float, *, poll_s: float = 0.5,
-                        status_wait_s: float = STATUS_WAIT_S) -> str:
-    """The base URL (http://host:port/v1) of the server this run started, once
-    its supervisor reports it ready under `token`; a one-line DeepSpecError as
-    soon as it failed, stopped or is gone, when no status of this run appears
-    within status_wait_s, or when it is not ready within timeout_s."""
-    t0 = time.monotonic()
-    while True:
-        st = read_status(path)
-        waited = time.monotonic() - t0
-        if st is not None and st.get("token") == token:
-            state = st.get("state")
-            if state == "ready":
-                if _gone(st):
-                    raise DeepSpecError(f"the regeneration server of this run is gone (supervisor pid {st['pid']}, {path})")
-                log.info("this run's regeneration server is ready after %.1f s", waited)
-                return _url(st.get("url_host") or "127.0.0.1", int(st["port"]))
-            if state in FINAL:
-                raise DeepSpecError(f"the regeneration server of this run {state}: {st.get('message') or 'no reason given'}")
-            if _gone(st):
-                raise DeepSpecError(f"the regeneration server of this run died before it was ready (supervisor pid "
-                                    f"{st['pid']})" + (f"; see {st['log']}" if st.get("log") else ""))
-        elif waited > min(status_wait_s, timeout_s):
-            why = "none" if st is None else "only another run's"
-            raise DeepSpecError(f"no regeneration server of this run reported in {path} within "
-                                f"{min(status_wait_s, timeout_s):g} s ({why}): its service job did not start")
-        if waited > timeout_s:
-            raise DeepSpecError(f"the regeneration server of this run was not ready within {timeout_s:g} s "
-                                f"(regenerate.server.health_timeout_s)" + (f"; see {st['log']}" if st and st.get("log") else ""))
-        time.sleep(poll_s)
 
 
 def cli_run_server(argv) -> int:
