@@ -81,7 +81,7 @@ def test_default_data_root_is_data_inside_the_repository(preset, monkeypatch, tm
     monkeypatch.chdir(tmp_path)
     root = data_root(load_config(preset))
     assert root == REPO_ROOT / "data" and root.is_absolute()
-    assert "data/" in (REPO_ROOT / ".gitignore").read_text().splitlines()
+    assert "/data/" in (REPO_ROOT / ".gitignore").read_text().splitlines()  # the top-level data/ only, not deepspec/data/
     assert data_root(load_config(preset, {"data": {"root": "elsewhere/prompts"}})) == REPO_ROOT / "elsewhere" / "prompts"
     assert data_root(load_config(preset, {"data": {"root": str(tmp_path / "d")}})) == tmp_path / "d"
 
