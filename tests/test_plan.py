@@ -188,3 +188,50 @@ def test_meta_target_eos_ids_are_normalised_as_a_loaded_targets():
     facts, _ = S.load_facts(cfg)
     target = S.meta_target(cfg, dict(facts, eos_token_id=[151645, 151643, 151645]))
     assert target.eos_token_ids == (151643, 151645)
+
+
+def test_checkpoint_disk_is_one_checkpoint_times_the_number_kept():
+    """Qwen3-14B-sized DSpark (1.86 G trainable fp32 parameters): one checkpoint is
+    the fp32 drafter plus AdamW's two fp32 moments, 12 B per trainable parameter,
+    ~22 GB; the paper presets keep 2 regular checkpoints and the newest hourly
+    one, not the ~137 hourly ones of a 14B run (6.6 TB)."""
+    cfg = load_config("qwen3-14b", {})
+    t = cfg["train"]
+    assert t["keep_checkpoints"] == 2 and t["checkpoint_minutes"] == 60
+
+    class Drafter:  # the state dict of a 1.86 G-parameter drafter (bf16 on meta, as plan builds it) + an int64 map
+        def state_dict(self):
+            return {"w": torch.empty(1_860_000_000, dtype=torch.bfloat16, device="meta"),
+                    "d2t": torch.empty(151_936, dtype=torch.int64, device="meta")}
+
+    c = P.checkpoint_disk(t, Drafter(), 1_860_000_000, total_steps=24_120)
+    each = 4 * 1_860_000_000 + 8 * 151_936 + 8 * 1_860_000_000
+    assert c["bytes_each"] == each and c["regular_checkpoints"] == 9  # 8 x 3000 steps, and the last one
+    assert (c["kept_regular"], c["kept_timed"], c["kept"]) == (2, 1, 3)
+    assert c["bytes_kept"] == 3 * each and c["bytes_peak"] == 4 * each
+    every = P.checkpoint_disk(dict(t, keep_checkpoints=None, checkpoint_minutes=None), Drafter(), 1_860_000_000, 24_120)
+    assert every["kept"] == 9 and every["bytes_kept"] == 9 * each
+
+
+def test_plan_predicts_the_checkpoint_a_training_run_writes(tmp_path, tiny_cfg, tiny_target, monkeypatch, shared_data,
+                                                            capsys):
+    """`plan`'s size of one checkpoint is what `train` writes (within 2 %: RNG
+    states, scheduler, log and serialisation headers are not counted), and it
+    prints the disk the kept checkpoints take."""
+    from deepspec.config import parse_set
+    from deepspec.training import loop as T
+    from helpers import write_conversations
+
+    monkeypatch.setattr("deepspec.targets.loading.target_from_config", lambda cfg, **k: tiny_target)
+    write_conversations(tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl")
+    sets = [f"resources_dir={tiny_cfg['resources_dir']}", f"data.root={tiny_cfg['data']['root']}",
+            f"results_dir={tmp_path / 'results'}", "cache.mode=online", "train.global_batch=2", "train.max_steps=1"]
+    assert T.cli_train(["--preset", "tiny", "--method", "dspark", *[x for kv in sets for x in ("--set", kv)]]) == 0
+    ckpt = tmp_path / "results" / "tiny" / "drafters" / "dspark" / "checkpoints" / "step_1"
+    written = sum(f.stat().st_size for f in ckpt.iterdir())
+    cfg = load_config("tiny", parse_set(sets + ["plan.train_prompts=8"]))
+    plan = P.build_plan(cfg, P.hardware(cfg), offline=True, methods=["dspark"])
+    c = plan["training"]["methods"]["dspark"]["checkpoints"]
+    assert abs(c["bytes_each"] - written) <= 0.02 * written, (c, written)
+    assert c["kept"] == 1 and c["bytes_kept"] == c["bytes_each"]
+    assert "dspark: checkpoints on disk" in P.format_plan(plan)

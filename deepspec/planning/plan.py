@@ -31,7 +31,8 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   the memory-efficient kernel's meta implementation, as on a GPU, not SDPA's
   math path that meta would take), plus the largest single tensor of the step
   as the transient term; GPU-hours =
-  FLOPs / (tflops x mfu);
+  FLOPs / (tflops x mfu); the disk the training checkpoints take
+  (`checkpoint_disk`: one checkpoint x the number kept);
 * **evaluation** - prompts per benchmark, rounds = prompts x expected new
   tokens / tau (the paper's Table 1 tau for the preset's `paper_name`, else
   `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``.
@@ -244,6 +245,27 @@ def training_memory(cfg: dict, target_params: int, params: dict, peak_activation
     return {**parts, "total": sum(parts.values()), "optimizer_shards": shards}
 
 
+def checkpoint_disk(train_cfg: dict, drafter, trainable: int, total_steps: int) -> dict:
+    """Bytes of one training checkpoint (`training.checkpoints.save_checkpoint`) and
+    how many stay on disk, by arithmetic: the drafter's state dict as trained
+    (floating tensors in fp32, the others at their own dtype) plus AdamW's two fp32
+    moments per trainable parameter (a sharded optimizer is consolidated first);
+    the RNG states, scheduler and log are small and not counted. Kept: the
+    regular checkpoints (every train.checkpoint_every steps and the last one),
+    at most train.keep_checkpoints of them, plus, with train.checkpoint_minutes,
+    the newest timed (or SIGTERM) one; while a checkpoint is written, one more."""
+    model = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in drafter.state_dict().values())
+    every, keep = int(train_cfg["checkpoint_every"]), train_cfg.get("keep_checkpoints")
+    regular = len(set(range(every, total_steps + 1, every)) | {total_steps})
+    kept_regular = regular if keep is None else min(int(keep), regular)
+    timed = 1 if train_cfg.get("checkpoint_minutes") else 0
+    each = model + 8 * int(trainable)
+    return {"bytes_each": each, "model_bytes": model, "optimizer_bytes": 8 * int(trainable),
+            "regular_checkpoints": regular, "kept_regular": kept_regular, "kept_timed": timed,
+            "kept": kept_regular + timed, "bytes_kept": each * (kept_regular + timed),
+            "bytes_peak": each * (kept_regular + timed + 1)}
+
+
 def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     """Parameters, measured FLOPs per step and activation memory of one method."""
     drafter, mcfg = build_meta_drafter(method, target, cfg)
@@ -261,6 +283,7 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
         "online_target_forwards": online_target_forwards(t, total),
         "draft_layers": {"count": int(drafter.config.num_hidden_layers), "model_type": drafter.config.model_type},
         "params": params,
+        "checkpoints": checkpoint_disk(t, drafter, params["trainable"], total),
         "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
                                           worst["peak_activation_bytes"]),
         "micro_batch": mb, "micro_batches_per_step": micro_batches,
@@ -428,8 +451,19 @@ def format_plan(plan: dict) -> str:
                                               f" (sharded / {r['memory_per_gpu']['optimizer_shards']})"
                                               if r["memory_per_gpu"]["optimizer_shards"] > 1 else "",
                                               human_bytes(r["memory_per_gpu"]["activations"]))),
+                 (f"{m}: checkpoints on disk", "{} = {} kept x {} (fp32 drafter {} + AdamW moments {}; {} "
+                                               "regular, train.keep_checkpoints keeps {}{}); {} while the next is written"
+                                               .format(human_bytes(r["checkpoints"]["bytes_kept"]), r["checkpoints"]["kept"],
+                                                       *(human_bytes(r["checkpoints"][k]) for k in
+                                                         ("bytes_each", "model_bytes", "optimizer_bytes")),
+                                                       r["checkpoints"]["regular_checkpoints"], r["checkpoints"]["kept_regular"],
+                                                       " + the newest timed one" if r["checkpoints"]["kept_timed"] else "",
+                                                       human_bytes(r["checkpoints"]["bytes_peak"]))),
                  (f"{m}: GPU-hours", f"{_h(tot['gpu_hours_offline'])} offline / {_h(tot['gpu_hours_online'])} online "
                                      f"({_h(tot['wall_hours_offline'])} / {_h(tot['wall_hours_online'])} h on {hw['gpus']} GPUs)")]
+    if tr["methods"]:
+        rows.append(("checkpoints: all methods", f"{human_bytes(sum(r['checkpoints']['bytes_kept'] for r in tr['methods'].values()))} "
+                                                 "kept (each method's training keeps its own)"))
     for m, r in ev["methods"].items():
         rows.append((f"eval: {m}", f"{r['rounds']:,} rounds, {_h(r['hours'])} h at {ev['rounds_per_s']:g} rounds/s "
                                    f"({ev['tau_from']})"))
