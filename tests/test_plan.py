@@ -235,3 +235,34 @@ def test_plan_predicts_the_checkpoint_a_training_run_writes(tmp_path, tiny_cfg, 
     assert abs(c["bytes_each"] - written) <= 0.02 * written, (c, written)
     assert c["kept"] == 1 and c["bytes_kept"] == c["bytes_each"]
     assert "dspark: checkpoints on disk" in P.format_plan(plan)
+
+
+def test_kv_bytes_per_token_by_hand():
+    """layers x K/V heads x head_dim x 2 (keys, values) x dtype bytes; Gemma4's
+    full-attention layers with their own heads and width."""
+    kv = {n: P.kv_bytes_per_token(S.load_facts(load_config(n, {}))[0], "bfloat16") for n in PAPER}
+    assert kv["qwen3-4b"] == kv["qwen3-8b"] == 36 * 8 * 128 * 2 * 2 == 147_456
+    assert kv["qwen3-14b"] == 40 * 8 * 128 * 2 * 2 == 163_840
+    assert kv["gemma4-12b"] == (40 * 8 * 256 + 8 * 1 * 512) * 2 * 2 == 344_064
+    assert P.kv_bytes_per_token(S.load_facts(load_config("qwen3-4b", {}))[0], "float32") == 2 * 147_456
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_presets_kv_budget_fits_their_gpu(name):
+    """Every paper preset sets eval.kv_budget_gb (without it 32 rows padded to the
+    longest request need 113-263 GiB of KV cache): the target's and the largest
+    drafter's (DSpark's) weights at eval.dtype, the budget and the reserve fit in
+    plan.gpu_memory_gib, and the budget holds at least one row of the longest
+    request (prompt data.max_prompt_tokens + eval.max_new_tokens)."""
+    cfg = load_config(name, {})
+    assert cfg["eval"]["kv_budget_gb"] is not None and cfg["eval"]["dtype"] == "bfloat16"
+    facts, _ = S.load_facts(cfg)
+    target = S.meta_target(cfg, facts)
+    drafter, _ = P.build_meta_drafter("dspark", target, cfg)
+    own = P.param_counts(drafter, target)
+    m = P.eval_memory(cfg, sum(p.numel() for p in target.model.parameters()), own["trainable"] + own["frozen_own"],
+                      P.kv_bytes_per_token(facts, cfg["eval"]["dtype"]))
+    assert m["fits"] and m["total"] <= cfg["plan"]["gpu_memory_gib"] <= 80, m
+    assert m["kv_cache"] >= m["longest_row_gib"], m
+    unbounded = P.eval_memory(dict(cfg, eval=dict(cfg["eval"], kv_budget_gb=None)), 0, 0, m["kv_bytes_per_token"])
+    assert unbounded["kv_cache"] > cfg["plan"]["gpu_memory_gib"]  # what NR9 was: 32 longest rows do not fit

@@ -35,7 +35,10 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   (`checkpoint_disk`: one checkpoint x the number kept);
 * **evaluation** - prompts per benchmark, rounds = prompts x expected new
   tokens / tau (the paper's Table 1 tau for the preset's `paper_name`, else
-  `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``.
+  `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``; the memory of an
+  evaluation GPU (`eval_memory`: weights at ``eval.dtype``, the KV budget at the
+  target's KV bytes per token, `kv_bytes_per_token`, and a reserve) against
+  ``plan.gpu_memory_gib``.
 
 Architecture facts: a prepared target checkpoint's config.json when there is
 one, else ``config/targets/<target.name>.json`` (the hub config.json's fields,
@@ -59,7 +62,7 @@ from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
 from ..data.cache import bytes_per_token, human_bytes
-from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target
+from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target, text_fields
 from ..training.loop import plan_steps, step_spec
 
 log = logging.getLogger(__name__)
@@ -297,6 +300,55 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     }
 
 
+EVAL_RESERVE_GIB = 10.0  # beside the weights and the KV budget: a 16k-token prefill's activations and features,
+# the verify logits of eval.batch_size rows, the CUDA context and allocator slack
+
+
+def kv_bytes_per_token(fields: dict, dtype: str) -> int:
+    """The target's KV cache bytes per position, by arithmetic from its config.json
+    fields (a multimodal wrapper's text_config): per layer K/V heads x head_dim x 2
+    (keys and values) x dtype bytes, summed over the layers. Gemma4's
+    full-attention layers have their own heads and width
+    (num_global_key_value_heads, global_head_dim); its sliding layers are counted
+    at full length (what the batched engine's cache holds; an upper bound)."""
+    c = text_fields(fields)
+    n = int(c["num_hidden_layers"])
+    heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    width = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    kinds = c.get("layer_types") or ["full_attention"] * n
+    per_value = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for kind in kinds[:n]:
+        h, w = heads, width
+        if kind == "full_attention" and c.get("num_global_key_value_heads"):
+            h, w = int(c["num_global_key_value_heads"]), int(c.get("global_head_dim") or width)
+        total += h * w * 2 * per_value
+    return total
+
+
+def eval_memory(cfg: dict, target_params: int, drafter_params: int, kv_per_token: int) -> dict:
+    """GiB one evaluation GPU holds, by arithmetic: the target's and the largest
+    drafter's weights at eval.dtype, the KV cache the batched engine may fill
+    (eval.kv_budget_gb; null: eval.batch_size rows at the longest request,
+    prompt data.max_prompt_tokens + eval.max_new_tokens, `batch_cache.row_slots`)
+    and EVAL_RESERVE_GIB, against plan.gpu_memory_gib."""
+    from ..core.batch_cache import row_slots
+
+    e = cfg["eval"]
+    gib = 2.0 ** 30
+    per_value = torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size()
+    longest = row_slots(int(cfg["data"]["max_prompt_tokens"]) + int(e["max_new_tokens"]),
+                        int(cfg["drafter"]["block_size"]) + 1) * kv_per_token / gib
+    kv = e["kv_budget_gb"] if e["kv_budget_gb"] is not None else int(e["batch_size"]) * longest
+    parts = {"target_weights": target_params * per_value / gib, "drafter_weights": drafter_params * per_value / gib,
+             "kv_cache": float(kv), "reserve": EVAL_RESERVE_GIB}
+    total = sum(parts.values())
+    return {**parts, "total": total, "gpu_memory_gib": float(cfg["plan"]["gpu_memory_gib"]),
+            "fits": total <= float(cfg["plan"]["gpu_memory_gib"]), "kv_bytes_per_token": kv_per_token,
+            "longest_row_gib": longest, "kv_from": "eval.kv_budget_gb" if e["kv_budget_gb"] is not None else
+            "eval.batch_size rows at the longest request (eval.kv_budget_gb null)"}
+
+
 def gpu_hours(flops: float, tflops: float, mfu: float) -> float:
     return flops / (tflops * 1e12 * mfu) / 3600.0
 
@@ -400,7 +452,11 @@ def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[lis
         "training": {"methods": per_method, "target_forward_flops_per_micro_batch": fwd,
                      "target_forward_flops_per_token": fwd / (mb * data["tokens_per_sample"]),
                      "totals": training_totals(per_method, fwd, hw)},
-        "evaluation": eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
+        "evaluation": {**eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
+                       "memory_per_gpu": eval_memory(cfg, sum(p.numel() for p in target.model.parameters()),
+                                                     max(r["params"]["trainable"] + r["params"]["frozen_own"]
+                                                         for r in per_method.values()),
+                                                     kv_bytes_per_token(facts, cfg["eval"]["dtype"]))},
     }
 
 
@@ -467,6 +523,12 @@ def format_plan(plan: dict) -> str:
     for m, r in ev["methods"].items():
         rows.append((f"eval: {m}", f"{r['rounds']:,} rounds, {_h(r['hours'])} h at {ev['rounds_per_s']:g} rounds/s "
                                    f"({ev['tau_from']})"))
+    em = ev["memory_per_gpu"]
+    rows.append(("eval: memory per GPU", "{:.1f} GiB of {:g} ({}) = target {:.1f} + drafter {:.1f} + KV cache {:.1f} ({}; "
+                                         "{:,} B per token, {:.2f} GiB per longest row) + reserve {:g} (arithmetic)".format(
+                                             em["total"], em["gpu_memory_gib"], "fits" if em["fits"] else "DOES NOT FIT",
+                                             em["target_weights"], em["drafter_weights"], em["kv_cache"], em["kv_from"],
+                                             em["kv_bytes_per_token"], em["longest_row_gib"], em["reserve"])))
     rows.append(("eval: plain decoding", f"{ev['plain_decoding']['forwards']:,} forwards, {_h(ev['plain_decoding']['hours'])} h"))
     width = max(len(k) for k, _ in rows)
     head = (f"plan for preset {plan['preset']}: {hw['gpus']} GPUs x {hw['gpu_tflops']:g} TFLOP/s x MFU {hw['mfu']:g}")
