@@ -61,10 +61,20 @@ def _generator(cfg: dict, target, idx: int) -> torch.Generator:
 
 
 def drafter_path(cfg: dict, method: str, override: str | None = None) -> str:
+    """--drafter, else the method's released checkpoint (eval.released_checkpoints: a
+    {hub, revision} snapshot fetched by the DAG's fetch_released, or a local
+    directory), else the trained drafter's directory."""
+    from ..fetch import RELEASED_FILES, fetched
+
     if override:
         return override
     released = cfg["eval"]["released_checkpoints"].get(method)
+    if isinstance(released, dict):
+        return str(fetched(cfg, "model", released["hub"], released["revision"], RELEASED_FILES))
     if released:
+        if not Path(released).is_dir():
+            raise DeepSpecError(f"eval.released_checkpoints.{method}: no directory {released!r} (a checkpoint on "
+                                f"the hub is given as {{hub: <id>, revision: <commit>}})")
         return released
     return str(RunPaths.of(cfg).drafter_dir(method))
 
