@@ -273,10 +273,12 @@ def test_eval_dtype_reaches_the_target_and_the_drafter(setup, shared_data, tmp_p
     released bf16 checkpoints) is the dtype evaluate runs the target and the fp32-saved
     drafter in: bfloat16 on CPU decodes end to end and the summary's environment
     (measured from the loaded models' parameters) says so; the default stays float32."""
+    from deepspec.config import load_config
+
     ev, args = setup
     run = args + ["--method", "dspark", "--benchmark", "gsm8k"]
-    for dtype in ("bfloat16", "float32"):
-        assert cli_evaluate(run + ["--set", f"eval.dtype={dtype}", "--out-dir", str(tmp_path / dtype)]) == 0
-        s = json.loads((tmp_path / dtype / "gsm8k.json").read_text())
-        assert s["environment"]["target_dtype"] == s["environment"]["drafter_dtype"] == dtype
-        assert s["rounds"] > 0 and 1 <= s["tau"] <= 8
+    assert cli_evaluate(run + ["--set", "eval.dtype=bfloat16", "--out-dir", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "gsm8k.json").read_text())
+    assert s["environment"]["target_dtype"] == s["environment"]["drafter_dtype"] == "bfloat16"
+    assert s["rounds"] > 0 and 1 <= s["tau"] <= 8
+    assert load_config("tiny")["eval"]["dtype"] == "float32" and load_config("qwen3-14b")["eval"]["dtype"] == "bfloat16"
