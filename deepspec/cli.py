@@ -21,6 +21,7 @@ COMMANDS = {
     "fetch-hub": ("deepspec.fetch:cli_fetch_hub", "fetch a hub dataset or checkpoint at a pinned revision (the DAG's fetch rules)"),
     "prepare-target": ("deepspec.targets.loading:cli_prepare_target", "convert or download a target into a plain HF checkpoint"),
     "regenerate": ("deepspec.data.regenerate:cli_regenerate", "answer training prompts with the target itself"),
+    "run-server": ("deepspec.data.server_run:cli_run_server", "run the regeneration server of one workflow run: its own process group, a checked port, a status for the shards"),
     "serve": ("deepspec.data.serve:cli_serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
     "build-cache": ("deepspec.data.cache:cli_build_cache", "cache the target's feature-layer and final hidden states"),
     "validate-cache": ("deepspec.data.cache:cli_validate_cache", "check a target cache's manifest and shard checksums"),
@@ -68,11 +69,15 @@ def main(argv=None) -> int:
     except DeepSpecError as e:
         print(f"deepspec {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+    except OSError as e:  # the atomic writers name the output (deepspec.files.removed_on_failure)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"deepspec {args.command}: error: disk full writing {e.filename or 'output'} ({e.strerror}); "
+                  "nothing half-written was kept: free space and rerun", file=sys.stderr)
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            print(f"deepspec {args.command}: error: {e.filename or 'output'}: {e.strerror}; "
+                  "nothing half-written was kept: make it writable or choose another path", file=sys.stderr)
+        else:
             raise
-        print(f"deepspec {args.command}: error: disk full writing {e.filename or 'output'} ({e.strerror}); "
-              "nothing half-written was kept: free space and rerun", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         if e.name == module_name:

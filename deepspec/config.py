@@ -16,6 +16,7 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -24,9 +25,19 @@ import yaml
 
 from .errors import DeepSpecError
 
+# DeepSpec runs from its checkout (`pip install -e .`): the presets, the schema and
+# the target facts are files of the checkout beside the package, not package data.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 PRESETS_DIR = REPO_ROOT / "config" / "presets"
+
+
+def _require_checkout() -> None:
+    """One line when the package is not inside a checkout (a non-editable `pip install .`)."""
+    if not PRESETS_DIR.is_dir() and not SCHEMA_PATH.exists():
+        raise DeepSpecError(f"the deepspec package in {REPO_ROOT} is not inside a DeepSpec checkout (no config/presets, "
+                            "no workflow/schemas beside it; a non-editable install carries neither): DeepSpec runs "
+                            "from its checkout, installed with `pip install -e .`")
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -69,6 +80,7 @@ def coerce_overrides(node):
 
 
 def _schema() -> dict:
+    _require_checkout()
     if not SCHEMA_PATH.exists():
         raise DeepSpecError(f"config schema not found: {SCHEMA_PATH}")
     return yaml.safe_load(SCHEMA_PATH.read_text())
@@ -108,10 +120,26 @@ def _where(err) -> str:
     return path or "<top level>"
 
 
+def _non_finite(node, path: tuple = ()) -> Optional[tuple[str, float]]:
+    """(dotted key, value) of the first NaN or infinity in `node` (YAML's .nan,
+    .inf, 1e999), or None."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return ".".join(map(str, path)) or "<top level>", node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        found = _non_finite(v, (*path, k))
+        if found:
+            return found
+    return None
+
+
 def validate(cfg: dict, source: str = "config") -> dict:
     """Validate and fill defaults; raise DeepSpecError with the offending key."""
     import jsonschema
 
+    bad = _non_finite(cfg)  # JSON Schema's number admits them; no setting means anything by them
+    if bad:
+        raise DeepSpecError(f"{source}: invalid value for '{bad[0]}': {bad[1]} is not a finite number")
     schema = _schema()
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(list(e.absolute_path)), e.message))
@@ -131,6 +159,7 @@ def preset_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
         return p
+    _require_checkout()
     cand = PRESETS_DIR / f"{name_or_path}.yaml"
     if not cand.exists():
         known = ", ".join(sorted(x.stem for x in PRESETS_DIR.glob("*.yaml")))
@@ -158,7 +187,9 @@ def parse_set(items: Iterable[str]) -> dict:
 
 def _read_preset(path: Path) -> dict:
     try:
-        raw = load_yaml(path.read_text()) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise DeepSpecError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
         raise DeepSpecError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):

@@ -1,13 +1,25 @@
 """Files: atomic writes (temp file, then rename), JSON / JSONL / CSV reading and
-writing with one-line errors naming the file and line."""
+writing with one-line errors naming the file and line.
+
+Every directory the atomic writers make whole holds `OUTPUT_MARKER` (not a
+training run's, into which they merge); `--overwrite` replaces only such a
+directory, never one this project did not write, nor a training run. A write
+that fails for a reason of the file system (disk full, read-only, permissions;
+also when a library reports it in other words, as safetensors and torch.save
+do) leaves nothing half-written and raises an OSError naming the output, which
+the CLI prints as one line (`deepspec.cli`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
+import errno
 import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,10 +28,69 @@ from typing import Any, Iterator
 from .errors import DeepSpecError
 
 
+OUTPUT_MARKER = ".deepspec-output"  # in every directory the atomic writers make: --overwrite may replace it
+
+
 def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
+
+
+def os_error(e: BaseException, out: str | os.PathLike) -> OSError | None:
+    """The OSError that a failed write of output `out` amounts to, naming `out`
+    (or the path the error names, when that is not a temporary file of ours):
+    e itself; one that a library reports only in its message (safetensors:
+    '... No space left on device (os error 28)'); ENOSPC when e says nothing of
+    the cause but the file system under `out` is full (torch.save's
+    'PytorchStreamWriter failed' / 'unexpected pos'). None for other errors."""
+    out = Path(out)
+    if isinstance(e, OSError):
+        code, name = e.errno, e.filename
+    elif m := re.search(r"\(os error (\d+)\)", str(e)):
+        code, name = int(m.group(1)), None
+    elif isinstance(e, RuntimeError) and _disk_full(out):
+        code, name = errno.ENOSPC, None
+    else:
+        return None
+    if code is None:
+        return None
+    if name is None or any(part.startswith(f".{out.name}.") for part in Path(str(name)).parts):
+        name = str(out)  # not the temporary file or directory, which is gone
+    return OSError(code, os.strerror(code), name)
+
+
+def _disk_full(path: Path) -> bool:
+    """Less than 1 MiB left for ordinary users on the file system holding `path`."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < 1 << 20
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def removed_on_failure(tmp: str | os.PathLike | None, out: str | os.PathLike) -> Iterator[None]:
+    """Write output `out` through the temporary file or directory `tmp`: if the
+    block fails, tmp is removed (None: another process removes it), and a
+    failure of the file system becomes an OSError naming `out` (`os_error`)."""
+    try:
+        yield
+    except BaseException as e:
+        if tmp is not None:
+            _remove(Path(tmp))
+        oe = os_error(e, out) if isinstance(e, Exception) else None
+        if oe is None:
+            raise
+        raise oe from e
 
 
 @contextlib.contextmanager
@@ -29,27 +100,58 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     Nothing half-written is ever visible under the final name.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
-    os.close(fd)
+    with removed_on_failure(None, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
+        os.close(fd)
     tmp = Path(tmp)
-    try:
+    with removed_on_failure(tmp, path):
         yield tmp
         if tmp.exists():  # mkstemp creates 0600; give the usual umask-based mode
             os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+
+def _umask_modes(tmp: Path) -> None:
+    """Give the files in directory `tmp` the mode open() gives under the umask:
+    libraries make some 0600 (safetensors writes through a temporary file of its
+    own). Hard links (a hub target's files) keep the linked file's mode."""
+    umask = _umask()
+    for p in tmp.rglob("*"):
+        st = p.lstat()
+        if p.is_file() and not p.is_symlink() and st.st_nlink == 1:
+            os.chmod(p, (0o777 if st.st_mode & 0o111 else 0o666) & ~umask)
+
+
+def check_overwrite(out: str | os.PathLike, overwrite: bool) -> None:
+    """Refuse, in one line, to write output directory `out` over what is there:
+    anything at all without `overwrite`; with it, anything but a directory that
+    an atomic writer of this project made (it holds `OUTPUT_MARKER`) or an empty
+    one (Snakemake makes the folders of a rule's output files before the job)."""
+    out = Path(out)
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_dir() and not out.is_symlink() and overwrite and not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    if out.is_symlink() or not out.is_dir() or not (out / OUTPUT_MARKER).is_file():
+        what = "a symbolic link" if out.is_symlink() else "not a directory" if not out.is_dir() else \
+            f"not an output directory deepspec wrote (no {OUTPUT_MARKER} in it)"
+        raise DeepSpecError(f"output {out} is {what}: --overwrite replaces only deepspec's own outputs; "
+                            "remove it yourself or choose another output")
 
 
 def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike, overwrite: bool = True) -> None:
-    """Rename the finished directory `tmp` onto `out`. An existing `out` is
-    removed first when `overwrite`, else is a one-line DeepSpecError."""
+    """Rename the finished directory `tmp` onto `out`, marked as ours
+    (`OUTPUT_MARKER`), its files in their umask mode. An existing `out` is removed first when
+    `overwrite` and it is one of ours, else is a one-line DeepSpecError
+    (`check_overwrite`)."""
     tmp, out = Path(tmp), Path(out)
+    check_overwrite(out, overwrite)
+    (tmp / OUTPUT_MARKER).write_text("written by deepspec; --overwrite may replace this directory\n")
+    _umask_modes(tmp)
     if out.exists():
-        if not overwrite:
-            raise DeepSpecError(f"output {out} exists (use --overwrite)")
         shutil.rmtree(out)
     os.replace(tmp, out)
 
@@ -57,7 +159,8 @@ def replace_dir(tmp: str | os.PathLike, out: str | os.PathLike, overwrite: bool 
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False, merge: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory beside `out`; on success it becomes
-    `out` (see `replace_dir`), on failure it is removed.
+    `out` (see `replace_dir`), on failure it is removed (a failure of the file
+    system: an OSError naming `out`, `removed_on_failure`).
 
     merge: `out` is a directory that holds other things (a training run's
     output); the temporary directory is made inside it, and on success its
@@ -67,20 +170,20 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False, merge: bool = Fa
     """
     out = Path(out)
     parent = out if merge else out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the mode mkdir would
-    try:
+    with removed_on_failure(None, out):
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
+    with removed_on_failure(tmp, out):
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the mode mkdir would
         yield tmp
-        if merge:
+        if merge:  # no OUTPUT_MARKER: `out` holds more than this (a training run: its checkpoints)
+            _umask_modes(tmp)
             names = sorted(p.name for p in tmp.iterdir())
             for name in [x for x in names if x != "config.json"] + [x for x in names if x == "config.json"]:
                 os.replace(tmp / name, out / name)
+            tmp.rmdir()
         else:
             replace_dir(tmp, out, overwrite)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -230,3 +333,39 @@ class JsonlAppender:
 
     def close(self) -> None:
         self.f.close()
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, busy: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created, and removed again on the way
+    out) or stop at once with the one-line DeepSpecError `busy` when another
+    process holds it. Where the filesystem has no file locks: no lock, a warning."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise DeepSpecError(f"{busy} (lock {path})") from None
+        except OSError as e:
+            f.close()
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            logging.getLogger(__name__).warning("%s: no file locks on this filesystem (%s); going on without one",
+                                                path, e.strerror)
+            yield
+            return
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break  # else the holder removed it as we opened it: take the new one
+        except FileNotFoundError:
+            pass
+        f.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # while still holding it (see the inode check above)
+        f.close()

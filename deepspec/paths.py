@@ -81,9 +81,10 @@ class RunPaths:
         """The regeneration server's service-job marker (Snakemake removes it when the group ends)."""
         return self.run / "regen" / "server.service"
 
-    def server_pid(self) -> Path:
-        """`<host> <pid>` of the regeneration server, which the merge waits on."""
-        return self.run / "regen" / "server.pid"
+    def server_status(self) -> Path:
+        """The regeneration server's status (deepspec/data/server_run.py: this run's
+        token, host, supervisor pid, port, state), which the shards and the merge read."""
+        return self.run / "regen" / "server.json"
 
     def cache_dir(self) -> Path:
         return self.run / "cache"

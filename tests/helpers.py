@@ -117,6 +117,23 @@ def randomize(d, seed=0):
     return d
 
 
+def random_drafter(method, target, cfg, **drafter):
+    """A drafter with random weights (`randomize`) for `target`, the preset's drafter
+    section updated by `drafter`, 1 (Eagle3) or 2 layers; a reserved mask token's row
+    set again after randomizing. Returns (drafter, its config)."""
+    import copy
+
+    from deepspec.drafters import build_drafter, freeze_mask_embedding
+
+    c = copy.deepcopy(cfg)
+    c["drafter"].update(drafter)
+    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
+    torch.manual_seed(0)
+    d = randomize(build_drafter(method, target, c).eval())
+    freeze_mask_embedding(d, target, init=True)
+    return d, c
+
+
 def plain_ttt(d, W, ids, feats, steps, arch, embed):
     """The TTT forward from the equations: post-norm outputs per step."""
     B, L = ids.shape
@@ -205,10 +222,13 @@ def gemma4_reference_config(d, target, layout) -> dict:
 
 
 def copy_workflow(dst: Path) -> None:
-    """The DAG (workflow/, with workflow/Snakefile) and the presets: run from `dst`
+    """The DAG (Snakefile, workflow/, profiles/), the presets and the package (a
+    link to this checkout's deepspec/, which the Snakefile imports): run from `dst`
     as from the repository root."""
-    for name in ["workflow", "config"]:
-        shutil.copytree(REPO / name, dst / name)
+    for name in ["workflow", "config", "profiles"]:
+        shutil.copytree(REPO / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "Snakefile", dst / "Snakefile")
+    (dst / "deepspec").symlink_to(REPO / "deepspec", target_is_directory=True)
 
 
 def snakemake(cwd, *args, env=None, timeout=600):
@@ -280,7 +300,7 @@ def local_rules(workdir: Path, preset: str = "qwen3-4b") -> list[str] | None:
             "with SnakemakeApi(OutputSettings()) as api:\n"
             "    wf = api.workflow(resource_settings=ResourceSettings(cores=1), storage_settings=StorageSettings(),\n"
             f"                      config_settings=ConfigSettings(config={{'preset': {preset!r}}}),\n"
-            "                      snakefile=Path('workflow/Snakefile'), workdir=Path('.'))\n"
+            "                      snakefile=Path('Snakefile'), workdir=Path('.'))\n"
             "    print('LOCAL', ' '.join(sorted(wf._workflow._localrules)))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
     return next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), None)

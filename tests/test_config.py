@@ -47,6 +47,34 @@ def test_bad_config_names_the_key(over, msg):
         load_config("tiny", over)
 
 
+@pytest.mark.parametrize("item,msg", [
+    ("train.lr=.nan", r"invalid value for 'train\.lr': nan is not a finite number"),
+    ("train.epochs=.inf", r"invalid value for 'train\.epochs': inf is not a finite number"),
+    ("train.epochs=1e999", r"invalid value for 'train\.epochs': inf is not a finite number"),
+    ("eval.temperature=-.inf", r"invalid value for 'eval\.temperature': -inf is not a finite number"),
+    ("ablations.thresholds=[0.1, .nan]", r"invalid value for 'ablations\.thresholds\.1': nan is not a finite number"),
+    ("target.feature_layers=[0, 0]", r"invalid value for 'target\.feature_layers': \[0, 0\] has non-unique elements"),
+    ("train.methods=[]", r"invalid value for 'train\.methods': \[\] should be non-empty"),
+    ("train.methods=[dspark, dspark]", r"invalid value for 'train\.methods': .* has non-unique elements"),
+])
+def test_meaningless_values_are_refused_naming_the_key(item, msg):
+    """NaN and infinity (which JSON Schema's number admits), a feature layer
+    twice, no method at all or one twice: refused when the config is read."""
+    from deepspec.config import parse_set
+
+    with pytest.raises(DeepSpecError, match=msg) as e:
+        load_config("tiny", parse_set([item]))
+    assert "\n" not in str(e.value)
+
+
+def test_preset_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "badutf8.yaml"
+    bad.write_bytes(b"\xff\xfebase: tiny\n")
+    with pytest.raises(DeepSpecError, match=r"badutf8\.yaml: not UTF-8 text \(byte 0") as e:
+        load_config(str(bad))
+    assert "\n" not in str(e.value)
+
+
 def test_unknown_preset():
     with pytest.raises(DeepSpecError, match="unknown preset"):
         load_config("nope")

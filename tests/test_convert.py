@@ -194,6 +194,15 @@ def test_cli_and_resolve(tiny_target, tiny_cfg, tmp_path, capsys):
     assert cli_main(["convert-checkpoint", "--src", str(src), "--out", str(tmp_path / "out"), *sets]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("deepspec convert-checkpoint: error:") and "exists" in err
+    # --overwrite replaces the earlier conversion, never a folder that is not a deepspec output (X2)
+    assert cli_main(["convert-checkpoint", "--src", str(src), "--out", str(tmp_path / "out"), "--overwrite", *sets]) == 0
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "notes.txt").write_text("precious")
+    assert cli_main(["convert-checkpoint", "--src", str(src), "--out", str(tmp_path / "victim"), "--overwrite", *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("is not an output directory deepspec wrote (no .deepspec-output in it): --overwrite replaces only "
+                        "deepspec's own outputs; remove it yourself or choose another output"), err
+    assert [p.name for p in (tmp_path / "victim").iterdir()] == ["notes.txt"]
 
     cfg = dict(tiny_cfg, resources_dir=str(tmp_path / "resources"))
     path = convert.resolve_drafter(str(src), tiny_target, cfg, method="dspark")

@@ -125,11 +125,12 @@ def test_launchers():
     assert launcher(base) == "python"
     assert launcher(dict(base, processes=2)) == "python -m torch.distributed.run --nproc_per_node 2 --master_port 29500"
     assert launcher(dict(base, gpus=8, processes=4)).startswith("accelerate launch --multi_gpu --num_processes 8 ")
-    two_nodes = launcher(dict(base, gpus=8, nodes=2), port=29600)
+    two_nodes = launcher(dict(base, gpus=8, nodes=2), port=29600, cpus=32)
     # --overlap: the step runs inside the executor's own job step (which holds the
-    # allocation's CPUs and memory); --gpus-per-node: each node's own 8 GPUs
-    assert two_nodes == ("srun --overlap --nodes 2 --ntasks-per-node 1 --gpus-per-node 8 python -m deepspec "
-                         "launch-node --gpus-per-node 8 --port 29600 --")
+    # allocation's CPUs and memory); --gpus-per-node: each node's own 8 GPUs; the task
+    # count and the CPUs named (not inherited from the executor's one-task step, NR11)
+    assert two_nodes == ("srun --overlap --nodes 2 --ntasks 2 --ntasks-per-node 1 --cpus-per-task 32 "
+                         "--gpus-per-node 8 python -m deepspec launch-node --gpus-per-node 8 --port 29600 --")
 
 
 def test_multi_node_command_from_slurm_environment():

@@ -68,6 +68,15 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     for smp in s["samples"]:
         assert smp["new_tokens"] == 1 + per.get(smp["sample_id"], 0) <= 12
     assert s["tokens_per_s"] > 0 and s["speedup_vs_plain"] > 0
+    # the summaries record the settings they were made with, which the report checks (W3)
+    from deepspec.config import load_config, parse_set
+    from deepspec.reporting.report import check_settings
+
+    sets = args[3::2]
+    check_settings(load_config("tiny", parse_set(sets)), s, "dspark/gsm8k.json", "evaluate")
+    check_settings(load_config("tiny", parse_set(sets)), base, "baseline/gsm8k.json", "baseline")
+    with pytest.raises(DeepSpecError, match="dspark/gsm8k.json was made with eval.max_new_tokens = 12, this config has 16"):
+        check_settings(load_config("tiny", parse_set(sets + ["eval.max_new_tokens=16"])), s, "dspark/gsm8k.json", "evaluate")
     assert s["engine"]["requests"] == N_PROMPTS - SPEED and s["engine"]["batch_size"] == 32
     assert len(s["positions"]) == 7 and s["confidence_selfcheck"]["n_rounds"] == len(df)
 

@@ -19,23 +19,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepspec.drafters import build_drafter, freeze_mask_embedding, load_drafter
+from deepspec.drafters import build_drafter, load_drafter
 from deepspec.errors import DeepSpecError
+from deepspec.files import OUTPUT_MARKER
 from deepspec.interop import convert
 from deepspec.interop import export
-from helpers import randomize, plain_ttt
+from helpers import plain_ttt, random_drafter
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]
 
 
-def _drafter(method, target, cfg, **drafter):
-    c = copy.deepcopy(cfg)
-    c["drafter"].update(drafter)
-    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
-    torch.manual_seed(0)
-    d = randomize(build_drafter(method, target, c).eval())
-    freeze_mask_embedding(d, target, init=True)  # the reserved token's row again, after randomize
-    return d, c
+_drafter = random_drafter
 
 
 def _outputs(d, ids, f):
@@ -340,7 +334,7 @@ def test_sglang_export_holds_exactly_sglangs_names(qwen3_target, qwen3_cfg, kind
     assert cfg["enable_confidence_head"] is confidence
     assert cfg.get("confidence_head_with_markov") == (with_markov if confidence else None)
     assert cfg["deepspec_serve_sglang"] == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7}
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors"]
     # the tensors are the drafter's, under the reference names (RNN cell = joint_proj, same [s; W1[x]; h] order)
     ours = d.state_dict()
     for name, t in sd.items():
@@ -488,6 +482,45 @@ def test_out_that_is_contains_or_lies_inside_src_is_refused(qwen3_target, qwen3_
     assert (tmp_path / "runs" / "dspark-export" / "model.safetensors").exists()
 
 
+def test_overwrite_replaces_an_export_not_an_unrelated_folder(qwen3_target, qwen3_cfg, tmp_path, monkeypatch, capsys):
+    """X2: --overwrite onto a folder that is not a deepspec output is refused in one line
+    and the folder keeps its files; an earlier export is replaced. F4: a disk
+    full during the write (safetensors says so in a SafetensorError, not an
+    OSError) is one line naming --out, and nothing is left."""
+    from deepspec.cli import main as cli_main
+    from deepspec.targets import loading as target_mod
+
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg)
+    d.save_pretrained(str(tmp_path / "src"))
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "notes.txt").write_text("precious")
+    (victim / "sub" / "data.csv").write_text("data")
+    base = ["export-checkpoint", "--preset", "tiny", "--src", str(tmp_path / "src"), "--format", "deepspec", "--overwrite"]
+    assert cli_main(base + ["--out", str(victim)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"deepspec export-checkpoint: error: output {victim} is not an output directory deepspec wrote "
+                       f"(no {OUTPUT_MARKER} in it): --overwrite replaces only deepspec's own outputs; remove it "
+                       "yourself or choose another output")
+    assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == ["notes.txt", "sub", "sub/data.csv"]
+    out = tmp_path / "exp"
+    assert cli_main(base + ["--out", str(out)]) == 0
+    (out / "model.safetensors").write_bytes(b"old")
+    assert cli_main(base + ["--out", str(out)]) == 0 and (out / "model.safetensors").stat().st_size > 1000
+
+    def full(*args, **kwargs):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    capsys.readouterr()
+    assert cli_main(base + ["--out", str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"deepspec export-checkpoint: error: disk full writing {tmp_path / 'full'} (No space left on "
+                       "device); nothing half-written was kept: free space and rerun")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp", "src", "victim"]
+
+
 def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path, monkeypatch):
     """export-checkpoint's --engine sglang --sts/--sps and --format speculators --verifier reach the export."""
     from deepspec.cli import main as cli_main
@@ -501,7 +534,7 @@ def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path,
     assert cli_main(base + ["--format", "deepspec", "--engine", "sglang", "--sts", str(alg1), "--sps", str(alg1),
                             "--out", str(tmp_path / "sg")]) == 0
     assert {p.name for p in (tmp_path / "sg").iterdir()} == {"config.json", "model.safetensors", "sglang_sts.json",
-                                                             "sglang_sps.json"}
+                                                             "sglang_sps.json", OUTPUT_MARKER}
     assert cli_main(base + ["--format", "speculators", "--verifier", "Qwen/Qwen3-4B", "--out", str(tmp_path / "sp")]) == 0
     cfg = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"

@@ -75,6 +75,31 @@ def test_cli_sets_cuda_visible_devices_and_the_command_holds_the_lock(tmp_path):
     assert third.communicate(timeout=60)[0].strip() == "4,5"  # both free again once the holder exited
 
 
+def test_cli_waits_a_bounded_time_and_names_the_holder(tmp_path):
+    """NR8: GPUs held by something that never lets go (e.g. an orphaned vLLM
+    engine) make claim-gpus fail in one line naming the holder, after
+    $DEEPSPEC_CLAIM_TIMEOUT_S, instead of waiting forever."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="0", DEEPSPEC_GPU_LOCK_DIR=str(tmp_path), DEEPSPEC_CLAIM_TIMEOUT_S="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    holder = _run_claim(env, 1, "import sys, time\nprint('held', flush=True)\ntime.sleep(120)")
+    waiter = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = _run_claim(env, 1, "print('ran')")
+        out, err = waiter.communicate(timeout=60)
+        errors = [l for l in err.splitlines() if "error" in l]
+        assert waiter.returncode == 2 and "ran" not in out and len(errors) == 1, err
+        assert "no 1 free GPUs of 0 within 1 s" in errors[0] and f"held by pid {holder.pid}" in errors[0], errors[0]
+        assert L.claim_timeout_s({}) == L.CLAIM_TIMEOUT_S and L.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "0"}) is None
+        with pytest.raises(DeepSpecError, match="DEEPSPEC_CLAIM_TIMEOUT_S"):
+            L.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "soon"})
+    finally:
+        for p in (holder, waiter):
+            if p is not None:
+                p.kill()
+                p.wait()
+
+
 def test_machine_gpus_from_nvidia_smi(monkeypatch):
     """Without CUDA_VISIBLE_DEVICES the pool is the machine's GPUs (nvidia-smi's indices)."""
     class R:

@@ -14,4 +14,4 @@ def test_logs_and_flags_of_job_families():
     assert paths.job_benchmark("train_{method}") == Path("logs/tiny/train_{method}.benchmark.tsv")
     assert paths.baseline_part(1, 2) == Path("results/tiny/eval/baseline/part.1-of-2.done")
     assert paths.baseline_part(0, 1).parent == paths.baseline("gsm8k").parent == paths.baseline_dir()
-    assert paths.server_pid().parent == paths.server_service().parent == paths.conversations().parent
+    assert paths.server_status().parent == paths.server_service().parent == paths.conversations().parent

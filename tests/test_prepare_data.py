@@ -21,6 +21,7 @@ from deepspec.errors import DeepSpecError
 from deepspec.data import sources as pd_mod
 from deepspec.data.sources import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
 from deepspec.data.prompts import read_turns_jsonl
+from helpers import copy_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 HUMANEVAL_HEAD = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -303,8 +304,7 @@ def test_missing_file_without_a_source_fails_at_plan_time(tmp_path, monkeypatch)
 
 
 def test_the_dag_builds_only_missing_files(tmp_path, shared_data):
-    for name in ["workflow", "config"]:
-        shutil.copytree(REPO / name, tmp_path / name)
+    copy_workflow(tmp_path)
     data = tmp_path / "data"
     for rel in ["train/gsm8k_train.jsonl", "train/chat_alpaca_libre.jsonl", "eval/gsm8k.jsonl", "eval/mt-bench.jsonl"]:
         (data / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -93,3 +93,25 @@ def test_DEEPSPEC_DATA_overrides_data_root(monkeypatch, tmp_path):
     monkeypatch.setenv("DEEPSPEC_DATA", str(tmp_path / "env"))
     assert data_root(load_config("tiny")) == tmp_path / "env"
     assert data_root(load_config("tiny", {"data": {"root": str(tmp_path / "cfg")}})) == tmp_path / "env"
+
+
+def test_duplicate_prompt_ids_name_the_id_and_both_files(monkeypatch, tmp_path):
+    """F11: two training files of one name in two folders give the same ids
+    (<file name stem>:<line>); the error names the id and both files."""
+    from deepspec.config import load_config
+    from deepspec.data.prompts import load_train_prompts
+
+    for d in ("d1", "d2"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "chat.jsonl").write_text('{"turns": ["hi"]}\n{"turns": ["there"]}\n')
+    monkeypatch.setenv("DEEPSPEC_DATA", str(tmp_path))
+    cfg = load_config("tiny", {"data": {"train": [{"path": "d1/chat.jsonl"}, {"path": "d2/chat.jsonl"}]}})
+    with pytest.raises(DeepSpecError) as e:
+        load_train_prompts(cfg)
+    assert str(e.value) == ("duplicate prompt id 'chat:1' in d1/chat.jsonl and d2/chat.jsonl "
+                            "(ids are <file name stem>:<line>: rename one of the files)")
+    cfg = load_config("tiny", {"data": {"train": [{"path": "d1/chat.jsonl"}, {"path": "d1/chat.jsonl"}]}})
+    with pytest.raises(DeepSpecError, match=r"'chat:1' in d1/chat\.jsonl and d1/chat\.jsonl \(the source is listed twice\)"):
+        load_train_prompts(cfg)
+    cfg = load_config("tiny", {"data": {"train": [{"path": "d1/chat.jsonl"}]}})
+    assert [p.id for p in load_train_prompts(cfg)] == ["chat:1", "chat:2"]

@@ -7,6 +7,7 @@ import pytest
 
 from deepspec.config import load_config
 from deepspec.core.acceptance import summarize_rounds
+from deepspec.errors import DeepSpecError
 from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
@@ -85,6 +86,65 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
     assert "| DSpark |" in md
     # the paper's macro gains, computed from its Table 1 (reporting/paper.py), not typed in
     assert "paper, Qwen3-4B: +16.3 %)" in report and "paper, Qwen3-4B: +30.9 %)" in report
+
+
+def test_report_refuses_summaries_made_with_other_settings(fake_results):
+    """W3: Table 1 with one method re-evaluated at another eval.max_new_tokens (or a
+    baseline timed at another temperature) is refused in one line naming the file and
+    the key, instead of a table whose rows mix settings under REPORT.md's one line.
+    Summaries recording this config's settings pass."""
+    from deepspec.evaluation.evaluate import baseline_settings, evaluation_settings
+
+    cfg, tmp = fake_results
+    ev = tmp / "results" / "tiny" / "eval"
+    other = load_config("tiny", {"results_dir": str(tmp / "results"), "eval": {"max_new_tokens": 12}})
+    for m in RATES:
+        for b in cfg["data"]["benchmarks"]:
+            s = json.loads((ev / m / f"{b}.json").read_text())
+            (ev / m / f"{b}.json").write_text(json.dumps(dict(s, settings=evaluation_settings(cfg))))
+    for b in cfg["data"]["benchmarks"]:
+        s = json.loads((ev / "baseline" / f"{b}.json").read_text())
+        (ev / "baseline" / f"{b}.json").write_text(json.dumps(dict(s, settings=baseline_settings(cfg))))
+    assert len(build_table1(cfg)) > 0
+    dspark = ev / "dspark" / "gsm8k.json"
+    good = dspark.read_text()
+    dspark.write_text(json.dumps(dict(json.loads(good), settings=evaluation_settings(other))))
+    with pytest.raises(DeepSpecError, match=r"dspark/gsm8k.json was made with eval.max_new_tokens = 12, this config "
+                                            r"has 16: Table 1 would mix settings") as e:
+        build_table1(cfg)
+    assert "\n" not in str(e.value)
+    # a summary without recorded settings (an older one): its temperature and max_new_tokens
+    s = json.loads(good)
+    s.pop("settings")
+    dspark.write_text(json.dumps(dict(s, max_new_tokens=12, temperature=cfg["eval"]["temperature"])))
+    with pytest.raises(DeepSpecError, match="was made with eval.max_new_tokens = 12"):
+        build_table1(cfg)
+    dspark.write_text(good)
+    base = ev / "baseline" / "gsm8k.json"
+    hot = load_config("tiny", {"results_dir": str(tmp / "results"), "eval": {"temperature": 0.5}})
+    base.write_text(json.dumps(dict(json.loads(base.read_text()), settings=baseline_settings(hot))))
+    with pytest.raises(DeepSpecError, match="baseline/gsm8k.json was made with eval.temperature = 0.5"):
+        build_table1(cfg)
+
+
+def test_report_refuses_records_cut_short(fake_results, monkeypatch):
+    """A per-round CSV cut in half (the last row cut mid-line): one line naming
+    it, since its summary counts twice the rounds; nothing written."""
+    cfg, tmp = fake_results
+    monkeypatch.chdir(tmp)
+    bench = next(iter(cfg["data"]["benchmarks"]))
+    csv = tmp / "results" / "tiny" / "eval" / "eagle3" / f"{bench}.csv"
+    data = csv.read_bytes()
+    csv.write_bytes(data[: len(data) // 2])
+    s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
+    with pytest.raises(DeepSpecError, match=rf"{csv}: \d+ rounds, but {bench}\.json beside it counts 2400: the records "
+                                            r"are cut short or damaged \(rerun evaluate\)") as e:
+        cli_report(s)
+    assert "\n" not in str(e.value)
+    assert not (tmp / "results" / "tables").exists() and not (tmp / "figures").exists()
+    csv.write_bytes(b"")
+    with pytest.raises(DeepSpecError, match=rf"{csv}: unreadable per-round records \(No columns to parse"):
+        cli_report(s)
 
 
 def test_paper_macro_gains_come_from_table1():

@@ -99,9 +99,8 @@ def test_consumers_wait_for_a_server_that_comes_up_late(tiny_target):
         started.append(serve(tiny_target, host="127.0.0.1", port=port, name="tiny", max_tokens=8))
 
     threading.Thread(target=later, daemon=True).start()
-    rc = {"server": {"host": None, "port": port}, "urls": ["http://elsewhere:1/v1"]}
-    urls = server_urls(rc)
-    assert urls == [f"http://127.0.0.1:{port}/v1/chat/completions"]  # regenerate.server wins over urls
+    urls = server_urls({"urls": [f"http://127.0.0.1:{port}/v1"]})
+    assert urls == [f"http://127.0.0.1:{port}/v1/chat/completions"]
     try:
         assert wait_for_servers(urls, 30, poll_s=0.2) >= 1.0
     finally:
@@ -134,15 +133,15 @@ def test_refused_urls_fail_within_a_minute_in_one_line(tmp_path):
 def test_wait_for_exit_waits_for_the_server_process(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"])
     threading.Thread(target=proc.wait, daemon=True).start()  # reap it as Snakemake does
-    pid_file = tmp_path / "server.pid"
-    pid_file.write_text(f"{socket.gethostname()} {proc.pid}\n")
+    pid_file = tmp_path / "server.json"
+    pid_file.write_text(json.dumps({"host": socket.gethostname(), "pid": proc.pid, "token": "t", "state": "stopped"}))
     t0 = time.monotonic()
     wait_for_exit(pid_file, 30)
     assert time.monotonic() - t0 >= 0.5 and proc.poll() is not None and not pid_file.exists()
     # still running after the timeout: one line naming the pid
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        pid_file.write_text(f"{socket.gethostname()} {proc.pid}\n")
+        pid_file.write_text(json.dumps({"host": socket.gethostname(), "pid": proc.pid}))
         with pytest.raises(DeepSpecError, match=f"pid {proc.pid}"):
             wait_for_exit(pid_file, 0.5)
     finally:
@@ -150,7 +149,7 @@ def test_wait_for_exit_waits_for_the_server_process(tmp_path):
         proc.wait()
 
 
-def test_a_server_that_goes_away_stops_the_job_in_one_line(tiny_cfg, tmp_path):
+def test_a_server_that_goes_away_stops_the_job_in_one_line(tiny_cfg, tiny_target, tmp_path):
     """The server dies mid-run (its first answer is a 500, then it is gone):
     the job stops with one line naming its URL after connect_timeout_s, keeping
     what was done, instead of failing every record after its retries."""
@@ -183,5 +182,5 @@ def test_a_server_that_goes_away_stops_the_job_in_one_line(tiny_cfg, tmp_path):
     prompts = [Prompt(id=f"d:{i}", turns=[f"Question {i}?"], source="d") for i in range(50)]
     t0 = time.monotonic()
     with pytest.raises(DeepSpecError, match=f"no OpenAI-compatible server answered at {url}/models within 1 s"):
-        regenerate(cfg, tmp_path / "c.jsonl", prompts=prompts)
+        regenerate(cfg, tmp_path / "c.jsonl", prompts=prompts, target=tiny_target)
     assert time.monotonic() - t0 < 20 and (tmp_path / "c.jsonl.partial").exists()

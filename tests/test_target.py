@@ -10,7 +10,7 @@ import torch
 from deepspec.errors import DeepSpecError
 from deepspec.core.target import check_feature_layers, select_features
 from deepspec.targets.loading import load_target, prepare_target
-from helpers import local_rules
+from helpers import copy_workflow, local_rules
 
 
 @pytest.mark.slow
@@ -160,11 +160,7 @@ def test_hub_errors_are_one_line(tmp_path, monkeypatch):
 def test_prepare_target_rule_is_local_and_passes_the_revision(tmp_path):
     """prepare_target runs where Snakemake runs (a login node has the internet that
     compute nodes may lack; it needs no GPU) and pins target.revision."""
-    import shutil
-
-    repo = Path(__file__).resolve().parents[1]
-    for name in ["workflow", "config"]:
-        shutil.copytree(repo / name, tmp_path / name)
+    copy_workflow(tmp_path)
     assert "prepare_target" in (local_rules(tmp_path) or [])
     r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1",
                         "resources/targets/qwen3-4b/config.json", "--config", "preset=qwen3-4b",

@@ -9,6 +9,7 @@ second or two.
 import csv
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -308,6 +309,28 @@ def test_a_second_trainer_of_the_same_directory_stops(tmp_path):
     T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(), tmp_path, collate_fn=collate)
 
 
+def test_disk_full_at_a_checkpoint_names_it_and_leaves_no_partial(tmp_path, monkeypatch):
+    """F1: safetensors reports a full disk as a SafetensorError ('... (os error
+    28)'), not an OSError: the CLI's one line needs an OSError naming the
+    checkpoint, and the half-written .step_N.partial goes."""
+    import errno
+
+    def full(self, path, **kw):
+        (tmp_path / "seen").write_text(path)
+        open(f"{path}/model.safetensors", "wb").write(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ToyModel, "save_pretrained", full)
+    out = tmp_path / "run"
+    with pytest.raises(OSError) as e:
+        T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(checkpoint_every=1), out,
+                collate_fn=collate)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out / "checkpoints" / "step_1")
+    assert (tmp_path / "seen").read_text().endswith(".step_1.partial")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == []
+    assert not (out / "config.json").exists()
+
+
 # --------------------------------------------------------------------------- the real thing
 
 
@@ -347,6 +370,44 @@ def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target)
     again = load_drafter(out, tiny_target)
     assert all(torch.equal(before[n], p) for n, p in again.named_parameters())
     assert len(read_log(out / T.LOG_NAME)) == 2
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused_before_training(tmp_path, tiny_cfg, tiny_target, monkeypatch):
+    """C7: a global batch of 10^23 passed validation and grew until the kernel's
+    OOM killer ended the run. The schema bounds the sizes; within them, a step
+    whose memory (the plan's arithmetic, a lower bound) exceeds the machine's is
+    one line naming the setting, before any step."""
+    import copy
+
+    from deepspec.config import load_config, parse_set
+    from deepspec.drafters import build_drafter
+
+    with pytest.raises(T.DeepSpecError, match=r"invalid value for 'train\.global_batch': 99999999999999999999999 is "
+                                              r"greater than the maximum of 1048576"):
+        load_config("tiny", parse_set(["train.global_batch=99999999999999999999999"]))
+    cfg = copy.deepcopy(tiny_cfg)
+    drafter = build_drafter("dspark", tiny_target, cfg)
+    cpu = torch.device("cpu")
+    parts = T.check_step_memory(cfg, drafter, tiny_target, 12, cpu)  # the preset fits
+    assert parts["adam_moments"] == 2 * parts["gradients"] > 0 and parts["target_weights"] > 0
+    cfg["train"].update(global_batch=2**20, micro_batch=2**20)
+    cfg["data"]["max_length"] = 2**20
+    with pytest.raises(T.DeepSpecError, match=r"^a training step needs at least .* TiB but this machine has .*: .* TiB "
+                                              r"of it a micro batch's cached features at data\.max_length; lower "
+                                              r"train\.micro_batch or data\.max_length$"):
+        T.check_step_memory(cfg, drafter, tiny_target, 12, cpu)
+    cfg["train"].update(micro_batch=1, processes=2)
+    cfg["data"]["max_length"] = tiny_cfg["data"]["max_length"]
+    monkeypatch.setattr(T, "machine_memory", lambda device: (64 * 2**20, "this machine"))
+    with pytest.raises(T.DeepSpecError, match=r"^a training step needs at least .* MiB \(2 processes\) but this machine "
+                                              r"has 64\.0 MiB: .* MiB of it the data order of a global batch; lower "
+                                              r"train\.global_batch$"):
+        T.check_step_memory(cfg, drafter, tiny_target, 12, cpu)
+    # the train command checks before it trains: nothing is written
+    argv = cli_argv(tmp_path, tiny_cfg, "dspark", "train.global_batch=1048576")
+    with pytest.raises(T.DeepSpecError, match=r"lower train\.global_batch$"):
+        T.cli_train(argv)
+    assert not (tmp_path / "results" / "tiny" / "drafters").exists()
 
 
 def test_cli_train_variant_with_reduced_vocab(tmp_path, tiny_cfg, tiny_target):
@@ -498,3 +559,32 @@ def test_train_settings_are_the_presets_train_keys(preset):
         assert getattr(settings, f.name) == train[f.name], f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.seed = 1
+
+
+def test_training_lock_without_flock_trains_with_a_warning(tmp_path, monkeypatch, caplog):
+    """NR12: on a filesystem without flock (ENOSYS, ENOLCK, EOPNOTSUPP) the training
+    lock is skipped with a warning, as the token lock is; a held lock still stops a
+    second trainer in one line, and any other error of flock is raised."""
+    import errno
+    import fcntl
+
+    from deepspec.errors import DeepSpecError
+    from deepspec.training import checkpoints as C
+
+    real = fcntl.flock
+    for code in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+        def no_flock(f, op, code=code):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(C.fcntl, "flock", no_flock)
+        ran = []
+        with caplog.at_level("WARNING"), C.training_lock(tmp_path / "out"):
+            ran.append(1)
+        assert ran == [1] and "no file locks on this filesystem" in caplog.text
+    monkeypatch.setattr(C.fcntl, "flock", lambda f, op: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"), C.training_lock(tmp_path / "out"):
+        pass
+    monkeypatch.setattr(C.fcntl, "flock", real)
+    with C.training_lock(tmp_path / "out"):
+        with pytest.raises(DeepSpecError, match="another training run is writing"), C.training_lock(tmp_path / "out"):
+            pass

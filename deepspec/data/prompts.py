@@ -114,16 +114,27 @@ def _read_hub(cfg: dict, dataset_id: str, revision: str, split: str) -> list[Pro
 
 
 def load_sources(cfg: dict, entries: Iterable[dict]) -> list[Prompt]:
+    """The prompts of the sources `entries` (data.train, or one benchmark), each
+    subsampled to its cap. Prompt ids are "<file name stem>:<line>", so two files
+    of one name (or one file listed twice) would collide: one line naming the id
+    and both sources."""
     root = data_root(cfg)
     seed = cfg["data"]["seed"]
     out: list[Prompt] = []
+    where: dict[str, str] = {}
     for e in entries:
         path = e["path"]
         if path.startswith("hub:"):
             rows = _read_hub(cfg, path[4:], e["revision"], e.get("split", "train"))
         else:
             rows = read_turns_jsonl(root / path)
-        out.extend(subsample(rows, e.get("cap"), seed))
+        for r in subsample(rows, e.get("cap"), seed):
+            if r.id in where:
+                why = "the source is listed twice" if where[r.id] == path else \
+                    "ids are <file name stem>:<line>: rename one of the files"
+                raise DeepSpecError(f"duplicate prompt id '{r.id}' in {where[r.id]} and {path} ({why})")
+            where[r.id] = path
+            out.append(r)
     return out
 
 

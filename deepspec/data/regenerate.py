@@ -17,11 +17,16 @@ Back ends
   * ``server``: an OpenAI-compatible chat endpoint (SGLang or vLLM), several
     URLs, a thread pool of ``concurrency`` requests per URL, plain urllib.
     With regenerate.server the workflow starts the server itself (a service
-    job, regenerate.smk); either way the job first waits for every URL's
-    ``/models`` (`wait_for_servers`: server.health_timeout_s, or
-    connect_timeout_s for regenerate.urls) and fails in one line if one never answers.
-    top_k / min_p go in the request body (both servers accept them there) and
-    ``chat_template_kwargs.enable_thinking = false``.
+    job under `server_run.run_server`, regenerate.smk) and the job uses only
+    that server: the one reporting this run's token (--server-token) ready in
+    regen/server.json (`server_run.wait_for_own_server`, at most
+    server.health_timeout_s, and at once an error when it failed, stopped or is
+    gone). With regenerate.urls the job waits for every URL's ``/models``
+    (`wait_for_servers`, connect_timeout_s) and fails in one line if one never
+    answers. top_k / min_p go in the request body (both servers accept them
+    there) and ``chat_template_kwargs.enable_thinking = false``. Before each
+    turn the history is counted with the target's chat template (the
+    tokenizer only) against data.max_prompt_tokens.
 
 Resumable and never half-written: records are appended (one write + fsync per
 batch) to ``<out>.partial``; on start a truncated last line is dropped and the
@@ -35,11 +40,16 @@ Failures: server requests are retried with exponential backoff
 refused or reset, timeouts, HTTP 5xx / 408 / 429, malformed or short bodies),
 each request bounded by regenerate.request_timeout_s; a record that fails
 with "connection refused" makes the job check its server, and a server gone for
-regenerate.connect_timeout_s stops the job in one line. A record that still fails
-(or an over-long prompt) goes to ``<out stem>.errors.jsonl`` with its reason.
-More failed records than regenerate.max_failed_fraction of the total (default
-0: any) fail the job with a one-line summary; the records done are kept in
-``<out>.partial`` and the next run retries only the failed ones.
+regenerate.connect_timeout_s (or, for the workflow's server, one that its
+status says is gone) stops the job in one line. A record that still fails goes
+to ``<out stem>.errors.jsonl`` with its reason. More failed records than
+regenerate.max_failed_fraction of the total (default 0: any) fail the job with
+a one-line summary; the records done are kept in ``<out>.partial`` and the next
+run retries only the failed ones. A record whose history (prompt and the
+answers so far) is over data.max_prompt_tokens is skipped as "too long": listed
+in the errors file (``"skipped": "too long"``) and counted, never a failure.
+One regeneration of ``<out>`` at a time: ``<out>.lock`` (flock) is held while it
+runs, and a second one stops in one line.
 """
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ import http.client
 import json
 import logging
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -60,7 +71,7 @@ import torch
 
 from ..config import rule_settings, settings_fingerprint
 from ..errors import DeepSpecError
-from ..files import JsonlAppender, read_json, recover_jsonl, write_json_atomic
+from ..files import JsonlAppender, exclusive_lock, read_json, recover_jsonl, write_json_atomic
 from ..paths import RunPaths, errors_path, settings_path
 from .conversations import with_system_prompt
 from .prompts import Prompt, load_train_prompts
@@ -89,7 +100,7 @@ def record_seed(seed: int, record_id: str, turn: int) -> int:
 # ---------------------------------------------------------------- back ends
 
 
-def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None) -> int:
+def _regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=None) -> int:
     from ..targets.loading import target_from_config
 
     regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
@@ -118,7 +129,7 @@ def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None)
                 convs[p.id].append({"role": "user", "content": p.turns[turn]})
                 x = target.chat_ids(with_system_prompt(convs[p.id], system))
                 if len(x) > limit:
-                    failed[p.id] = f"prompt of turn {turn} has {len(x)} tokens, over data.max_prompt_tokens={limit}"
+                    failed[p.id] = f"too long: the history of turn {turn} has {len(x)} tokens, over data.max_prompt_tokens={limit}"
                     continue
                 rows.append(p)
                 ids.append(x)
@@ -134,7 +145,7 @@ def _regenerate_local(cfg, prompts: list[Prompt], write, fail, bar, target=None)
         write([{"id": p.id, "source": p.source, "messages": convs[p.id]} for p in batch if p.id not in failed])
         for p in batch:
             if p.id in failed:
-                fail(p, failed[p.id])
+                too_long(p, failed[p.id])
         bar.update(len(batch))
     return n_tokens
 
@@ -147,12 +158,9 @@ def _chat_url(url: str) -> str:
 
 
 def server_urls(regen: dict) -> list[str]:
-    """The chat-completions URLs of regeneration: the server the workflow
-    starts (regenerate.server; its consumers run on its node, so 127.0.0.1
-    unless server.host says otherwise), else regenerate.urls."""
-    srv = regen.get("server")
-    if srv:
-        return [_chat_url(f"http://{srv['host'] or '127.0.0.1'}:{srv['port']}/v1")]
+    """The chat-completions URLs of regenerate.urls (servers already running;
+    the server the workflow starts, regenerate.server, is found through its
+    status instead: server_run.wait_for_own_server)."""
     return [_chat_url(u) for u in regen["urls"]]
 
 
@@ -189,22 +197,23 @@ def wait_for_servers(urls: Sequence[str], timeout_s: float, *, poll_s: float = 1
     return waited
 
 
-def wait_for_exit(pid_file: str | os.PathLike, timeout_s: float = 300.0, *, poll_s: float = 0.2) -> None:
-    """Wait until the server process named in `pid_file` ("<host> <pid>", as
-    the regenerate_server rule writes it) has exited, then remove the file.
-    Snakemake only signals a service job; this makes the GPU jobs after the
-    merge start once the server has let go of its GPUs. A process on another
+def wait_for_exit(status_file: str | os.PathLike, timeout_s: float = 300.0, *, poll_s: float = 0.2) -> None:
+    """Wait until the server supervisor named in `status_file` (its "host" and
+    "pid", as `server_run.run_server` writes them) has exited, then remove the
+    file. Snakemake only signals a service job; this makes the GPU jobs after
+    the merge start once the server has let go of its GPUs (the supervisor
+    exits only after its server's whole process group). A process on another
     host (a SLURM group job, whose end frees its GPUs) is not waited for."""
     import socket
 
-    path = Path(pid_file)
+    path = Path(status_file)
     if not path.exists():
         return
     try:
-        host, pid = path.read_text().split()
-        pid = int(pid)
-    except ValueError:
-        raise DeepSpecError(f"{path}: expected '<host> <pid>', got {path.read_text()[:80]!r}") from None
+        st = json.loads(path.read_text())
+        host, pid = st["host"], int(st["pid"])
+    except (ValueError, KeyError, TypeError):
+        raise DeepSpecError(f"{path}: not a regeneration server status (expected JSON with host and pid)") from None
     deadline = time.monotonic() + timeout_s
     while host == socket.gethostname():
         try:
@@ -258,13 +267,22 @@ def _reason(e: Exception) -> str:
     return f"HTTP {e.code}: {e.reason}" if isinstance(e, urllib.error.HTTPError) else f"{type(e).__name__}: {e}"
 
 
-def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict], int]:
+class TooLong(ValueError):
+    """A record whose history is over data.max_prompt_tokens: skipped, not failed."""
+
+
+def _answer_with_server(url: str, prompt: Prompt, cfg: dict, history_tokens=None, limit: Optional[int] = None
+                        ) -> tuple[list[dict], int]:
     regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
     model = regen.get("model_name") or cfg["target"]["spec"]
     msgs: list[dict] = []
     n = 0
     for turn, text in enumerate(prompt.turns):
         msgs.append({"role": "user", "content": text})
+        if history_tokens is not None:
+            k = history_tokens(msgs)
+            if k > limit:
+                raise TooLong(f"too long: the history of turn {turn} has {k} tokens, over data.max_prompt_tokens={limit}")
         body = {
             "model": model,
             "messages": with_system_prompt(msgs, system),
@@ -284,24 +302,53 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict) -> tuple[list[dict]
     return msgs, n
 
 
-def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
+def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar, *, too_long, server_token=None, tokenizer=None) -> int:
     regen = cfg["regenerate"]
-    urls = server_urls(regen)
-    if not urls:
-        raise DeepSpecError("regenerate.backend is 'server' but neither regenerate.server nor regenerate.urls is set "
-                            "(e.g. --set regenerate.urls=[http://localhost:30000])")
-    wait_for_servers(urls, regen["server"]["health_timeout_s"] if regen.get("server") else regen["connect_timeout_s"])
+    own = None  # (status file, token) of the server this run started
+    if regen.get("server"):
+        if not server_token:
+            raise DeepSpecError("regenerate.server is set: this job talks only to the server its workflow run starts "
+                                "(snakemake passes --server-token); to use a server of your own set "
+                                "regenerate.server=null and regenerate.urls=[http://<host>:<port>/v1]")
+        from .server_run import wait_for_own_server
+        own = (RunPaths.of(cfg).server_status(), server_token)
+        urls = [_chat_url(wait_for_own_server(*own, regen["server"]["health_timeout_s"]))]
+    else:
+        urls = server_urls(regen)
+        if not urls:
+            raise DeepSpecError("regenerate.backend is 'server' but neither regenerate.server nor regenerate.urls is set "
+                                "(e.g. --set regenerate.urls=[http://localhost:30000])")
+    wait_for_servers(urls, regen["connect_timeout_s"])
+    limit = cfg["data"]["max_prompt_tokens"]
+    if tokenizer is None:
+        from ..targets.loading import load_tokenizer
+        tokenizer = load_tokenizer(cfg)
+
+    from ..core.target import render_chat
+    one_at_a_time = threading.Lock()  # a fast tokenizer is not to be called from many threads at once
+
+    def history_tokens(msgs: list[dict]) -> int:
+        with one_at_a_time:
+            return len(render_chat(tokenizer, with_system_prompt(msgs, cfg["data"].get("system_prompt")), tokenize=True))
+
     n_tokens = 0
     with ThreadPoolExecutor(max_workers=regen["concurrency"] * len(urls)) as pool:
-        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg): (p, urls[k % len(urls)])
+        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg, history_tokens, limit): (p, urls[k % len(urls)])
                 for k, p in enumerate(prompts)}
         for fut in as_completed(futs):
             p, url = futs[fut]
             try:
                 msgs, n = fut.result()
+            except TooLong as e:
+                too_long(p, str(e))
             except RECORD_ERRORS as e:
                 if _refused(e):  # the server is gone (e.g. it crashed): stop in one line, not record by record
                     try:
+                        if own:
+                            from .server_run import own_server_gone
+                            why = own_server_gone(*own)
+                            if why:
+                                raise DeepSpecError(f"the regeneration server of this run stopped serving ({why})")
                         wait_for_servers([url], regen["connect_timeout_s"])
                     except DeepSpecError:
                         pool.shutdown(wait=False, cancel_futures=True)
@@ -318,22 +365,32 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar) -> int:
 # ---------------------------------------------------------------- driver
 
 
-def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: Optional[list[Prompt]] = None, target=None) -> dict:
+def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: Optional[list[Prompt]] = None, target=None,
+               server_token: Optional[str] = None) -> dict:
     """Regenerate the answers of `prompts` (default: the preset's training prompts)
-    into `out`; returns stats {done, skipped, failed, new_tokens, seconds, tokens_per_s}."""
-
+    into `out`; returns stats {done, skipped, failed, too_long, new_tokens, seconds,
+    tokens_per_s}. With regenerate.server, `server_token` is the token of the
+    server this run started (server_run.py). One regeneration of `out` at a
+    time: a second one stops in one line (a lock beside it)."""
     out = Path(out) if out else RunPaths.of(cfg).conversations()
+    with exclusive_lock(out.with_name(out.name + ".lock"), f"another regeneration is writing {out}"):
+        return _regenerate(cfg, out, prompts=prompts, target=target, server_token=server_token)
+
+
+def _regenerate(cfg: dict, out: Path, *, prompts, target, server_token) -> dict:
     partial = out.with_name(out.name + ".partial")
     prompts = load_train_prompts(cfg) if prompts is None else prompts
     ids = [p.id for p in prompts]
-    if len(set(ids)) != len(ids):
-        raise DeepSpecError("duplicate prompt ids in the training prompts")
+    if len(set(ids)) != len(ids):  # load_train_prompts names the files; this is for prompts given here
+        dup = next(i for k, i in enumerate(ids) if i in ids[:k])
+        raise DeepSpecError(f"duplicate prompt id '{dup}' in the training prompts")
     _forget_other_settings(cfg, out, partial)
     if out.exists():  # reopen a finished file to add what is missing (e.g. a larger cap)
         done = recover_jsonl(out)
         if done.issuperset(ids):
             log.info("%s: all %d records already regenerated", out, len(ids))
-            return {"done": 0, "skipped": len(ids), "failed": 0, "new_tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+            return {"done": 0, "skipped": len(ids), "failed": 0, "too_long": 0, "new_tokens": 0, "seconds": 0.0,
+                    "tokens_per_s": 0.0}
         if partial.exists():
             raise DeepSpecError(f"both {out} and {partial} exist: remove one")
         os.replace(out, partial)
@@ -341,23 +398,27 @@ def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: O
     todo = [p for p in prompts if p.id not in done]
     log.info("regenerating %d of %d records (%d already done) with backend %s", len(todo), len(ids), len(ids) - len(todo), cfg["regenerate"]["backend"])
     t0 = time.perf_counter()
-    n_tokens, failed = _run_backend(cfg, todo, partial, errors_path(out), target)
+    n_tokens, failed, too_long = _run_backend(cfg, todo, partial, errors_path(out), target, server_token)
     secs = time.perf_counter() - t0
     budget = cfg["regenerate"]["max_failed_fraction"]
     if failed > budget * len(ids):
         raise DeepSpecError(f"{failed} of {len(ids)} records failed (regenerate.max_failed_fraction = {budget}); reasons in "
-                            f"{errors_path(out)}; the {len(ids) - failed} done are kept in {partial} and a rerun retries the rest")
+                            f"{errors_path(out)}; the {len(ids) - failed - too_long} done are kept in {partial} and a rerun "
+                            "retries the rest")
     os.replace(partial, out)
     stats = {
-        "done": len(todo) - failed,
+        "done": len(todo) - failed - too_long,
         "skipped": len(ids) - len(todo),
         "failed": failed,
+        "too_long": too_long,
         "new_tokens": n_tokens,
         "seconds": round(secs, 3),
         "tokens_per_s": round(n_tokens / secs, 2) if secs > 0 else 0.0,
     }
-    log.info("regenerated %(done)d records (%(skipped)d skipped, %(failed)d failed): %(new_tokens)d tokens in "
-             "%(seconds).1f s = %(tokens_per_s).1f tok/s", stats)
+    log.info("regenerated %(done)d records (%(skipped)d already done, %(failed)d failed, %(too_long)d skipped as too "
+             "long): %(new_tokens)d tokens in %(seconds).1f s = %(tokens_per_s).1f tok/s", stats)
+    if too_long:
+        log.warning("%d records skipped as too long (over data.max_prompt_tokens), listed in %s", too_long, errors_path(out))
     if failed:
         log.warning("%d failures (within regenerate.max_failed_fraction) listed in %s", failed, errors_path(out))
     return stats
@@ -383,13 +444,15 @@ def _forget_other_settings(cfg: dict, out: Path, partial: Path) -> None:
         write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate")})
 
 
-def _run_backend(cfg: dict, todo: list[Prompt], partial: Path, errors_file: Path, target) -> tuple[int, int]:
-    """Regenerate `todo`, appending records to `partial` and failures to
-    `errors_file`; returns (new tokens, failed records)."""
+def _run_backend(cfg: dict, todo: list[Prompt], partial: Path, errors_file: Path, target, server_token=None
+                 ) -> tuple[int, int, int]:
+    """Regenerate `todo`, appending records to `partial` and failures and
+    over-long records to `errors_file`; returns (new tokens, failed records,
+    records skipped as too long)."""
     from tqdm.auto import tqdm
 
     appender, errors = JsonlAppender(partial), JsonlAppender(errors_file, mode="w")
-    failed = 0
+    failed = skipped = 0
 
     def fail(p: Prompt, reason: str) -> None:
         nonlocal failed
@@ -397,13 +460,22 @@ def _run_backend(cfg: dict, todo: list[Prompt], partial: Path, errors_file: Path
         log.warning("record %s failed: %s", p.id, reason)
         errors.write([{"id": p.id, "source": p.source, "error": reason}])
 
+    def too_long(p: Prompt, reason: str) -> None:  # skipped and counted, never a failure
+        nonlocal skipped
+        skipped += 1
+        log.info("record %s skipped: %s", p.id, reason)
+        errors.write([{"id": p.id, "source": p.source, "error": reason, "skipped": "too long"}])
+
     try:
         with tqdm(total=len(todo), desc="regenerate", unit="rec", dynamic_ncols=True) as bar:
             if not todo:
-                return 0, 0
+                return 0, 0, 0
             if cfg["regenerate"]["backend"] == "server":
-                return _regenerate_server(cfg, todo, appender.write, fail, bar), failed
-            return _regenerate_local(cfg, todo, appender.write, fail, bar, target=target), failed
+                n = _regenerate_server(cfg, todo, appender.write, fail, bar, too_long=too_long, server_token=server_token,
+                                       tokenizer=target.tokenizer if target is not None else None)
+            else:
+                n = _regenerate_local(cfg, todo, appender.write, too_long, bar, target=target)
+            return n, failed, skipped
     finally:
         appender.close()
         errors.close()
@@ -419,8 +491,10 @@ def cli_regenerate(argv) -> int:
     one = p.add_mutually_exclusive_group()
     one.add_argument("--shard", metavar="I/N", help="only shard I of N (regen_shards.py); --out defaults to regen/shards/")
     one.add_argument("--merge", nargs="+", metavar="SHARD", help="merge these shard files into --out instead")
-    p.add_argument("--wait-server-exit", metavar="PIDFILE",
-                   help="with --merge: first wait until the server process in PIDFILE has exited")
+    p.add_argument("--wait-server-exit", metavar="STATUS",
+                   help="with --merge: first wait until the server supervisor of STATUS (regen/server.json) has exited")
+    p.add_argument("--server-token", help="with regenerate.server: the token of the server this workflow run started "
+                                          "(snakemake passes it); no other server is used")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     prompts = load_train_prompts(cfg)
@@ -437,5 +511,5 @@ def cli_regenerate(argv) -> int:
         shard, shards = parse_shard(args.shard)
         prompts = shard_of(prompts, shard, shards)
         out = out or RunPaths.of(cfg).conversations_shard(shard, shards)
-    regenerate(cfg, out, prompts=prompts)
+    regenerate(cfg, out, prompts=prompts, server_token=args.server_token)
     return 0

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 from ..config import rule_settings, settings_fingerprint
 from ..errors import DeepSpecError
-from ..files import iter_jsonl, read_json, require_file, write_json_atomic, write_text_atomic
+from ..files import atomic_path, read_json, require_file, write_json_atomic
 from ..paths import RunPaths
 from .prompts import Prompt, load_train_prompts
 from ..paths import errors_path, settings_path
@@ -44,40 +44,90 @@ def shard_of(prompts: list[Prompt], shard: int, shards: int) -> list[Prompt]:
 def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optional[str | os.PathLike] = None, *,
                  prompts: Optional[list[Prompt]] = None) -> int:
     """The records of the shards' files as one conversations file `out`, in the
-    order of `prompts`; their failures likewise in the errors file beside it.
-    Every shard must come from `regenerate` under this run's settings, and every
-    prompt must be in exactly one shard's records or errors. Returns the number of records."""
+    order of `prompts`; their failures (and records skipped as too long)
+    likewise in the errors file beside it. Every shard must come from
+    `regenerate` under this run's settings, and every prompt must be in exactly
+    one shard's records or errors. Returns the number of records.
+
+    Streamed: a first pass reads each line once and keeps only where it is
+    (file, offset, length: 16 bytes per record, in numpy arrays indexed by the
+    prompt's rank); the second copies the lines, in rank order, into the output
+    files. So the memory is the prompt ids and that index, never the records
+    (1.2 M records of 5 KB: ~20 MB of index, not the ~34 GB of one joined string)."""
+    import numpy as np
+
     out = Path(out) if out else RunPaths.of(cfg).conversations()
-    prompts = load_train_prompts(cfg) if prompts is None else prompts
-    rank = {p.id: i for i, p in enumerate(prompts)}
+    ids = [p.id for p in (load_train_prompts(cfg) if prompts is None else prompts)]
+    rank = {pid: i for i, pid in enumerate(ids)}
     fp = settings_fingerprint(cfg, "regenerate")
-    recs, errs, seen = [], [], {}
+    files: list[tuple[Path, bool]] = []  # (file, holds records: True / errors: False)
+    src = np.full(len(ids), -1, dtype=np.int32)
+    off = np.zeros(len(ids), dtype=np.int64)
+    size = np.zeros(len(ids), dtype=np.int32)
+    n_recs = n_errs = 0
     for f in map(Path, shard_files):
         require_file(f, "regenerated shard")
         made = read_json(settings_path(f), default={}).get("fingerprint")
         if made != fp:
             raise DeepSpecError(f"{f} was regenerated under other settings (fingerprint {made}, this run {fp}): "
                                 "rerun its shard")
-        for name, rows in ((f, recs), (errors_path(f), errs)):
+        for name, is_rec in ((f, True), (errors_path(f), False)):
             if not name.exists():
                 continue
-            for _, where, rec in iter_jsonl(name, "regenerated shard"):
-                pid = rec.get("id") if isinstance(rec, dict) else None
-                if pid is None:
-                    raise DeepSpecError(f"{where}: not a record with an id")
-                if pid not in rank:
-                    raise DeepSpecError(f"{where}: record {pid!r} is not a training prompt of this run")
-                if pid in seen:
-                    raise DeepSpecError(f"{where}: record {pid!r} is also in {seen[pid]}")
-                seen[pid] = name
-                rows.append(rec)
-    missing = [p.id for p in prompts if p.id not in seen]
-    if missing:
-        raise DeepSpecError(f"{len(missing)} training prompts are in no shard (first: {missing[0]!r}): the shards "
+            k = len(files)
+            files.append((name, is_rec))
+            pos = 0
+            with open(name, "rb") as fh:
+                for lineno, raw in enumerate(fh, 1):
+                    where, start = f"{name}:{lineno}", pos
+                    pos += len(raw)
+                    pid = _record_id(raw, where)
+                    if pid is None:
+                        continue  # a blank line
+                    r = rank.get(pid) if isinstance(pid, str) else None
+                    if r is None:
+                        raise DeepSpecError(f"{where}: record {pid!r} is not a training prompt of this run")
+                    if src[r] >= 0:
+                        raise DeepSpecError(f"{where}: record {pid!r} is also in {files[src[r]][0]}")
+                    src[r], off[r], size[r] = k, start, len(raw)
+                    n_recs += is_rec
+                    n_errs += not is_rec
+    missing = np.flatnonzero(src < 0)
+    if len(missing):
+        raise DeepSpecError(f"{len(missing)} training prompts are in no shard (first: {ids[missing[0]]!r}): the shards "
                             f"given ({len(shard_files)}) are not all of this run's")
-    for path, rows in ((out, recs), (errors_path(out), errs)):
-        rows = sorted(rows, key=lambda r: rank[r["id"]])
-        write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    handles = [open(name, "rb") for name, _ in files]
+    try:
+        with atomic_path(out) as tmp_out, atomic_path(errors_path(out)) as tmp_err:
+            with open(tmp_out, "wb") as w_rec, open(tmp_err, "wb") as w_err:
+                for r in range(len(ids)):
+                    k = int(src[r])
+                    h = handles[k]
+                    h.seek(int(off[r]))
+                    line = h.read(int(size[r]))
+                    (w_rec if files[k][1] else w_err).write(line if line.endswith(b"\n") else line + b"\n")
+    finally:
+        for h in handles:
+            h.close()
     write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate")})
-    log.info("merged %d shards: %d records, %d failed -> %s", len(shard_files), len(recs), len(errs), out)
-    return len(recs)
+    log.info("merged %d shards: %d records, %d failed or skipped -> %s", len(shard_files), n_recs, n_errs, out)
+    return n_recs
+
+
+def _record_id(raw: bytes, where: str):
+    """The id of one JSONL line (None for a blank line); a one-line error for
+    what is not a record with an id."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DeepSpecError(f"{where}: not UTF-8 text") from None
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DeepSpecError(f"{where}: malformed JSON ({e.msg})") from None
+    pid = rec.get("id") if isinstance(rec, dict) else None
+    if pid is None:
+        raise DeepSpecError(f"{where}: not a record with an id")
+    return pid

@@ -30,7 +30,7 @@ import torch
 
 from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
-from ..config import settings_fingerprint
+from ..config import rule_settings, settings_fingerprint
 from ..files import iter_jsonl, json_safe, read_json, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from ..methods import resolve_method
@@ -147,6 +147,18 @@ class Progress:
 # How many rows decode at once: a request's records do not depend on it (fixed gamma or a static
 # threshold, each request with its own seed), so progress survives a change of these.
 ROWS_KEYS = ("batch_size", "kv_budget_gb")
+
+
+def evaluation_settings(cfg: dict) -> dict:
+    """The settings an evaluation's records and summary depend on, recorded in the
+    summary (the report checks them against its own config): the evaluate rule's
+    settings less ROWS_KEYS."""
+    return rule_settings({**cfg, "eval": {k: v for k, v in cfg["eval"].items() if k not in ROWS_KEYS}}, "evaluate")
+
+
+def baseline_settings(cfg: dict) -> dict:
+    """The settings a baseline's tokens/s depend on (the baseline rule's), recorded in its JSON."""
+    return rule_settings(cfg, "baseline")
 
 
 def progress_header(cfg: dict, method: str, drafter, benchmarks: list) -> dict:
@@ -326,7 +338,8 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
                "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
                "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine,
-               "environment": environment, **_skipped_fields(cfg, skipped), **summary}
+               "environment": environment, **_skipped_fields(cfg, skipped), **summary,
+               "settings": evaluation_settings(cfg)}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
     speedup = summary["speedup_vs_plain"]
@@ -440,7 +453,7 @@ def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bo
     summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts), **_skipped_fields(cfg, skipped),
                "sample_ids": [p.id for p, _ in prompts],
                "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
-               "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"]}
+               "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"], "settings": baseline_settings(cfg)}
     for kind, samples in runs.items():
         summary[kind] = {"tokens_per_s": _tokens_per_s(samples),
                          "total_new_tokens": sum(s["new_tokens"] for s in samples),

@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir, read_json
+from ..files import atomic_dir, check_overwrite, read_json
 from ..paths import RunPaths
 from ..provenance import SOURCE_FILE, read_record, snapshot_commit
 
@@ -363,8 +363,7 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
 
     src, out = Path(src), Path(out)
     check_out_apart(src, out)
-    if out.exists() and not overwrite:
-        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    check_overwrite(out, overwrite)  # before the work: only a deepspec output may be replaced
     ref = read_reference_config(src)
     where = str(src / "config.json")
     method, drafter_cfg = _method(ref)

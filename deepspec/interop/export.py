@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir
+from ..files import atomic_dir, check_overwrite
 from .convert import (MASK_APPENDED_FIELD, MASK_ROW_FIELD, NOT_IN_CHECKPOINT, NULL_MARKOV_FIELD, NULL_MARKOV_TENSORS,
                       check_out_apart, embed_scale, to_reference)
 
@@ -90,6 +90,14 @@ def _base_config(d) -> dict:
 
 def _refuse(what: str, why: str):
     raise DeepSpecError(f"cannot export {what}: {why}")
+
+
+def _qwen3_block_only(d, eagle3_as: str, eagle3_why: str, family_as: str, family_why: str) -> None:
+    """Refuse an Eagle3 drafter, or draft layers other than Qwen3's, for a layout of Qwen3 block drafters."""
+    if d.method == "eagle3":
+        _refuse(f"an Eagle3 drafter {eagle3_as}", eagle3_why)
+    if d.config.model_type != "qwen3":
+        _refuse(f"a {d.config.model_type} drafter {family_as}", family_why)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,12 +260,8 @@ def _null_markov_head(cfg: dict, sd: dict, d) -> None:
 def _check_for_sglang(d) -> None:
     """What SGLang's Qwen3DSparkModel cannot load, or would load wrongly, refused in one line."""
     c = d.config
-    if d.method == "eagle3":
-        _refuse("an Eagle3 drafter as deepspec for SGLang", "SGLang serves Eagle3 from the eagle3 layout "
-                "(--format eagle3, Llama layer)")
-    if c.model_type != "qwen3":
-        _refuse(f"a {c.model_type} drafter for SGLang", "SGLang's DSPARK draft class is Qwen3DSparkModel (Qwen3 "
-                "layers) only")
+    _qwen3_block_only(d, "as deepspec for SGLang", "SGLang serves Eagle3 from the eagle3 layout (--format eagle3, "
+                      "Llama layer)", "for SGLang", "SGLang's DSPARK draft class is Qwen3DSparkModel (Qwen3 layers) only")
     if c.deepspec_markov_rank == 0:
         _refuse("a DFlash drafter (markov_rank 0) for SGLang", "SGLang's DSPARK requires markov_rank > 0 and its "
                 "DFLASH runs z-lab's block (anchor = bonus token), not DeepSpec's anchor-first block")
@@ -395,12 +399,9 @@ def speculators_layout(d, target, mask_token_id=None, verifier=None):
     the vLLM deepspec export, the draft layers' config as `transformer_layer_config`,
     the algorithm fields at the top level."""
     c = d.config
-    if d.method == "eagle3":
-        _refuse("an Eagle3 drafter as speculators", "this export writes DFlash/DSpark drafters "
-                "(speculators_model_type dspark); vLLM reads Eagle3 from --format eagle3")
-    if c.model_type != "qwen3":
-        _refuse(f"a {c.model_type} drafter as speculators", "vLLM maps speculators-format DSpark to "
-                "Qwen3DSparkModel (Qwen3 draft layers) only")
+    _qwen3_block_only(d, "as speculators", "this export writes DFlash/DSpark drafters (speculators_model_type dspark); "
+                      "vLLM reads Eagle3 from --format eagle3", "as speculators",
+                      "vLLM maps speculators-format DSpark to Qwen3DSparkModel (Qwen3 draft layers) only")
     ref, sd = deepspec_layout(d, target, mask_token_id, engine="vllm")
     layer = {k: v for k, v in _base_config(d).items() if k != "architectures"}
     layer.update(num_hidden_layers=int(c.num_hidden_layers), vocab_size=int(ref["vocab_size"]))
@@ -523,8 +524,7 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         raise DeepSpecError("--verifier names the target in a speculators-format export: use --format speculators")
     if fmt == "speculators" and engine not in (None, "vllm"):
         raise DeepSpecError(f"the speculators format is read by vLLM, not {engine} (SGLang: --format deepspec --engine sglang)")
-    if out.exists() and not overwrite:
-        raise DeepSpecError(f"output {out} exists (use --overwrite)")
+    check_overwrite(out, overwrite)  # before the work: only a deepspec output may be replaced
     files = {}
     if fmt == "deepspec":
         cfg, sd = deepspec_layout(d, target, mask_token_id, engine)

@@ -64,6 +64,7 @@ from ..paths import RunPaths
 from ..data.cache import bytes_per_token, human_bytes
 from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target, text_fields
 from ..training.loop import plan_steps, step_spec
+from ..training.recipe import training_memory
 
 log = logging.getLogger(__name__)
 
@@ -228,24 +229,6 @@ def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: 
         "offline_total_bytes": bpt * data["tokens"],
         "online_target_forward_flops_per_step": online_flops_per_step,
     }
-
-
-def training_memory(cfg: dict, target_params: int, params: dict, peak_activation_bytes: int) -> dict:
-    """Bytes one training process holds on its GPU, by arithmetic: the frozen target
-    in target.dtype, the drafter's own parameters in fp32, the trainable ones'
-    fp32 gradients and AdamW's two fp32 moments (divided over the processes with
-    train.shard_optimizer), and a micro batch's peak activations at max length. Not
-    counted: online features, CUDA context, allocator slack, NCCL buffers."""
-    t = cfg["train"]
-    procs = (int(t["gpus"]) * int(t["nodes"])) if int(t["gpus"]) else int(t["processes"])
-    shards = procs if t.get("shard_optimizer") and procs > 1 else 1
-    dtype_bytes = torch.empty(0, dtype=getattr(torch, cfg["target"]["dtype"])).element_size()
-    parts = {"target_weights": target_params * dtype_bytes,
-             "drafter_weights": 4 * (params["trainable"] + params["frozen_own"]),
-             "gradients": 4 * params["trainable"],
-             "adam_moments": -(-8 * params["trainable"] // shards),
-             "activations": int(peak_activation_bytes)}
-    return {**parts, "total": sum(parts.values()), "optimizer_shards": shards}
 
 
 def checkpoint_disk(train_cfg: dict, drafter, trainable: int, total_steps: int) -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from ..core.acceptance import domain_position_table
+from ..errors import DeepSpecError
 from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
 from .provenance import collect as collect_provenance, provenance_markdown
 from ..paths import RunPaths
@@ -43,8 +44,41 @@ FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_hig
 _RUN_EVALUATE = " (run the evaluate rule first)"
 
 
-def _baseline_tps(paths: RunPaths, bench: str, which: str) -> float:
-    b = read_json(paths.baseline(bench), default={}).get(which, {})
+def _flat(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def check_settings(cfg, summary: dict, path, rule: str) -> None:
+    """Refuse, in one line, an evaluation (rule "evaluate") or baseline summary made
+    with other settings than `cfg`'s, which Table 1 and REPORT.md state: e.g. one
+    method re-evaluated with another eval.max_new_tokens. The summary records its
+    settings (evaluation.evaluate.evaluation_settings / baseline_settings); one
+    without them is checked on the temperature and max_new_tokens it records."""
+    from ..evaluation.evaluate import baseline_settings, evaluation_settings
+
+    want = evaluation_settings(cfg) if rule == "evaluate" else baseline_settings(cfg)
+    got = summary.get("settings")
+    if got is None:
+        want = {f"eval.{k}": cfg["eval"][k] for k in ("temperature", "max_new_tokens") if k in summary}
+        got = {f"eval.{k}": summary[k] for k in ("temperature", "max_new_tokens") if k in summary}
+    want, got = dict(_flat(json_safe(want))), dict(_flat(got))
+    for key in sorted(set(want) | set(got)):
+        if want.get(key, "(unset)") != got.get(key, "(unset)"):
+            raise DeepSpecError(f"{path} was made with {key} = {got.get(key, '(unset)')}, this config has "
+                                f"{want.get(key, '(unset)')}: Table 1 would mix settings; rerun it "
+                                f"(snakemake --forcerun {rule})")
+
+
+def _baseline_tps(paths: RunPaths, bench: str, which: str, cfg=None) -> float:
+    path = paths.baseline(bench)
+    summary = read_json(path, default={})
+    if cfg is not None and summary:
+        check_settings(cfg, summary, path, "baseline")
+    b = summary.get(which, {})
     return float(b.get("tokens_per_s", np.nan)) if isinstance(b, dict) else np.nan
 
 
@@ -58,9 +92,10 @@ def build_table1(cfg) -> pd.DataFrame:
     t, paths = cfg["target"]["name"], RunPaths.of(cfg)
     rows = []
     for bench, spec in cfg["data"]["benchmarks"].items():
-        plain = _baseline_tps(paths, bench, "plain")
+        plain = _baseline_tps(paths, bench, "plain", cfg)
         for method in cfg["train"]["methods"]:
             s = read_json(require_file(paths.summary(method, bench), "evaluation output", _RUN_EVALUATE))
+            check_settings(cfg, s, paths.summary(method, bench), "evaluate")
             tps = float(_nan(s.get("tokens_per_s", np.nan)))
             rows.append(dict(target=t, method=method, benchmark=bench, domain=spec["domain"],
                              n_samples=s["n_samples_with_rounds"], rounds=s["rounds"], tau=_nan(s["tau"]),
@@ -84,8 +119,26 @@ def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
     domains: dict[str, list[str]] = {}
     for bench, spec in cfg["data"]["benchmarks"].items():
         domains.setdefault(spec["domain"], []).append(bench)
-    return {m: {d: [pd.read_csv(require_file(paths.records(m, b), "evaluation output", _RUN_EVALUATE)) for b in benches] for d, benches in domains.items()}
+    return {m: {d: [read_records(paths, m, b) for b in benches] for d, benches in domains.items()}
             for m in cfg["train"]["methods"]}
+
+
+def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
+    """evaluate's per-round records of one benchmark, as many rows as its
+    summary counts rounds: records cut short or damaged would otherwise give
+    Figure 2 fewer rounds than Table 1 (read from the summary) without a word."""
+    csv = require_file(paths.records(method, bench), "evaluation output", _RUN_EVALUATE)
+    summary = paths.summary(method, bench)
+    rounds = read_json(summary, f"evaluation output not found: {summary}{_RUN_EVALUATE}").get("rounds")
+    try:
+        df = pd.read_csv(csv)
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        raise DeepSpecError(f"{csv}: unreadable per-round records ({str(e).strip().splitlines()[0]}): "
+                            "rerun evaluate") from None
+    if len(df) != rounds:
+        raise DeepSpecError(f"{csv}: {len(df)} rounds, but {summary.name} beside it counts {rounds}: "
+                            "the records are cut short or damaged (rerun evaluate)")
+    return df
 
 
 def build_fig2(cfg, gamma: int | None = None, records: dict | None = None) -> pd.DataFrame:

@@ -18,6 +18,7 @@ settings is never resumed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json, replace_dir, sha256_file, write_json_atomic, write_text_atomic
+from ..files import read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 from .state import TrainRun
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ def training_fingerprint(*parts) -> str:
 @contextlib.contextmanager
 def training_lock(out: Path, enabled: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on the output directory while training: a second
-    trainer of the same directory stops with one line instead of interleaving."""
+    trainer of the same directory stops with one line instead of interleaving.
+    Where the filesystem has no flock (Lustre mounted without it), training runs
+    without the lock, with a warning, as the token lock does (data/conversations.py)."""
     if not enabled:
         yield
         return
@@ -64,6 +67,13 @@ def training_lock(out: Path, enabled: bool = True) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DeepSpecError(f"another training run is writing {out} (lock {out / LOCK})") from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            log.warning("%s: no file locks on this filesystem (%s); training without the lock that keeps a "
+                        "second trainer of %s out", out / LOCK, e.strerror, out)
+            yield
+            return
         try:
             yield
         finally:
@@ -158,9 +168,16 @@ def save_checkpoint(run: TrainRun, step: int, elapsed: float, kind: str = "regul
     (`prune_checkpoints`). elapsed: seconds trained so far."""
     if kind not in CHECKPOINT_KINDS:
         raise ValueError(f"checkpoint kind {kind!r}")
-    acc, model, opt, sched, out = run.acc, run.model, run.opt, run.sched, run.out
-    root = out / CKPT_DIR
+    acc, root = run.acc, run.out / CKPT_DIR
     final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
+    # a failure (disk full: an OSError naming the checkpoint) leaves no .partial behind
+    with removed_on_failure(tmp if acc.is_main_process else None, final):
+        _write_checkpoint(run, step, elapsed, tmp, final, kind)
+    acc.wait_for_everyone()
+
+
+def _write_checkpoint(run: TrainRun, step: int, elapsed: float, tmp: Path, final: Path, kind: str) -> None:
+    acc, model, opt, sched, out = run.acc, run.model, run.opt, run.sched, run.out
     if acc.is_main_process:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -186,10 +203,9 @@ def save_checkpoint(run: TrainRun, step: int, elapsed: float, kind: str = "regul
     acc.wait_for_everyone()
     if acc.is_main_process:
         replace_dir(tmp, final)  # not atomic_dir: every process writes into tmp between barriers
-        write_text_atomic(root / LATEST, final.name + "\n")
-        prune_checkpoints(root, run.settings.keep_checkpoints, newest=final)
+        write_text_atomic(final.parent / LATEST, final.name + "\n")
+        prune_checkpoints(final.parent, run.settings.keep_checkpoints, newest=final)
         log.info("checkpoint %s", final)
-    acc.wait_for_everyone()
 
 
 def _own_checkpoint(ckpt: Path) -> Optional[dict]:

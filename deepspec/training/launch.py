@@ -43,19 +43,26 @@ from ..errors import DeepSpecError
 log = logging.getLogger(__name__)
 
 
-def launcher(train_cfg: dict, port: str | int | None = None) -> str:
+def launcher(train_cfg: dict, port: str | int | None = None, cpus: int | None = None) -> str:
     """The command prefix the train rule puts before `-m deepspec train ...`
     (without the CUDA_VISIBLE_DEVICES prefix, which the rule adds). `port` is
     the rendezvous port (default train.main_process_port; the rule passes
     each method its own, so that parallel trainers on one machine do not
-    collide: train_port in workflow/rules/common.smk)."""
+    collide: train_port in workflow/rules/common.smk). `cpus`: the CPUs of each
+    node's task with train.nodes > 1 (the rule's threads, resources.train.threads).
+
+    The inner srun names its task count and CPUs: run inside the executor's job
+    step (`srun -n1 --cpus-per-task=T`), it would otherwise inherit that step's
+    SLURM_NTASKS=1 and SLURM_CPUS_PER_TASK, and Slurm may then start one task on
+    one node instead of one per node."""
     gpus, procs, nodes = int(train_cfg["gpus"]), int(train_cfg["processes"]), int(train_cfg["nodes"])
     port = train_cfg["main_process_port"] if port is None else port
     if nodes > 1:
         if gpus < 1:
             raise DeepSpecError("train.nodes > 1 needs train.gpus (GPUs per node) >= 1")
-        return (f"srun --overlap --nodes {nodes} --ntasks-per-node 1 --gpus-per-node {gpus} "
-                f"python -m deepspec launch-node --gpus-per-node {gpus} --port {port} --")
+        per_task = f"--cpus-per-task {int(cpus)} " if cpus else ""
+        return (f"srun --overlap --nodes {nodes} --ntasks {nodes} --ntasks-per-node 1 {per_task}"
+                f"--gpus-per-node {gpus} python -m deepspec launch-node --gpus-per-node {gpus} --port {port} --")
     if gpus > 1:
         return f"accelerate launch --multi_gpu --num_processes {gpus} --num_machines 1 --main_process_port {port}"
     if gpus == 0 and procs > 1:
@@ -196,10 +203,64 @@ def try_claim(ids: Sequence[str], n: int, lock_dir: Path) -> Optional[tuple[list
         os.close(guard)  # closing releases the guard's lock
 
 
+# claim-gpus' default bound on waiting ($DEEPSPEC_CLAIM_TIMEOUT_S; 0 = none). Run as the docs say
+# (--resources gpu=<the machine's GPUs>), a GPU job never waits for another job of its own run, so
+# a long wait means GPUs held from outside it (an orphaned server, another run): say so, by whom.
+CLAIM_TIMEOUT_S = 4 * 3600.0
+
+
+def claim_timeout_s(env: Mapping[str, str]) -> Optional[float]:
+    """How long claim-gpus waits for free GPUs: $DEEPSPEC_CLAIM_TIMEOUT_S seconds
+    (0 = without bound), default CLAIM_TIMEOUT_S."""
+    raw = env.get("DEEPSPEC_CLAIM_TIMEOUT_S", "").strip()
+    if not raw:
+        return CLAIM_TIMEOUT_S
+    try:
+        t = float(raw)
+    except ValueError:
+        raise DeepSpecError(f"DEEPSPEC_CLAIM_TIMEOUT_S={raw!r}: a number of seconds (0 = no bound)") from None
+    if not t >= 0 or t == float("inf"):
+        raise DeepSpecError(f"DEEPSPEC_CLAIM_TIMEOUT_S={raw!r}: a number of seconds (0 = no bound)")
+    return t or None
+
+
+def lock_holders(ids: Sequence[str], lock_dir: Path) -> list[str]:
+    """"pid N (command)" of the processes that took the GPU locks of `ids` and
+    still run (from /proc/locks; empty where it does not exist)."""
+    inodes = {}
+    for gpu_id in ids:
+        try:
+            inodes[os.stat(lock_dir / _lock_name(gpu_id)).st_ino] = gpu_id
+        except OSError:
+            pass
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    pids = set()
+    for line in lines:
+        f = line.split()
+        if len(f) > 5 and f[1] == "FLOCK" and f[4].isdigit():
+            try:
+                if int(f[5].rsplit(":", 1)[1]) in inodes:
+                    pids.add(int(f[4]))
+            except (ValueError, IndexError):
+                pass
+    out = []
+    for pid in sorted(pids):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue  # gone (its children may still hold the lock)
+        out.append(f"pid {pid} ({cmd[:80]})")
+    return out
+
+
 def claim_gpus(ids: Sequence[str], n: int, lock_dir: Path, poll_s: float = 5.0,
                timeout_s: Optional[float] = None) -> tuple[list[str], list[int]]:
     """Wait until n of `ids` are free and hold them (`try_claim`); the locks last
-    as long as the returned descriptors stay open (across exec)."""
+    as long as the returned descriptors stay open (across exec). A wait longer
+    than timeout_s (None: no bound) is a one-line error naming the holders."""
     if n > len(ids):
         raise DeepSpecError(f"claim-gpus: the job needs {n} GPUs, but only {len(ids)} are visible "
                             f"({','.join(ids) or 'none'}); lower the rule's GPU count or use a larger machine")
@@ -209,9 +270,15 @@ def claim_gpus(ids: Sequence[str], n: int, lock_dir: Path, poll_s: float = 5.0,
         if got is not None:
             return got
         if timeout_s is not None and time.monotonic() - t0 >= timeout_s:
-            raise DeepSpecError(f"claim-gpus: no {n} free GPUs of {','.join(ids)} within {timeout_s:g} s (locks in {lock_dir})")
+            holders = lock_holders(ids, lock_dir)
+            raise DeepSpecError(f"claim-gpus: no {n} free GPUs of {','.join(ids)} within {timeout_s:g} s (locks in "
+                                f"{lock_dir}{'; held by ' + ', '.join(holders) if holders else ''}): stop what holds "
+                                "them, or wait longer with DEEPSPEC_CLAIM_TIMEOUT_S (0 = no bound)")
         if not said:
-            log.info("claim-gpus: waiting for %d free GPUs of %s (locks in %s)", n, ",".join(ids), lock_dir)
+            holders = lock_holders(ids, lock_dir)
+            log.info("claim-gpus: waiting for %d free GPUs of %s (locks in %s%s; at most %s)", n, ",".join(ids), lock_dir,
+                     "; held by " + ", ".join(holders) if holders else "",
+                     f"{timeout_s:g} s" if timeout_s is not None else "without bound")
             said = True
         time.sleep(poll_s)
 
@@ -220,6 +287,8 @@ def cli_claim_gpus(argv) -> int:
     p = argparse.ArgumentParser(prog="deepspec claim-gpus",
                                 description="run a command on N GPUs of this machine that no other job holds")
     p.add_argument("n", type=int, help="GPUs the command needs")
+    p.add_argument("--timeout-s", type=float, help="wait at most this long for free GPUs (default "
+                   "$DEEPSPEC_CLAIM_TIMEOUT_S, else 4 h; 0 = no bound)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the command")
     a = p.parse_args(argv)
     cmd = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -227,7 +296,8 @@ def cli_claim_gpus(argv) -> int:
         raise DeepSpecError("claim-gpus: no command after --")
     ids, lock_dir = gpu_pool(os.environ)
     if a.n > 0 and ids:
-        claimed, fds = claim_gpus(ids, a.n, lock_dir)
+        timeout = claim_timeout_s(os.environ) if a.timeout_s is None else (a.timeout_s or None)
+        claimed, fds = claim_gpus(ids, a.n, lock_dir, timeout_s=timeout)
         for fd in fds:
             os.set_inheritable(fd, True)  # the command holds the locks until it exits
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(claimed)

@@ -62,6 +62,7 @@ import torch
 from ..config import EXECUTION_KEYS, rule_settings
 from ..core.losses import LossWeights
 from ..core.train_step import StepSpec
+from ..data.cache import bytes_per_token, human_bytes
 from ..errors import DeepSpecError
 from ..files import atomic_dir, write_json_atomic
 from ..paths import RunPaths
@@ -70,10 +71,12 @@ from .launch import direct_command, free_port
 from .recipe import (
     StepSampler,
     accumulation_steps,
+    data_order_bytes,
     make_optimizer,
     micro_seed,
     plan_steps,
     split_batch,
+    training_memory,
 )
 from .checkpoints import (
     CKPT_DIR,
@@ -415,6 +418,60 @@ def step_spec(cfg: dict) -> StepSpec:
                     chunk_positions=int(cfg["train"]["chunk_positions"]))
 
 
+def machine_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what) of the memory a training process on `device` may use: the
+    GPU's, else the machine's physical memory or its cgroup limit, the smaller."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"GPU {device}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total, "this machine"
+
+
+# the largest part of a step's memory: what it is, and what makes it smaller
+_MEMORY_PARTS = {
+    "data_order": ("the data order of a global batch", "lower train.global_batch"),
+    "activations": ("a micro batch's cached features at data.max_length", "lower train.micro_batch or data.max_length"),
+    "adam_moments": ("AdamW's moments", "a smaller drafter (drafter.num_layers, drafter.draft_vocab_size)"),
+    "gradients": ("the gradients", "a smaller drafter (drafter.num_layers, drafter.draft_vocab_size)"),
+    "drafter_weights": ("the drafter's weights", "a smaller drafter (drafter.num_layers, drafter.draft_vocab_size)"),
+    "target_weights": ("the target's weights", "target.dtype bfloat16, or a machine with more memory"),
+}
+
+
+def check_step_memory(cfg: dict, drafter, target, num_samples: int, device: torch.device) -> dict:
+    """Refuse, in one line, a run whose training step cannot fit in memory, before
+    anything is trained (a too large batch would otherwise grow until the kernel's
+    OOM killer ends it, and other jobs with it). The plan's arithmetic
+    (`recipe.training_memory`), with a micro batch's cached features at
+    data.max_length standing in for the activations the plan measures on meta (so
+    a lower bound), plus the data order (`recipe.data_order_bytes`); on CPU the
+    train.processes processes share the machine. Returns the parts (bytes)."""
+    t = cfg["train"]
+    shared = {id(p) for m in (target.embed_tokens, target.lm_head) for p in m.parameters()}
+    own = [p for p in drafter.parameters() if id(p) not in shared]
+    params = {"trainable": sum(p.numel() for p in own if p.requires_grad),
+              "frozen_own": sum(p.numel() for p in own if not p.requires_grad)}
+    features = int(t["micro_batch"]) * int(cfg["data"]["max_length"]) * bytes_per_token(
+        len(cfg["target"]["feature_layers"]), target.hidden_size, cfg["cache"]["dtype"])
+    mem = training_memory(cfg, sum(p.numel() for p in target.model.parameters()), params, features)
+    parts = {k: mem[k] for k in _MEMORY_PARTS if k in mem}
+    parts["data_order"] = data_order_bytes(num_samples, t["global_batch"])
+    procs = int(t["processes"]) if device.type == "cpu" else 1
+    need = procs * sum(parts.values())
+    have, where = machine_memory(device)
+    if need > have:
+        big = max(parts, key=parts.get)
+        what, fix = _MEMORY_PARTS[big]
+        raise DeepSpecError(f"a training step needs at least {human_bytes(need)}{f' ({procs} processes)' if procs > 1 else ''}"
+                            f" but {where} has {human_bytes(have)}: {human_bytes(procs * parts[big])} of it {what}; {fix}")
+    return parts
+
+
 def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool] = None) -> TrainResult:
     """Load the target, build the dataset and drafter, train (the CLI's body).
 
@@ -434,6 +491,7 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     counts = token_counts(dataset, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
     torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
     drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
+    check_step_memory(cfg, drafter, target, len(dataset), process_device(device))
     spec = step_spec(cfg)
 
     def step_fn(model, batch, generator, log_step=True):

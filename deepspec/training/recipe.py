@@ -1,8 +1,9 @@
 """The paper's training recipe as arithmetic (paper Sec. 4.1), for the train
 rule's loop (`deepspec.training.loop`): steps per epoch and in total, the
 warmup + cosine learning rate, AdamW, the global batch split over processes and
-micro batches, the deterministic data order, and the per-micro-batch seeds that
-make N processes follow the same trajectory as one. torch is imported where it
+micro batches, the deterministic data order, the per-micro-batch seeds that
+make N processes follow the same trajectory as one, and the memory a step holds
+(`training_memory`, also the plan's). torch is imported where it
 is used, so that the plan-time checks (planning/preflight.py) can use the
 arithmetic without it.
 """
@@ -139,3 +140,34 @@ def accumulation_steps(train_cfg: dict, world: int) -> int:
             f"train.global_batch ({g}) must be a multiple of train.micro_batch ({m}) x processes ({world})"
         )
     return g // (world * m)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def training_memory(cfg: dict, target_params: int, params: dict, peak_activation_bytes: int) -> dict:
+    """Bytes one training process holds on its GPU, by arithmetic: the frozen target
+    in target.dtype, the drafter's own parameters in fp32, the trainable ones'
+    fp32 gradients and AdamW's two fp32 moments (divided over the processes with
+    train.shard_optimizer), and a micro batch's peak activations at max length. Not
+    counted: online features, CUDA context, allocator slack, NCCL buffers."""
+    import torch
+
+    t = cfg["train"]
+    procs = (int(t["gpus"]) * int(t["nodes"])) if int(t["gpus"]) else int(t["processes"])
+    shards = procs if t.get("shard_optimizer") and procs > 1 else 1
+    dtype_bytes = torch.empty(0, dtype=getattr(torch, cfg["target"]["dtype"])).element_size()
+    parts = {"target_weights": target_params * dtype_bytes,
+             "drafter_weights": 4 * (params["trainable"] + params["frozen_own"]),
+             "gradients": 4 * params["trainable"],
+             "adam_moments": -(-8 * params["trainable"] // shards),
+             "activations": int(peak_activation_bytes)}
+    return {**parts, "total": sum(parts.values()), "optimizer_shards": shards}
+
+
+def data_order_bytes(num_samples: int, global_batch: int) -> int:
+    """`StepSampler`'s memory: an epoch's order (ceil(global_batch / N)
+    permutations of N int64) and one step's indices as a Python list (a pointer
+    and an int object each)."""
+    n, g = int(num_samples), int(global_batch)
+    return 8 * max(1, math.ceil(g / max(n, 1))) * n + 40 * g

@@ -1,7 +1,6 @@
 """Shared by the vLLM loader tests (test_engine_loaders.py, test_speculators.py): a tiny
 Qwen3 target vLLM's CPU attention accepts (head_dim 32) saved as a HF directory, random
 drafters for it, and deepspec/interop/vllm_loadcheck.py run with the vLLM python."""
-import copy
 import json
 import subprocess
 from pathlib import Path
@@ -9,9 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from deepspec.drafters import build_drafter, freeze_mask_embedding
 from deepspec.interop import convert
-from helpers import randomize
+from helpers import random_drafter
 
 REPO = Path(__file__).resolve().parents[2]
 LOADCHECK = REPO / "deepspec" / "interop" / "vllm_loadcheck.py"
@@ -32,13 +30,7 @@ def vllm_target(where: Path, arch: str = "qwen3"):
 
 
 def drafter(method, target, cfg, **settings):
-    c = copy.deepcopy(cfg)
-    c["drafter"].update(settings)
-    c["drafter"]["num_layers"] = {"eagle3": 1, "dflash": 2, "dspark": 2}
-    torch.manual_seed(0)
-    d = randomize(build_drafter(method, target, c).eval())
-    freeze_mask_embedding(d, target, init=True)
-    return d
+    return random_drafter(method, target, cfg, **settings)[0]
 
 
 def run_loadcheck(python: str, cases: list, where: Path) -> dict:

@@ -19,6 +19,7 @@ rule build_cache:
     threads: res("build_cache", "threads", 2)
     resources:
         mem_mb=res("build_cache", "mem_mb", 6000),
+        cpus_per_task=res("build_cache", "threads", 2),
         runtime=res("build_cache", "runtime", 60),
         gpu=res("build_cache", "gpu", 0),
     shell:

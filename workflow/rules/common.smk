@@ -13,6 +13,7 @@
 import json
 import re
 import shlex
+import uuid
 import zlib
 
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
@@ -25,6 +26,7 @@ from deepspec.planning.preflight import preflight
 from deepspec.data.sources import check_sources, needed_files
 from deepspec.data.prompts import data_root, speed_benchmarks
 from deepspec.interop.engine_env import vllm_command
+from deepspec.data.server_run import fill_command
 from deepspec.fetch import hub_datasets, released_hub, snapshot_name
 from deepspec.provenance import SOURCE_FILE
 
@@ -89,8 +91,13 @@ def settings(rule):
 
 
 def res(rule, key, default):
-    """Per-rule scheduler resources from the preset (resources.<rule>.<key>)."""
+    """Per-rule scheduler resources from the preset (resources.<rule>.<key>).
+    A rule's threads (resources.<rule>.threads) are also its resources'
+    cpus_per_task: Snakemake caps `threads` at the --cores of the machine it runs
+    on, even for SLURM jobs, while the SLURM executor asks for cpus_per_task as
+    it is (profiles/slurm)."""
     return CFG["resources"].get(rule, {}).get(key, default)
+
 
 
 # gpu_env(n) (deepspec/training/launch.py): the prefix of a GPU rule's command that
@@ -151,6 +158,7 @@ REGENERATION_DONE = [PATHS.conversations()] if REGEN_SERVER and _TRAINED else []
 EVAL_GPUS = int(CFG["eval"]["gpus"])
 EVAL_ENV = gpu_env(min(EVAL_GPUS, 1))
 EVAL_RESOURCES = dict(
+    cpus_per_task=res("evaluate", "threads", 2),
     mem_mb=res("evaluate", "mem_mb", 4000),
     runtime=res("evaluate", "runtime", 120),
     gpu=res("evaluate", "gpu", EVAL_GPUS),

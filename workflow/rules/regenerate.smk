@@ -13,13 +13,14 @@
 #
 # With regenerate.server set, the DAG starts the server itself: the rule
 # regenerate_server runs its command line as a Snakemake service job (output
-# marked service(); `exec`, so Snakemake's SIGTERM reaches the server) in the
+# marked service(); `exec` run-server, so Snakemake's signals reach it) in the
 # group "regenerate" with the shards that consume it, so on SLURM they are one
 # job on one node (the shards reach it at 127.0.0.1) and locally they run side
-# by side. Each shard first waits for the server's /v1/models
-# (server.health_timeout_s). Snakemake terminates the service once every shard
-# is done; the merge, outside the group, then waits for the server process to
-# be gone (regen/server.pid), and baseline/evaluate wait for the merge
+# by side. Each shard first waits for this run's server to be ready
+# (server.health_timeout_s; at once an error when it failed). Snakemake terminates
+# the service once every shard is done; the merge, outside the group, then waits
+# for the server's supervisor (and so its process group) to be gone
+# (regen/server.json), and baseline/evaluate wait for the merge
 # (REGENERATION_DONE, common.smk), so no GPU job shares GPUs with a running server.
 # Snakemake docs: service rules and group-local service jobs,
 # https://snakemake.readthedocs.io/en/stable/snakefiles/rules.html#service-rules-jobs ;
@@ -41,14 +42,26 @@ if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
                         f"{CFG['regenerate']['backend']!r}: set regenerate.backend=server (or regenerate.server=null)")
 
 # The server rule exists only when there is a server to start (regenerate.server);
-# the shards then take its service as an input (regen_server_input).
+# the shards then take its service as an input (regen_server_input). The server
+# runs under `python -m deepspec run-server` (deepspec/data/server_run.py): it
+# checks the command's program and the port (regenerate.server.port null: one
+# chosen when it starts), claims the server's GPUs, starts the command in a
+# process group of its own, reports its state in regen/server.json under this
+# run's token, and stops the whole group when Snakemake terminates it, when the
+# snakemake that started it is gone, or (a watchdog) when it is SIGKILLed. Each
+# shard gets the same token (--server-token) and sends requests only to the
+# server that reports it ready; one that failed, stopped or is gone fails the
+# shard in one line, at once.
+REGEN_TOKEN = uuid.uuid4().hex[:16]  # this snakemake's run (a SLURM group job's inner snakemake: its own)
 if REGEN_SERVER:
     _srv = REGEN_SERVER
+    _host = _srv["host"] or "127.0.0.1"
     try:
-        SERVER_COMMAND = _srv["command"].format(
+        SERVER_COMMAND = fill_command(
+            _srv["command"],
             model=shlex.quote(str(PATHS.target_checkpoint())),
-            port=_srv["port"],
-            host=_srv["host"] or "127.0.0.1",
+            port=_srv["port"],  # None: chosen by run-server, which fills in {port}
+            host=_host,
             name=shlex.quote(CFG["regenerate"]["model_name"] or CFG["target"]["spec"]),
         )
     except (KeyError, IndexError, ValueError) as e:
@@ -56,8 +69,9 @@ if REGEN_SERVER:
                             "{port}, {host}, {name}; write literal braces as {{ and }})")
     if SERVER_COMMAND.split()[:1] == ["vllm"]:  # vLLM in this environment or its own (deepspec/interop/engine_env.py)
         try:
-            SERVER_COMMAND = vllm_command(CFG["serve"]["vllm_python"]) + SERVER_COMMAND[len("vllm"):]
-        except DeepSpecError as e:  # planned anyway (a dry run of a GPU preset on a laptop); the server job fails
+            _vllm = vllm_command(CFG["serve"]["vllm_python"])
+            SERVER_COMMAND = (_vllm if _srv["port"] else _vllm.replace("{", "{{").replace("}", "}}")) + SERVER_COMMAND[len("vllm"):]
+        except DeepSpecError as e:  # planned anyway (a dry run of a GPU preset on a laptop); run-server fails at once
             logger.warning(f"the regeneration server runs vLLM: {e}")
 
     rule regenerate_server:
@@ -68,22 +82,24 @@ if REGEN_SERVER:
         log:
             PATHS.log("regenerate_server"),
         params:
-            command=SERVER_COMMAND,
-            env=gpu_env(int(_srv["gpus"])),
-            pid=PATHS.server_pid(),
+            command=lambda wc: SERVER_COMMAND,  # a function: {port} is not a wildcard
+            status=PATHS.server_status(),
+            host=_host,
+            port=_srv["port"] or "auto",
+            gpus=int(_srv["gpus"]),
         group:
             "regenerate"
         threads: int(_srv["threads"])
         resources:
             mem_mb=int(_srv["mem_mb"]),
+            cpus_per_task=int(_srv["threads"]),
             runtime=res("regenerate", "runtime", 60),
             gpu=int(_srv["gpus"]),
         shell:
-            # $$ is this shell, which exec turns into the server
-            'echo "$(hostname) $$" > {params.pid:q}; touch {output:q}; '
-            # exec: claim-gpus (when it holds GPUs) and then the server replace this
-            # shell, so Snakemake's SIGTERM reaches the server
-            "exec {params.env}{params.command} > {log:q} 2>&1"
+            # exec: run-server replaces this shell, so Snakemake's SIGTERM (the shards
+            # are done) and SIGKILL (a shard failed) reach it
+            "touch {output:q}; exec python -m deepspec run-server --status {params.status:q} --token {REGEN_TOKEN} "
+            "--host {params.host:q} --port {params.port} --gpus {params.gpus} --log {log:q} {params.command:q} > {log:q} 2>&1"
 
 
 def regen_server_input(wc):
@@ -113,10 +129,12 @@ rule regenerate_shard:
     priority: 1
     resources:
         **REGEN_RESOURCES,
+        cpus_per_task=0 if REGEN_SERVER else res("regenerate", "threads", 2),
     shell:
         # the same command text for a given N (a changed text would rerun finished shards: the code trigger)
         "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
-        "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + " --out {output:q} > {log:q} 2>&1"
+        "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + (" --server-token {REGEN_TOKEN}" if REGEN_SERVER else "")
+        + " --out {output:q} > {log:q} 2>&1"
 
 
 rule regenerate:
@@ -129,8 +147,12 @@ rule regenerate:
         PATHS.log("regenerate"),
     params:
         settings=settings("regenerate"),
-        wait=f"--wait-server-exit {shlex.quote(str(PATHS.server_pid()))}" if REGEN_SERVER else "",
+        wait=f"--wait-server-exit {shlex.quote(str(PATHS.server_status()))}" if REGEN_SERVER else "",
     threads: 1
     priority: 1
+    # a streamed merge (deepspec/data/shards.py): the prompt ids and 16 bytes per record, never the records
+    resources:
+        mem_mb=res("regenerate_merge", "mem_mb", 8000),
+        runtime=res("regenerate_merge", "runtime", 120),
     shell:
         "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} {params.wait} --out {output:q} > {log:q} 2>&1"

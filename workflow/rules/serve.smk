@@ -22,7 +22,7 @@ rule serve_check:
         env=EVAL_ENV,
     threads: res("serve_check", "threads", 2)
     resources:
-        **EVAL_RESOURCES,
+        **dict(EVAL_RESOURCES, cpus_per_task=res("serve_check", "threads", 2)),
     shell:
         "OMP_NUM_THREADS={threads} {params.env}python -m deepspec serve-check {CONFIG_ARGS} "
         "--method {wildcards.method} --out {output:q} --allow-fail > {log:q} 2>&1"

@@ -38,7 +38,7 @@ rule throughput:
         sts=sts_arg,
     threads: res("throughput", "threads", 2)
     resources:
-        **EVAL_RESOURCES,
+        **dict(EVAL_RESOURCES, cpus_per_task=res("throughput", "threads", 2)),
     shell:
         "OMP_NUM_THREADS={threads} {params.env}python -m deepspec throughput {CONFIG_ARGS} "
         "--method {THROUGHPUT_METHOD} {params.sts} --out {output.csv:q} > {log:q} 2>&1"

@@ -6,7 +6,7 @@
 # GPU), or train.processes > 1 on CPU, and with train.nodes > 1 one accelerate
 # per node of the SLURM allocation (deepspec/training/launch.py). An
 # interrupted job resumes from its newest intact checkpoint when rerun; SIGTERM
-# (SLURM's warning before the time limit, workflow/profiles/slurm) makes it
+# (SLURM's warning before the time limit, profiles/slurm) makes it
 # write a checkpoint and stop first.
 TRAIN_GPUS = int(CFG["train"]["gpus"])
 TRAIN_NODES = int(CFG["train"]["nodes"])
@@ -41,7 +41,7 @@ rule train:
         settings=settings("train"),
         out=lambda wc, output: Path(output.drafter).parent,
         # each method its own rendezvous port (train_port, common.smk)
-        launcher=lambda wc: TRAIN_GPU_ENV + train_launcher(CFG["train"], train_port(wc)),
+        launcher=lambda wc: TRAIN_GPU_ENV + train_launcher(CFG["train"], train_port(wc), res("train", "threads", 2)),
     threads: res("train", "threads", 2)
     # every drafter trains before any evaluation starts: on 2 cores the three
     # evaluations then share both lanes instead of one lane running a drafter's
@@ -50,9 +50,14 @@ rule train:
     priority: train_priority
     resources:
         mem_mb=res("train", "mem_mb", 16000),
+        cpus_per_task=res("train", "threads", 2),
         runtime=res("train", "runtime", 600),
         gpu=TRAIN_JOB_GPUS,
         nodes=res("train", "nodes", TRAIN_NODES),
     shell:
-        "{TRAIN_ENV}{params.launcher} -m deepspec train {CONFIG_ARGS} "
+        # exec: the launcher (claim-gpus, accelerate, torchrun, srun or python itself)
+        # replaces this shell, so a SIGTERM to the job (SLURM's warning ahead of the time
+        # limit, Snakemake stopping it) reaches it: bash would die at once and leave the
+        # trainers to be killed before their checkpoint
+        "exec env {TRAIN_ENV}{params.launcher} -m deepspec train {CONFIG_ARGS} "
         "--method {wildcards.method} --out {params.out:q} > {log:q} 2>&1"
