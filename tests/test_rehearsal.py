@@ -36,7 +36,7 @@ ALLOWED = {
     "data.max_length", "regenerate.max_new_tokens", "train.epochs", "train.global_batch",
     "train.num_anchors", "eval.max_new_tokens", "eval.speed_benchmarks",
     # the regeneration server: deepspec serve on CPU in place of vLLM on 8 GPUs
-    *(f"regenerate.server.{k}" for k in ("command", "gpus", "port", "threads", "mem_mb")),
+    *(f"regenerate.server.{k}" for k in ("command", "gpus", "threads", "mem_mb")),
     # CPU: two training processes, no GPUs, small scheduler resources
     "train.gpus", "train.processes", "eval.gpus", *(f"resources.{r}.{k}" for r, ks in {
         "regenerate": ("threads", "mem_mb", "runtime"), "build_cache": ("gpu", "mem_mb", "runtime"),

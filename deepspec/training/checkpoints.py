@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
+from ..files import OUTPUT_MARKER, read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 from .state import TrainRun
 
 log = logging.getLogger(__name__)
@@ -240,8 +240,9 @@ def checkpoints_to_prune(states: list[tuple[Path, dict]], keep: Optional[int], n
 
 def prune_checkpoints(root: Path, keep: Optional[int], newest: Path) -> list[Path]:
     """Delete the checkpoints `checkpoints_to_prune` names under `root` (only
-    the files each one's trainer state lists, then the trainer state, then the
-    directory if nothing else is in it: files we did not write stay). Returns
+    the files each one's trainer state lists, then the trainer state and the
+    output marker, then the directory if nothing else is in it: files we did
+    not write stay). Returns
     the pruned directories."""
     states = [(c, st) for c in checkpoints_newest_first(root.parent) if (st := _own_checkpoint(c)) is not None]
     pruned = checkpoints_to_prune(states, keep, Path(newest))
@@ -251,6 +252,7 @@ def prune_checkpoints(root: Path, keep: Optional[int], newest: Path) -> list[Pat
             if "/" not in name and name not in ("", ".", ".."):
                 (ckpt / name).unlink(missing_ok=True)
         (ckpt / TRAINER_STATE).unlink(missing_ok=True)
+        (ckpt / OUTPUT_MARKER).unlink(missing_ok=True)  # replace_dir's mark of our directory
         try:
             ckpt.rmdir()
         except OSError:
