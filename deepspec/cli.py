@@ -18,6 +18,7 @@ from .errors import DeepSpecError
 COMMANDS = {
     "show-config": ("deepspec.config:cli_show_config", "print a preset with defaults filled in, after validation"),
     "prepare-data": ("deepspec.data.sources:cli_prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
+    "fetch-hub": ("deepspec.fetch:cli_fetch_hub", "fetch a hub dataset or checkpoint at a pinned revision (the DAG's fetch rules)"),
     "prepare-target": ("deepspec.targets.loading:cli_prepare_target", "convert or download a target into a plain HF checkpoint"),
     "regenerate": ("deepspec.data.regenerate:cli_regenerate", "answer training prompts with the target itself"),
     "run-server": ("deepspec.interop.server_run:cli_run_server", "run the regeneration server of one workflow run: its own process group, a checked port, a status for the shards"),

@@ -7,6 +7,7 @@ patterns), then passes `{output}` to the commands. R = results_dir, T = target n
 
   resources/targets/T/                 prepared target checkpoint   (prepare_target)
   resources/drafters/T/<name>/         converted released drafters  (convert)
+  resources/hub/{datasets,models}/<owner>--<name>@<revision>/  hub snapshots at pinned revisions (fetch_dataset, fetch_released)
   R/T/plan.json                        the run's cost estimate      (python -m deepspec plan)
   R/T/regen/conversations.jsonl        regenerated answers          (regenerate: the merged shards)
   R/T/regen/shards/conversations.I-of-N.jsonl  shard I of regenerate.shards = N  (regenerate_shard)
@@ -55,6 +56,11 @@ class RunPaths:
     # -- resources
     def target_checkpoint(self) -> Path:
         return target_dir(self.resources, self.target)
+
+    def hub_snapshot(self, kind: str, name: str) -> Path:
+        """A hub repository at a revision (deepspec/fetch.py): kind datasets or models,
+        name <owner>--<name>@<revision>."""
+        return Path(self.resources) / "hub" / kind / name
 
     def converted_drafters(self) -> Path:
         return Path(self.resources) / "drafters" / self.target

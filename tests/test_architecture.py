@@ -17,7 +17,7 @@ LAYERS = [
     ("errors",),
     ("core",),
     ("drafters", "architectures"),
-    ("paths", "files", "runtime", "methods", "config", "provenance", "checkout"),
+    ("paths", "files", "runtime", "methods", "config", "provenance", "checkout", "fetch"),
     ("targets",),
     ("data",),
     ("training",),

@@ -275,3 +275,19 @@ def test_progress_survives_a_change_of_rows_and_keeps_each_prompts_own_record(ti
     again = E.Progress(path, header(batch_size=3))
     assert again.get("gsm8k", 0, "gsm8k-a")["rows"] == [{"round": 0}]
     assert again.get("gsm8k", 0, "gsm8k-b") is None and again.get("gsm8k", 1, "gsm8k-a") is None
+
+
+def test_eval_dtype_reaches_the_target_and_the_drafter(setup, shared_data, tmp_path):
+    """eval.dtype (the paper presets: bfloat16, as DeepSeek's reference evaluates its
+    released bf16 checkpoints) is the dtype evaluate runs the target and the fp32-saved
+    drafter in: bfloat16 on CPU decodes end to end and the summary's environment
+    (measured from the loaded models' parameters) says so; the default stays float32."""
+    from deepspec.config import load_config
+
+    ev, args = setup
+    run = args + ["--method", "dspark", "--benchmark", "gsm8k"]
+    assert cli_evaluate(run + ["--set", "eval.dtype=bfloat16", "--out-dir", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "gsm8k.json").read_text())
+    assert s["environment"]["target_dtype"] == s["environment"]["drafter_dtype"] == "bfloat16"
+    assert s["rounds"] > 0 and 1 <= s["tau"] <= 8
+    assert load_config("tiny")["eval"]["dtype"] == "float32" and load_config("qwen3-14b")["eval"]["dtype"] == "bfloat16"

@@ -188,3 +188,81 @@ def test_meta_target_eos_ids_are_normalised_as_a_loaded_targets():
     facts, _ = S.load_facts(cfg)
     target = S.meta_target(cfg, dict(facts, eos_token_id=[151645, 151643, 151645]))
     assert target.eos_token_ids == (151643, 151645)
+
+
+def test_checkpoint_disk_is_one_checkpoint_times_the_number_kept():
+    """Qwen3-14B-sized DSpark (1.86 G trainable fp32 parameters): one checkpoint is
+    the fp32 drafter plus AdamW's two fp32 moments, 12 B per trainable parameter,
+    ~22 GB; the paper presets keep 2 regular checkpoints and the newest hourly
+    one, not the ~137 hourly ones of a 14B run (6.6 TB)."""
+    cfg = load_config("qwen3-14b", {})
+    t = cfg["train"]
+    assert t["keep_checkpoints"] == 2 and t["checkpoint_minutes"] == 60
+
+    class Drafter:  # the state dict of a 1.86 G-parameter drafter (bf16 on meta, as plan builds it) + an int64 map
+        def state_dict(self):
+            return {"w": torch.empty(1_860_000_000, dtype=torch.bfloat16, device="meta"),
+                    "d2t": torch.empty(151_936, dtype=torch.int64, device="meta")}
+
+    c = P.checkpoint_disk(t, Drafter(), 1_860_000_000, total_steps=24_120)
+    each = 4 * 1_860_000_000 + 8 * 151_936 + 8 * 1_860_000_000
+    assert c["bytes_each"] == each and c["regular_checkpoints"] == 9  # 8 x 3000 steps, and the last one
+    assert (c["kept_regular"], c["kept_timed"], c["kept"]) == (2, 1, 3)
+    assert c["bytes_kept"] == 3 * each and c["bytes_peak"] == 4 * each
+    every = P.checkpoint_disk(dict(t, keep_checkpoints=None, checkpoint_minutes=None), Drafter(), 1_860_000_000, 24_120)
+    assert every["kept"] == 9 and every["bytes_kept"] == 9 * each
+
+
+def test_plan_predicts_the_checkpoint_a_training_run_writes(tmp_path, tiny_cfg, tiny_target, monkeypatch, shared_data,
+                                                            capsys):
+    """`plan`'s size of one checkpoint is what `train` writes (within 2 %: RNG
+    states, scheduler, log and serialisation headers are not counted), and it
+    prints the disk the kept checkpoints take."""
+    from deepspec.config import parse_set
+    from deepspec.training import loop as T
+    from helpers import write_conversations
+
+    monkeypatch.setattr("deepspec.targets.loading.target_from_config", lambda cfg, **k: tiny_target)
+    write_conversations(tmp_path / "results" / "tiny" / "regen" / "conversations.jsonl")
+    sets = [f"resources_dir={tiny_cfg['resources_dir']}", f"data.root={tiny_cfg['data']['root']}",
+            f"results_dir={tmp_path / 'results'}", "cache.mode=online", "train.global_batch=2", "train.max_steps=1"]
+    assert T.cli_train(["--preset", "tiny", "--method", "dspark", *[x for kv in sets for x in ("--set", kv)]]) == 0
+    ckpt = tmp_path / "results" / "tiny" / "drafters" / "dspark" / "checkpoints" / "step_1"
+    written = sum(f.stat().st_size for f in ckpt.iterdir())
+    cfg = load_config("tiny", parse_set(sets + ["plan.train_prompts=8"]))
+    plan = P.build_plan(cfg, P.hardware(cfg), offline=True, methods=["dspark"])
+    c = plan["training"]["methods"]["dspark"]["checkpoints"]
+    assert abs(c["bytes_each"] - written) <= 0.02 * written, (c, written)
+    assert c["kept"] == 1 and c["bytes_kept"] == c["bytes_each"]
+    assert "dspark: checkpoints on disk" in P.format_plan(plan)
+
+
+def test_kv_bytes_per_token_by_hand():
+    """layers x K/V heads x head_dim x 2 (keys, values) x dtype bytes; Gemma4's
+    full-attention layers with their own heads and width."""
+    kv = {n: P.kv_bytes_per_token(S.load_facts(load_config(n, {}))[0], "bfloat16") for n in PAPER}
+    assert kv["qwen3-4b"] == kv["qwen3-8b"] == 36 * 8 * 128 * 2 * 2 == 147_456
+    assert kv["qwen3-14b"] == 40 * 8 * 128 * 2 * 2 == 163_840
+    assert kv["gemma4-12b"] == (40 * 8 * 256 + 8 * 1 * 512) * 2 * 2 == 344_064
+    assert P.kv_bytes_per_token(S.load_facts(load_config("qwen3-4b", {}))[0], "float32") == 2 * 147_456
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_presets_kv_budget_fits_their_gpu(name):
+    """Every paper preset sets eval.kv_budget_gb (without it 32 rows padded to the
+    longest request need 113-263 GiB of KV cache): the target's and the largest
+    drafter's (DSpark's) weights at eval.dtype, the budget and the reserve fit in
+    plan.gpu_memory_gib, and the budget holds at least one row of the longest
+    request (prompt data.max_prompt_tokens + eval.max_new_tokens)."""
+    cfg = load_config(name, {})
+    assert cfg["eval"]["kv_budget_gb"] is not None and cfg["eval"]["dtype"] == "bfloat16"
+    facts, _ = S.load_facts(cfg)
+    target = S.meta_target(cfg, facts)
+    drafter, _ = P.build_meta_drafter("dspark", target, cfg)
+    own = P.param_counts(drafter, target)
+    m = P.eval_memory(cfg, sum(p.numel() for p in target.model.parameters()), own["trainable"] + own["frozen_own"],
+                      P.kv_bytes_per_token(facts, cfg["eval"]["dtype"]))
+    assert m["fits"] and m["total"] <= cfg["plan"]["gpu_memory_gib"] <= 80, m
+    assert m["kv_cache"] >= m["longest_row_gib"], m
+    unbounded = P.eval_memory(dict(cfg, eval=dict(cfg["eval"], kv_budget_gb=None)), 0, 0, m["kv_bytes_per_token"])
+    assert unbounded["kv_cache"] > cfg["plan"]["gpu_memory_gib"]  # what NR9 was: 32 longest rows do not fit

@@ -27,7 +27,7 @@ from helpers import copy_workflow, snakemake  # noqa: E402
 ALLOWED = {
     # the target: a tiny random one with the SmolLM2 tokenizer, float32 on CPU
     "preset", "description", "target.name", "target.spec", "target.feature_layers", "target.dtype",
-    "target.device", "drafter.mask_token_id",
+    "target.device", "drafter.mask_token_id", "eval.dtype",
     # local prompt files in place of Open-PerfectBlend (hub), a few prompts each; plan counts them
     "data.train", *(f"data.benchmarks.{b}.cap" for b in ("gsm8k", "math500", "aime25", "mbpp", "humaneval",
                                                          "livecodebench", "mt-bench", "alpaca", "arena-hard")),

@@ -462,15 +462,57 @@ def test_sigterm_checkpoints_stops_and_resumes_bit_identical(tmp_path):
 
 def test_checkpoint_minutes_writes_timed_checkpoints(tmp_path, monkeypatch):
     """train.checkpoint_minutes: a checkpoint whenever that much training time has
-    passed since the last one, whatever checkpoint_every says."""
+    passed since the last one, whatever checkpoint_every says; each is deleted
+    once a newer one is written (they exist only to resume)."""
     clock = iter(range(0, 10_000, 50))  # every reading of the clock is 50 s later
     monkeypatch.setattr(T.time, "monotonic", lambda: float(next(clock)))
+    written = []
+    save = T.save_checkpoint
+    monkeypatch.setattr(T, "save_checkpoint", lambda run, step, elapsed, kind: written.append((step, kind))
+                        or save(run, step, elapsed, kind))
     out = tmp_path / "timed"
     T.train(toy_model(), toy_dataset(), make_step_fn(False), train_cfg(checkpoint_every=1000, checkpoint_minutes=1.5),
             out, collate_fn=collate)
     # the clock moves 50 s per reading, one reading per step and one per checkpoint: 90 s pass every 2 steps
-    steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
-    assert steps == [2, 4, 6]
+    assert written == [(2, "time"), (4, "time"), (6, "regular")]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_6"]
+
+
+def test_checkpoints_are_pruned_to_a_bounded_number(tmp_path, monkeypatch):
+    """Paper presets checkpoint every hour (0.9-6.6 TB unpruned): time and SIGTERM
+    checkpoints go once a newer one is written, regular ones beyond the newest
+    train.keep_checkpoints go, the newest (resumable) one always stays, and only
+    the files a checkpoint lists as its own are deleted (a file of the user's
+    inside a checkpoint directory stays, and with it the directory)."""
+    import os
+    import signal
+
+    clock = iter(range(0, 100_000, 50))
+    monkeypatch.setattr(T.time, "monotonic", lambda: float(next(clock)))
+    data, out, calls = toy_dataset(), tmp_path / "run", []
+    cfg = train_cfg(checkpoint_every=3, checkpoint_minutes=1.5, keep_checkpoints=1, epochs=2)  # 12 steps
+    step_fn = make_step_fn(False)
+
+    def user_file_then_term(model, batch, generator, log_step=True):
+        calls.append(1)
+        if len(calls) == 4 * 4 + 1:  # in step 5: step_3 (regular) exists; the user leaves a file in it
+            (out / "checkpoints" / "step_3" / "notes.txt").write_text("mine")
+        if len(calls) == 6 * 4 + 1:  # in step 7
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step_fn(model, batch, generator, log_step=log_step)
+
+    with pytest.raises(TrainingStopped):
+        T.train(toy_model(), data, user_file_then_term, cfg, out, collate_fn=collate)
+    ckpts = out / "checkpoints"
+    # stopped after step 7: its SIGTERM checkpoint is the newest and stays; regular step_6 is the one kept;
+    # the time checkpoints before it are gone; step_3 lost its checkpoint files but keeps the user's file
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_3", "step_6", "step_7"]
+    assert [p.name for p in (ckpts / "step_3").iterdir()] == ["notes.txt"]
+    assert json.loads((ckpts / "step_7" / "trainer_state.json").read_text())["kind"] == "sigterm"
+    res = T.train(toy_model(), data, step_fn, cfg, out, collate_fn=collate)  # resumes from the SIGTERM checkpoint
+    assert res.steps_this_process == 5
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_12", "step_3"]
+    assert (ckpts / "step_3" / "notes.txt").read_text() == "mine"
 
 
 def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, tiny_target, monkeypatch):

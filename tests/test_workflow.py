@@ -241,7 +241,8 @@ def test_cheap_rules_run_where_snakemake_runs(tmp_path):
     run beside Snakemake (which has the internet) instead of waiting for a node."""
     copy_workflow(tmp_path)
     local = local_rules(tmp_path)
-    assert local == ["ablation", "fig7", "prepare_data", "prepare_target", "report"], local
+    assert local == ["ablation", "fetch_dataset", "fetch_released", "fig7", "prepare_data", "prepare_target",
+                     "report"], local
 
 
 def _shell_commands(out: str) -> list[str]:

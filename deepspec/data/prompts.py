@@ -2,9 +2,10 @@
 (evaluate rule). Turns-JSONL reading, validation and deterministic subsampling.
 
 A record is ``{"turns": [str, ...], "reference": optional str}``. A malformed
-line fails with one error naming file and line. On a user's machine a source
-``hub:<dataset id>`` is read through `datasets` (ShareGPT-style
-``conversations`` are mapped to user turns).
+line fails with one error naming file and line. A source ``hub:<dataset id>``
+is read through `datasets` from its snapshot at the entry's pinned
+``revision`` (deepspec/fetch.py; ShareGPT-style ``conversations`` are mapped
+to user turns).
 """
 from __future__ import annotations
 
@@ -80,12 +81,21 @@ def subsample(prompts: list[Prompt], cap: Optional[int], seed: int = 980406) -> 
     return rows[:cap]
 
 
-def _read_hub(dataset_id: str, split: str) -> list[Prompt]:
+def _read_hub(cfg: dict, dataset_id: str, revision: str, split: str) -> list[Prompt]:
+    """The dataset's rows from its snapshot at `revision` (deepspec/fetch.py: fetched by
+    the DAG's local rule fetch_dataset, or now when a command runs by hand)."""
+    from ..fetch import fetched
+
     try:
         import datasets
     except ImportError:  # pragma: no cover - datasets is a dependency
         raise DeepSpecError("reading hub datasets needs the `datasets` package") from None
-    ds = datasets.load_dataset(dataset_id, split=split)
+    local = fetched(cfg, "dataset", dataset_id, revision)
+    try:
+        ds = datasets.load_dataset(str(local), split=split)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DeepSpecError(f"cannot read {dataset_id}@{revision} ({local}), split {split!r}: {first}") from None
     out = []
     for i, rec in enumerate(ds):
         if "turns" in rec:
@@ -115,7 +125,7 @@ def load_sources(cfg: dict, entries: Iterable[dict]) -> list[Prompt]:
     for e in entries:
         path = e["path"]
         if path.startswith("hub:"):
-            rows = _read_hub(path[4:], e.get("split", "train"))
+            rows = _read_hub(cfg, path[4:], e["revision"], e.get("split", "train"))
         else:
             rows = read_turns_jsonl(root / path)
         for r in subsample(rows, e.get("cap"), seed):

@@ -39,16 +39,42 @@ from ..data.prompts import benchmark_prompt_set, speed_benchmarks
 log = logging.getLogger(__name__)
 
 
+def eval_target(cfg: dict):
+    """The target as evaluation runs it: in eval.dtype (the paper presets bf16, as
+    DeepSeek's reference evaluates its bf16 checkpoints; docs/FIDELITY.md)."""
+    from ..targets.loading import target_from_config
+
+    return target_from_config(cfg, dtype=cfg["eval"]["dtype"])
+
+
+def eval_drafter(path, target, cfg: dict):
+    """A saved drafter (fp32, as trained or converted) loaded for `target` and cast
+    to eval.dtype, in eval mode."""
+    from ..drafters import load_drafter
+
+    return load_drafter(path, target, cfg["drafter"]).to(getattr(torch, cfg["eval"]["dtype"])).eval()
+
+
 def _generator(cfg: dict, target, idx: int) -> torch.Generator:
     """The per-sample seed of the reference evaluator: eval.seed + sample index."""
     return torch.Generator(device=target.device).manual_seed(cfg["eval"]["seed"] + idx)
 
 
 def drafter_path(cfg: dict, method: str, override: str | None = None) -> str:
+    """--drafter, else the method's released checkpoint (eval.released_checkpoints: a
+    {hub, revision} snapshot fetched by the DAG's fetch_released, or a local
+    directory), else the trained drafter's directory."""
+    from ..fetch import RELEASED_FILES, fetched
+
     if override:
         return override
     released = cfg["eval"]["released_checkpoints"].get(method)
+    if isinstance(released, dict):
+        return str(fetched(cfg, "model", released["hub"], released["revision"], RELEASED_FILES))
     if released:
+        if not Path(released).is_dir():
+            raise DeepSpecError(f"eval.released_checkpoints.{method}: no directory {released!r} (a checkpoint on "
+                                f"the hub is given as {{hub: <id>, revision: <commit>}})")
         return released
     return str(RunPaths.of(cfg).drafter_dir(method))
 
@@ -339,10 +365,8 @@ def cli_evaluate(argv) -> int:
     p.add_argument("--out-dir", help="directory for <benchmark>.csv and .json (default R/T/eval/<method>/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    from ..drafters import load_drafter
     from ..interop.convert import resolve_drafter
     from ..provenance import evaluation_environment
-    from ..targets.loading import target_from_config
 
     paths = RunPaths.of(cfg)
     benches = args.benchmark or list(cfg["data"]["benchmarks"])
@@ -350,14 +374,14 @@ def cli_evaluate(argv) -> int:
         raise DeepSpecError("--out names one records file: give one --benchmark, or use --out-dir")
     outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
                                                  else paths.records(args.method, b)) for b in benches}
-    target = target_from_config(cfg)
+    target = eval_target(cfg)  # in eval.dtype
     sets = {b: benchmark_prompt_set(cfg, target, b) for b in benches}
     bench_prompts = {b: kept for b, (kept, _) in sets.items()}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
     path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
-    drafter = load_drafter(path, target, cfg["drafter"]).eval()  # its layers as drafter.layer_arch builds them
+    drafter = eval_drafter(path, target, cfg)  # its layers as drafter.layer_arch builds them, in eval.dtype
     base, _ = resolve_method(cfg, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
@@ -407,8 +431,6 @@ def cli_baseline(argv) -> int:
     p.add_argument("--out-dir", help="directory for <benchmark>.json and .csv (default R/T/eval/baseline/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    from ..targets.loading import target_from_config
-
     timed = speed_benchmarks(cfg)
     benches = args.benchmark or timed
     for b in benches:
@@ -416,7 +438,7 @@ def cli_baseline(argv) -> int:
             raise DeepSpecError(f"--benchmark {b}: not a timed benchmark of this preset ({', '.join(timed)}; "
                                 "eval.speed_benchmarks)")
     paths = RunPaths.of(cfg)
-    target = target_from_config(cfg)
+    target = eval_target(cfg)  # in eval.dtype, as evaluate's
     # one process for every benchmark: the start-up (~7 s) and the warm-up are paid once
     for i, bench in enumerate(benches):
         out_json = Path(args.out_dir) / f"{bench}.json" if args.out_dir else paths.baseline(bench)

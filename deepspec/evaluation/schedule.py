@@ -32,7 +32,7 @@ def schedule(cfg: dict, method: str, benchmark: str, records: str | None = None,
     from ..core.calibration import apply_sts, split_samples, sts_before_after
     from ..core.decode import profile_target_sps
     from ..core.scheduler import simulate_schedule, threshold_sweep
-    from ..targets.loading import target_from_config
+    from .evaluate import eval_target
 
     records = Path(records) if records else RunPaths.of(cfg).records(method, benchmark)
     df = pd.read_csv(require_file(records, "evaluation records"))
@@ -53,7 +53,7 @@ def schedule(cfg: dict, method: str, benchmark: str, records: str | None = None,
 
     gamma = x.shape[1]
     sizes = list(range(1, max(max_batch_tokens, gamma + 1) + 1))
-    sps = profile_target_sps(target_from_config(cfg), sizes, context_len=min(256, cfg["data"]["max_length"]))
+    sps = profile_target_sps(eval_target(cfg), sizes, context_len=min(256, cfg["data"]["max_length"]))
     full = held & (L == gamma) & np.isfinite(x).all(1)  # realised acceptance of full proposals
     c = apply_sts(x[full], temps)
     sims = [{"batch": R, **simulate_schedule(c, A[full], sps, batch=R, seed=cfg["eval"]["seed"])}

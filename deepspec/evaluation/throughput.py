@@ -139,14 +139,12 @@ def cli_throughput(argv) -> int:
     p.add_argument("--out", help="CSV (default R/tables/throughput.csv)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    from ..drafters import load_drafter
-    from .evaluate import drafter_path
-    from ..targets.loading import target_from_config
+    from .evaluate import drafter_path, eval_drafter, eval_target
 
     method = args.method or cfg["throughput"]["method"]
     out = Path(args.out) if args.out else RunPaths.of(cfg).table("throughput.csv")
-    target = target_from_config(cfg)
-    drafter = load_drafter(drafter_path(cfg, method, args.drafter), target, cfg["drafter"]).eval()
+    target = eval_target(cfg)  # eval.dtype
+    drafter = eval_drafter(drafter_path(cfg, method, args.drafter), target, cfg)
     temps = read_json(Path(args.sts))["sts_temperatures"] if args.sts else None
     names = policy_names(cfg)
     if any(n.startswith("alg1") for n in names) and drafter.config.deepspec_confidence_head is False:

@@ -63,7 +63,7 @@ import torch
 from ..errors import DeepSpecError
 from ..files import atomic_dir, check_overwrite, read_json
 from ..paths import RunPaths
-from ..provenance import snapshot_commit
+from ..provenance import SOURCE_FILE, read_record, snapshot_commit
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,10 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
                                            "target": {"feature_layers": list(ref["target_layer_ids"])}})
     check_reference_target(ref, target, where, config)
     # commit: the hub commit of a checkpoint from the hub cache (its snapshot directory), else None
-    config.deepspec_source = {"checkpoint": str(src.resolve()), "commit": snapshot_commit(src.resolve()),
+    # or the commit a fetched snapshot recorded (deepspec/fetch.py: its files are links, not the cache's)
+    fetched = read_record(src / SOURCE_FILE) or {}
+    config.deepspec_source = {"checkpoint": str(src.resolve()),
+                              "commit": snapshot_commit(src.resolve()) or fetched.get("commit"),
                               "architecture": ref["architectures"][0], "mask_token_id": ref.get("mask_token_id")}
     model = CLASSES[method](config).float()
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in NOT_IN_CHECKPOINT}

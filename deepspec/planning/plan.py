@@ -31,10 +31,14 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   the memory-efficient kernel's meta implementation, as on a GPU, not SDPA's
   math path that meta would take), plus the largest single tensor of the step
   as the transient term; GPU-hours =
-  FLOPs / (tflops x mfu);
+  FLOPs / (tflops x mfu); the disk the training checkpoints take
+  (`checkpoint_disk`: one checkpoint x the number kept);
 * **evaluation** - prompts per benchmark, rounds = prompts x expected new
   tokens / tau (the paper's Table 1 tau for the preset's `paper_name`, else
-  `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``.
+  `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``; the memory of an
+  evaluation GPU (`eval_memory`: weights at ``eval.dtype``, the KV budget at the
+  target's KV bytes per token, `kv_bytes_per_token`, and a reserve) against
+  ``plan.gpu_memory_gib``.
 
 Architecture facts: a prepared target checkpoint's config.json when there is
 one, else ``config/targets/<target.name>.json`` (the hub config.json's fields,
@@ -58,7 +62,7 @@ from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
 from ..data.cache import bytes_per_token, human_bytes
-from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target
+from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target, text_fields
 from ..training.loop import plan_steps, step_spec
 from ..training.recipe import training_memory
 
@@ -227,6 +231,27 @@ def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: 
     }
 
 
+def checkpoint_disk(train_cfg: dict, drafter, trainable: int, total_steps: int) -> dict:
+    """Bytes of one training checkpoint (`training.checkpoints.save_checkpoint`) and
+    how many stay on disk, by arithmetic: the drafter's state dict as trained
+    (floating tensors in fp32, the others at their own dtype) plus AdamW's two fp32
+    moments per trainable parameter (a sharded optimizer is consolidated first);
+    the RNG states, scheduler and log are small and not counted. Kept: the
+    regular checkpoints (every train.checkpoint_every steps and the last one),
+    at most train.keep_checkpoints of them, plus, with train.checkpoint_minutes,
+    the newest timed (or SIGTERM) one; while a checkpoint is written, one more."""
+    model = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in drafter.state_dict().values())
+    every, keep = int(train_cfg["checkpoint_every"]), train_cfg.get("keep_checkpoints")
+    regular = len(set(range(every, total_steps + 1, every)) | {total_steps})
+    kept_regular = regular if keep is None else min(int(keep), regular)
+    timed = 1 if train_cfg.get("checkpoint_minutes") else 0
+    each = model + 8 * int(trainable)
+    return {"bytes_each": each, "model_bytes": model, "optimizer_bytes": 8 * int(trainable),
+            "regular_checkpoints": regular, "kept_regular": kept_regular, "kept_timed": timed,
+            "kept": kept_regular + timed, "bytes_kept": each * (kept_regular + timed),
+            "bytes_peak": each * (kept_regular + timed + 1)}
+
+
 def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     """Parameters, measured FLOPs per step and activation memory of one method."""
     drafter, mcfg = build_meta_drafter(method, target, cfg)
@@ -244,6 +269,7 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
         "online_target_forwards": online_target_forwards(t, total),
         "draft_layers": {"count": int(drafter.config.num_hidden_layers), "model_type": drafter.config.model_type},
         "params": params,
+        "checkpoints": checkpoint_disk(t, drafter, params["trainable"], total),
         "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
                                           worst["peak_activation_bytes"]),
         "micro_batch": mb, "micro_batches_per_step": micro_batches,
@@ -255,6 +281,55 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
                                                                   "peak_activation_bytes")},
         "measure_seconds": round(typical["seconds"] + worst["seconds"], 2),
     }
+
+
+EVAL_RESERVE_GIB = 10.0  # beside the weights and the KV budget: a 16k-token prefill's activations and features,
+# the verify logits of eval.batch_size rows, the CUDA context and allocator slack
+
+
+def kv_bytes_per_token(fields: dict, dtype: str) -> int:
+    """The target's KV cache bytes per position, by arithmetic from its config.json
+    fields (a multimodal wrapper's text_config): per layer K/V heads x head_dim x 2
+    (keys and values) x dtype bytes, summed over the layers. Gemma4's
+    full-attention layers have their own heads and width
+    (num_global_key_value_heads, global_head_dim); its sliding layers are counted
+    at full length (what the batched engine's cache holds; an upper bound)."""
+    c = text_fields(fields)
+    n = int(c["num_hidden_layers"])
+    heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    width = int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    kinds = c.get("layer_types") or ["full_attention"] * n
+    per_value = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    total = 0
+    for kind in kinds[:n]:
+        h, w = heads, width
+        if kind == "full_attention" and c.get("num_global_key_value_heads"):
+            h, w = int(c["num_global_key_value_heads"]), int(c.get("global_head_dim") or width)
+        total += h * w * 2 * per_value
+    return total
+
+
+def eval_memory(cfg: dict, target_params: int, drafter_params: int, kv_per_token: int) -> dict:
+    """GiB one evaluation GPU holds, by arithmetic: the target's and the largest
+    drafter's weights at eval.dtype, the KV cache the batched engine may fill
+    (eval.kv_budget_gb; null: eval.batch_size rows at the longest request,
+    prompt data.max_prompt_tokens + eval.max_new_tokens, `batch_cache.row_slots`)
+    and EVAL_RESERVE_GIB, against plan.gpu_memory_gib."""
+    from ..core.batch_cache import row_slots
+
+    e = cfg["eval"]
+    gib = 2.0 ** 30
+    per_value = torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size()
+    longest = row_slots(int(cfg["data"]["max_prompt_tokens"]) + int(e["max_new_tokens"]),
+                        int(cfg["drafter"]["block_size"]) + 1) * kv_per_token / gib
+    kv = e["kv_budget_gb"] if e["kv_budget_gb"] is not None else int(e["batch_size"]) * longest
+    parts = {"target_weights": target_params * per_value / gib, "drafter_weights": drafter_params * per_value / gib,
+             "kv_cache": float(kv), "reserve": EVAL_RESERVE_GIB}
+    total = sum(parts.values())
+    return {**parts, "total": total, "gpu_memory_gib": float(cfg["plan"]["gpu_memory_gib"]),
+            "fits": total <= float(cfg["plan"]["gpu_memory_gib"]), "kv_bytes_per_token": kv_per_token,
+            "longest_row_gib": longest, "kv_from": "eval.kv_budget_gb" if e["kv_budget_gb"] is not None else
+            "eval.batch_size rows at the longest request (eval.kv_budget_gb null)"}
 
 
 def gpu_hours(flops: float, tflops: float, mfu: float) -> float:
@@ -360,7 +435,11 @@ def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[lis
         "training": {"methods": per_method, "target_forward_flops_per_micro_batch": fwd,
                      "target_forward_flops_per_token": fwd / (mb * data["tokens_per_sample"]),
                      "totals": training_totals(per_method, fwd, hw)},
-        "evaluation": eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
+        "evaluation": {**eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
+                       "memory_per_gpu": eval_memory(cfg, sum(p.numel() for p in target.model.parameters()),
+                                                     max(r["params"]["trainable"] + r["params"]["frozen_own"]
+                                                         for r in per_method.values()),
+                                                     kv_bytes_per_token(facts, cfg["eval"]["dtype"]))},
     }
 
 
@@ -411,11 +490,28 @@ def format_plan(plan: dict) -> str:
                                               f" (sharded / {r['memory_per_gpu']['optimizer_shards']})"
                                               if r["memory_per_gpu"]["optimizer_shards"] > 1 else "",
                                               human_bytes(r["memory_per_gpu"]["activations"]))),
+                 (f"{m}: checkpoints on disk", "{} = {} kept x {} (fp32 drafter {} + AdamW moments {}; {} "
+                                               "regular, train.keep_checkpoints keeps {}{}); {} while the next is written"
+                                               .format(human_bytes(r["checkpoints"]["bytes_kept"]), r["checkpoints"]["kept"],
+                                                       *(human_bytes(r["checkpoints"][k]) for k in
+                                                         ("bytes_each", "model_bytes", "optimizer_bytes")),
+                                                       r["checkpoints"]["regular_checkpoints"], r["checkpoints"]["kept_regular"],
+                                                       " + the newest timed one" if r["checkpoints"]["kept_timed"] else "",
+                                                       human_bytes(r["checkpoints"]["bytes_peak"]))),
                  (f"{m}: GPU-hours", f"{_h(tot['gpu_hours_offline'])} offline / {_h(tot['gpu_hours_online'])} online "
                                      f"({_h(tot['wall_hours_offline'])} / {_h(tot['wall_hours_online'])} h on {hw['gpus']} GPUs)")]
+    if tr["methods"]:
+        rows.append(("checkpoints: all methods", f"{human_bytes(sum(r['checkpoints']['bytes_kept'] for r in tr['methods'].values()))} "
+                                                 "kept (each method's training keeps its own)"))
     for m, r in ev["methods"].items():
         rows.append((f"eval: {m}", f"{r['rounds']:,} rounds, {_h(r['hours'])} h at {ev['rounds_per_s']:g} rounds/s "
                                    f"({ev['tau_from']})"))
+    em = ev["memory_per_gpu"]
+    rows.append(("eval: memory per GPU", "{:.1f} GiB of {:g} ({}) = target {:.1f} + drafter {:.1f} + KV cache {:.1f} ({}; "
+                                         "{:,} B per token, {:.2f} GiB per longest row) + reserve {:g} (arithmetic)".format(
+                                             em["total"], em["gpu_memory_gib"], "fits" if em["fits"] else "DOES NOT FIT",
+                                             em["target_weights"], em["drafter_weights"], em["kv_cache"], em["kv_from"],
+                                             em["kv_bytes_per_token"], em["longest_row_gib"], em["reserve"])))
     rows.append(("eval: plain decoding", f"{ev['plain_decoding']['forwards']:,} forwards, {_h(ev['plain_decoding']['hours'])} h"))
     width = max(len(k) for k, _ in rows)
     head = (f"plan for preset {plan['preset']}: {hw['gpus']} GPUs x {hw['gpu_tflops']:g} TFLOP/s x MFU {hw['mfu']:g}")

@@ -168,7 +168,8 @@ def _drafter_rows(drafters: dict) -> list[str]:
             "evaluated (device, target / drafter dtype; code; machine) |", "|---|---|---|---|"]
     for method, d in drafters.items():
         if d.get("released"):
-            origin = f"released `{d['released']}` @ " + ", ".join(f"`{_short(c['commit'])}`" for c in d["checkpoints"])
+            rel = d["released"]
+            origin = f"released `{rel['hub'] + '@' + rel['revision'] if isinstance(rel, dict) else rel}` @ " + ", ".join(f"`{_short(c['commit'])}`" for c in d["checkpoints"])
             trained = "-"
         else:
             origin, tr = "trained here", d.get("training")

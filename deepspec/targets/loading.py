@@ -210,8 +210,10 @@ def load_target(
     return Target(model=model, tokenizer=tok, target_id=spec, revision=revision, eos_token_ids=eos_ids_of(model, tok))
 
 
-def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool = True) -> Target:
-    """The preset's target, from its prepared checkpoint when there is one."""
+def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool = True,
+                       dtype: Optional[str] = None) -> Target:
+    """The preset's target, from its prepared checkpoint when there is one, in
+    `dtype` (default target.dtype; evaluation passes eval.dtype)."""
     t = cfg["target"]
     dev = device or t["device"]
     if dev == "cuda" and not torch.cuda.is_available():
@@ -221,7 +223,7 @@ def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool
     target = load_target(
         t["spec"],
         path=paths.RunPaths.of(cfg).target_checkpoint(),
-        dtype=t["dtype"],
+        dtype=dtype or t["dtype"],
         device=dev,
         revision=t.get("revision"),
         prepare=prepare,

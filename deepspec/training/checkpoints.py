@@ -5,8 +5,13 @@ generator), plus an atomically written `latest` pointer. Resuming restores all
 of it, so a killed run continues exactly (tests/test_train.py).
 
 A checkpoint records the training fingerprint (every setting that changes the
-result, the data's fingerprint and FORMAT_VERSION) and the sha256 of each of
-its files. Resuming takes the newest intact checkpoint with the current
+result, the data's fingerprint and FORMAT_VERSION), the sha256 of each of
+its files and why it was written (`kind`: "regular" at train.checkpoint_every
+and the end, "time" after train.checkpoint_minutes, "sigterm" before a stop).
+After each new checkpoint `prune_checkpoints` deletes the older "time" and
+"sigterm" ones (they exist only to resume, and the new one resumes further)
+and all but the newest train.keep_checkpoints regular ones; it deletes only
+the files a checkpoint's trainer state lists as its own. Resuming takes the newest intact checkpoint with the current
 fingerprint: a damaged one is skipped (and said so), one made with other
 settings is never resumed.
 """
@@ -28,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
+from ..files import OUTPUT_MARKER, read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 from .state import TrainRun
 
 log = logging.getLogger(__name__)
@@ -152,20 +157,26 @@ def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
         raise DeepSpecError(f"checkpoint {directory} lacks trainable weights: {', '.join(lost[:5])}")
 
 
-def save_checkpoint(run: TrainRun, step: int, elapsed: float) -> None:
+CHECKPOINT_KINDS = ("regular", "time", "sigterm")
+
+
+def save_checkpoint(run: TrainRun, step: int, elapsed: float, kind: str = "regular") -> None:
     """<out>/checkpoints/step_N/ of `run` after update `step` (built under a
     temporary name, then renamed) and the `latest` pointer, written atomically;
-    the trainer state (written last) holds the fingerprint and every file's
-    sha256. elapsed: seconds trained so far."""
+    the trainer state (written last) holds the fingerprint, every file's
+    sha256 and `kind` (CHECKPOINT_KINDS). Older checkpoints are then pruned
+    (`prune_checkpoints`). elapsed: seconds trained so far."""
+    if kind not in CHECKPOINT_KINDS:
+        raise ValueError(f"checkpoint kind {kind!r}")
     acc, root = run.acc, run.out / CKPT_DIR
     final, tmp = root / f"step_{step}", root / f".step_{step}.partial"
     # a failure (disk full: an OSError naming the checkpoint) leaves no .partial behind
     with removed_on_failure(tmp if acc.is_main_process else None, final):
-        _write_checkpoint(run, step, elapsed, tmp, final)
+        _write_checkpoint(run, step, elapsed, tmp, final, kind)
     acc.wait_for_everyone()
 
 
-def _write_checkpoint(run: TrainRun, step: int, elapsed: float, tmp: Path, final: Path) -> None:
+def _write_checkpoint(run: TrainRun, step: int, elapsed: float, tmp: Path, final: Path, kind: str) -> None:
     acc, model, opt, sched, out = run.acc, run.model, run.opt, run.sched, run.out
     if acc.is_main_process:
         if tmp.exists():
@@ -187,22 +198,67 @@ def _write_checkpoint(run: TrainRun, step: int, elapsed: float, tmp: Path, final
         write_json_atomic(tmp / TRAINER_STATE, {
             "format_version": FORMAT_VERSION, "fingerprint": run.fingerprint, "step": step, "total_steps": run.total,
             "num_samples": len(run.dataset), "world_size": acc.num_processes, "global_batch": run.settings.global_batch,
-            "seed": run.settings.seed, "elapsed_s": elapsed, "files": files,
+            "seed": run.settings.seed, "elapsed_s": elapsed, "kind": kind, "files": files,
         })
     acc.wait_for_everyone()
     if acc.is_main_process:
         replace_dir(tmp, final)  # not atomic_dir: every process writes into tmp between barriers
         write_text_atomic(final.parent / LATEST, final.name + "\n")
-        prune_checkpoints(final.parent, run.settings.keep_checkpoints)
+        prune_checkpoints(final.parent, run.settings.keep_checkpoints, newest=final)
         log.info("checkpoint %s", final)
 
 
-def prune_checkpoints(root: Path, keep: Optional[int]) -> None:
-    if not keep:
-        return
-    steps = sorted(int(p.name.split("_")[1]) for p in root.glob("step_*") if p.name.split("_")[1].isdigit())
-    for s in steps[:-int(keep)]:
-        shutil.rmtree(root / f"step_{s}")
+def _own_checkpoint(ckpt: Path) -> Optional[dict]:
+    """The trainer state of a checkpoint directory this code wrote (a readable
+    trainer_state.json of this format with its file list), else None."""
+    try:
+        st = json.loads((ckpt / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(st, dict) and st.get("format_version") == FORMAT_VERSION and isinstance(st.get("files"), dict)
+    return st if ok else None
+
+
+def checkpoints_to_prune(states: list[tuple[Path, dict]], keep: Optional[int], newest: Path) -> list[Path]:
+    """Of our checkpoints (directory, trainer state), newest first, those to
+    delete once `newest` is written: every older "time" / "sigterm" one, and
+    the regular ones (checkpoints without a kind count as regular) beyond the
+    newest `keep` (None keeps them all). `newest` itself is never deleted."""
+    drop, regular = [], 0
+    for ckpt, st in states:
+        if ckpt == newest:
+            regular += st.get("kind", "regular") == "regular"
+            continue
+        if st.get("kind", "regular") != "regular":
+            drop.append(ckpt)
+            continue
+        regular += 1
+        if keep is not None and regular > int(keep):
+            drop.append(ckpt)
+    return drop
+
+
+def prune_checkpoints(root: Path, keep: Optional[int], newest: Path) -> list[Path]:
+    """Delete the checkpoints `checkpoints_to_prune` names under `root` (only
+    the files each one's trainer state lists, then the trainer state and the
+    output marker, then the directory if nothing else is in it: files we did
+    not write stay). Returns
+    the pruned directories."""
+    states = [(c, st) for c in checkpoints_newest_first(root.parent) if (st := _own_checkpoint(c)) is not None]
+    pruned = checkpoints_to_prune(states, keep, Path(newest))
+    by_dir = dict(states)
+    for ckpt in pruned:
+        for name in by_dir[ckpt]["files"]:
+            if "/" not in name and name not in ("", ".", ".."):
+                (ckpt / name).unlink(missing_ok=True)
+        (ckpt / TRAINER_STATE).unlink(missing_ok=True)
+        (ckpt / OUTPUT_MARKER).unlink(missing_ok=True)  # replace_dir's mark of our directory
+        try:
+            ckpt.rmdir()
+        except OSError:
+            log.warning("%s: pruned, but it holds files that are not the checkpoint's: left in place", ckpt)
+        log.info("pruned checkpoint %s (%s)", ckpt, by_dir[ckpt].get("kind", "regular"))
+    return pruned
 
 
 def resume_checkpoint(ckpt: Path, st: dict, run: TrainRun) -> tuple[int, float]:

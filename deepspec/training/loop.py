@@ -24,7 +24,9 @@ metrics)``, and implements the paper's recipe (paper Sec. 4.1; DeepSpec's deepsp
   number. The seed is ``train.seed`` for every method (the reference uses 0 for
   Eagle3 and 42 for DFlash/DSpark; one seed keeps the comparison clean);
 * checkpoints every ``train.checkpoint_every`` steps, every
-  ``train.checkpoint_minutes`` of training (when set) and at the end under
+  ``train.checkpoint_minutes`` of training (when set; each deleted once a newer
+  checkpoint is written) and at the end (the newest ``train.keep_checkpoints``
+  of these are kept) under
   ``<out>/checkpoints/step_N/`` (``save_pretrained`` model, optimiser,
   scheduler, trainer state, the log so far, and per-process RNG states:
   python, numpy, torch, CUDA and the anchor generator handed to ``step_fn``),
@@ -325,8 +327,10 @@ def _steps(run: TrainRun, start, elapsed_before, t_run, train_log, bar, stop) ->
         bar.update(1)
         timed, stopping = any_process(acc, run.world, every_s > 0 and time.monotonic() - last_ckpt >= every_s,
                                        stop.requested)
-        if done % cfg.checkpoint_every == 0 or done == run.total or timed or stopping:
-            save_checkpoint(run, done, elapsed_before + time.perf_counter() - t_run)
+        regular = done % cfg.checkpoint_every == 0 or done == run.total
+        if regular or timed or stopping:
+            kind = "regular" if regular else "sigterm" if stopping else "time"
+            save_checkpoint(run, done, elapsed_before + time.perf_counter() - t_run, kind)
             last_ckpt = time.monotonic()
         if stopping and done < run.total:
             raise TrainingStopped(f"stopped by SIGTERM after step {done}/{run.total}: checkpoint "

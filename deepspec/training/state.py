@@ -28,7 +28,7 @@ class TrainSettings:
     log_every: int
     checkpoint_every: int
     checkpoint_minutes: Optional[float] = None  # also checkpoint after this many minutes; None: steps only
-    keep_checkpoints: Optional[int] = None  # keep the newest N checkpoints; None keeps all
+    keep_checkpoints: Optional[int] = None  # keep the newest N regular checkpoints; None keeps all
     shard_optimizer: bool = False
 
     @classmethod

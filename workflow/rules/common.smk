@@ -27,6 +27,8 @@ from deepspec.data.sources import check_sources, needed_files
 from deepspec.data.prompts import data_root, speed_benchmarks
 from deepspec.interop.engine_env import vllm_command
 from deepspec.interop.server_run import fill_command
+from deepspec.fetch import hub_datasets, released_hub, snapshot_name
+from deepspec.provenance import SOURCE_FILE
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2
@@ -106,8 +108,27 @@ def res(rule, key, default):
 # ---------------------------------------------------------------- shared inputs
 
 TARGET_CONFIG = PATHS.target_checkpoint() / "config.json"  # the prepared target (prepare_target)
-# the training prompt files on disk (hub: sources are read directly)
-TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if not e["path"].startswith("hub:")]
+# Hub snapshots at the preset's pinned revisions, fetched by the local rules fetch_dataset and
+# fetch_released (prepare_data.smk; deepspec/fetch.py): {snapshot name: (hub id, revision)}; each
+# is ready once its record (deepspec_source.json, written last) exists.
+HUB_DATASETS = hub_datasets(CFG)  # data.train's hub: sources
+RELEASED_HUB = {snapshot_name(*v): v for v in released_hub(CFG).values()}  # eval.released_checkpoints {hub, revision}
+
+
+def hub_record(kind, name):
+    return PATHS.hub_snapshot(kind, name) / SOURCE_FILE
+
+
+# the training prompt files on disk, and the snapshots of the hub: sources
+TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if not e["path"].startswith("hub:")] + \
+    [hub_record("datasets", name) for name in HUB_DATASETS]
+
+
+def released_input(method):
+    """{"released": the fetched snapshot's record} for a method evaluated from a released hub checkpoint."""
+    v = CFG["eval"]["released_checkpoints"].get(method)
+    return {"released": hub_record("models", snapshot_name(v["hub"], v["revision"]))} if isinstance(v, dict) else {}
+
 # the benchmarks with a batch-1 timed sample, and so a baseline (eval.speed_benchmarks)
 SPEED_BENCHMARKS = speed_benchmarks(CFG)
 # the benchmark prompt files on disk (a hub: benchmark is read from the hub)
@@ -175,7 +196,7 @@ def eval_inputs(wc):
     inputs = {"target": TARGET_CONFIG, "baselines": BASELINES, "prompts": BENCHMARK_FILES}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = PATHS.drafter_dir(wc.method) / "config.json"
-    return inputs
+    return {**inputs, **released_input(wc.method)}
 
 
 def all_records(methods):

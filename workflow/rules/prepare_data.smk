@@ -24,3 +24,55 @@ rule prepare_data:
         runtime=res("prepare_data", "runtime", 60),
     shell:
         "python -m deepspec prepare-data {CONFIG_ARGS} --file {wildcards.datafile:q} > {log:q} 2>&1"
+
+
+# Hub snapshots at the revisions the preset pins (deepspec/fetch.py): the training datasets
+# (data.train entries hub:<id> with their revision) and DeepSeek's released drafters
+# (eval.released_checkpoints.<method>: {hub, revision}). Local rules, as prepare_target: the
+# node running Snakemake has the internet access compute nodes may lack, and the regeneration
+# shards (which would otherwise download after their vLLM server started) and evaluations read
+# the snapshots from resources/hub/. A snapshot is never fetched again: a new revision is a new
+# directory (and a new settings fingerprint for the rules that read it).
+localrules:
+    fetch_dataset,
+    fetch_released,
+
+
+rule fetch_dataset:
+    output:
+        hub_record("datasets", "{snapshot}"),
+    log:
+        PATHS.log("fetch_dataset", "{snapshot}"),
+    wildcard_constraints:
+        snapshot=_one_of(HUB_DATASETS) if HUB_DATASETS else "(?!)",
+    params:
+        repo=lambda wc: HUB_DATASETS[wc.snapshot][0],
+        revision=lambda wc: HUB_DATASETS[wc.snapshot][1],
+        out=lambda wc, output: Path(output[0]).parent,
+    threads: 1
+    resources:
+        mem_mb=res("fetch", "mem_mb", 4000),
+        runtime=res("fetch", "runtime", 240),
+    shell:
+        "python -m deepspec fetch-hub --repo-type dataset --repo {params.repo:q} --revision {params.revision:q} "
+        "--out {params.out:q} > {log:q} 2>&1"
+
+
+rule fetch_released:
+    output:
+        hub_record("models", "{snapshot}"),
+    log:
+        PATHS.log("fetch_released", "{snapshot}"),
+    wildcard_constraints:
+        snapshot=_one_of(RELEASED_HUB) if RELEASED_HUB else "(?!)",
+    params:
+        repo=lambda wc: RELEASED_HUB[wc.snapshot][0],
+        revision=lambda wc: RELEASED_HUB[wc.snapshot][1],
+        out=lambda wc, output: Path(output[0]).parent,
+    threads: 1
+    resources:
+        mem_mb=res("fetch", "mem_mb", 4000),
+        runtime=res("fetch", "runtime", 240),
+    shell:
+        "python -m deepspec fetch-hub --repo-type model --allow '*.json' --allow '*.safetensors' --repo {params.repo:q} "
+        "--revision {params.revision:q} --out {params.out:q} > {log:q} 2>&1"

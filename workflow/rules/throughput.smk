@@ -13,6 +13,7 @@ def throughput_inputs(wc):
               "regenerated": REGENERATION_DONE}  # no GPU job beside the regeneration server
     if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json"
+    inputs.update(released_input(THROUGHPUT_METHOD))  # a released hub checkpoint's fetched snapshot
     if THROUGHPUT_METHOD == "dspark":  # Algorithm 1 on STS-calibrated confidences (the schedule rule's fit)
         inputs["sts"] = PATHS.schedule(FIG6_BENCHMARK, "alg1.json")
     return inputs
