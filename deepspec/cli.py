@@ -23,6 +23,7 @@ COMMANDS = {
     "regenerate": ("deepspec.data.regenerate:cli_regenerate", "answer training prompts with the target itself"),
     "run-server": ("deepspec.interop.server_run:cli_run_server", "run the regeneration server of one workflow run: its own process group, a checked port, a status for the shards"),
     "serve": ("deepspec.data.serve:cli_serve", "an OpenAI-compatible chat server over a local target (regenerate.server on CPU)"),
+    "tokenize": ("deepspec.data.conversations:cli_tokenize", "tokenise the regenerated conversations once, in parallel processes"),
     "build-cache": ("deepspec.data.cache:cli_build_cache", "cache the target's feature-layer and final hidden states"),
     "validate-cache": ("deepspec.data.cache:cli_validate_cache", "check a target cache's manifest and shard checksums"),
     "train": ("deepspec.training.loop:cli_train", "train a drafter (eagle3, dflash, dspark)"),

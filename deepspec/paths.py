@@ -73,6 +73,10 @@ class RunPaths:
     def conversations(self) -> Path:
         return self.run / "regen" / "conversations.jsonl"
 
+    def tokens_record(self) -> Path:
+        """Where the tokenize rule records the token arrays of the conversations."""
+        return self.run / "regen" / "tokens.json"
+
     def conversations_shard(self, shard, shards: int) -> Path:
         """Shard `shard` of `shards` (regenerate.shards) of the regenerated conversations."""
         return self.run / "regen" / "shards" / f"conversations.{shard}-of-{shards}.jsonl"

@@ -140,3 +140,36 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
             "role": "assistant", "content": "Hello, how are you today, my friend? " * 4}]}) + "\n")
     grown, _ = C.tokenized_samples(cfg, tok, path)
     assert grown.dir != arrays.dir and len(grown) == len(arrays) + 1 and grown.digest != arrays.digest
+
+
+def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg, tiny_target):
+    """The tokenize rule's pool of processes (NR4) writes the arrays one process
+    writes, byte for byte, in the same order; `deepspec tokenize` records where."""
+    import numpy as np
+
+    from deepspec.cli import main as cli_main
+    from deepspec.data import conversations as C
+    from helpers import write_conversations
+
+    path = tmp_path / "regen" / "conversations.jsonl"
+    write_conversations(path)
+    with open(path, "a") as f:  # enough conversations for several chunks per worker
+        for i in range(200):
+            f.write(json.dumps({"id": f"more:{i}", "messages": [{"role": "user", "content": f"Count to {i}."}, {
+                "role": "assistant", "content": " ".join(str(k) for k in range(i % 40 + 3))}]}) + "\n")
+    cfg = copy.deepcopy(tiny_cfg)
+    tok = tiny_target.tokenizer
+    one, two = tmp_path / "one", tmp_path / "two"
+    C._write_token_arrays(cfg, tok, path, one, workers=1)
+    C._write_token_arrays(cfg, tok, path, two, workers=2)
+    for name in ("input_ids.npy", "loss_mask.npy", "offsets.npy", "meta.json"):
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert len(json.loads((one / "meta.json").read_text())["ids"]) > 150
+
+    out = tmp_path / "tokens.json"
+    rc = cli_main(["tokenize", "--preset", "tiny", "--set", f"resources_dir={tiny_cfg['resources_dir']}",
+                   "--conversations", str(path), "--workers", "2", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    arrays = C.TokenArrays(rec["arrays"])
+    assert rc == 0 and rec["samples"] == len(arrays) and rec["digest"] == arrays.digest
+    assert np.array_equal(np.load(one / "input_ids.npy"), arrays.input_ids)

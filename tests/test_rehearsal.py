@@ -39,7 +39,8 @@ ALLOWED = {
     *(f"regenerate.server.{k}" for k in ("command", "gpus", "threads", "mem_mb")),
     # CPU: two training processes, no GPUs, small scheduler resources
     "train.gpus", "train.processes", "eval.gpus", *(f"resources.{r}.{k}" for r, ks in {
-        "regenerate": ("threads", "mem_mb", "runtime"), "build_cache": ("gpu", "mem_mb", "runtime"),
+        "regenerate": ("threads", "mem_mb", "runtime"), "tokenize": ("threads", "mem_mb", "runtime"),
+        "build_cache": ("gpu", "mem_mb", "runtime"),
         "train": ("gpu", "mem_mb", "runtime", "threads"), "evaluate": ("gpu", "mem_mb", "runtime", "threads"),
     }.items() for k in ks),
     # a synthetic released-layout checkpoint (written by the end-to-end test)

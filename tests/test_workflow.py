@@ -196,7 +196,9 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
 EVAL = {"evaluate": 3, "report": 1}  # one evaluate job per method (all benchmarks)
 CHANGES = {  # tiny preset: 3 drafters, 3 benchmarks
     "eval={max_new_tokens: 12}": {"baseline": 2, **EVAL},  # eval.baseline_jobs: 2
-    "regenerate={temperature: 0.5}": {"regenerate_shard": 2, "regenerate": 1, "build_cache": 1, "train": 3, **EVAL},
+    "regenerate={temperature: 0.5}": {"regenerate_shard": 2, "regenerate": 1, "tokenize": 1, "build_cache": 1,
+                                      "train": 3, **EVAL},
+    "data={min_loss_tokens: 2}": {"tokenize": 1, "build_cache": 1, "train": 3, **EVAL},
     "cache={shard_tokens: 1000}": {"build_cache": 1, "train": 3, **EVAL},
     "train={lr: 0.001}": {"train": 3, **EVAL},
     "description=another": {"report": 1},

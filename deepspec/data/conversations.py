@@ -202,20 +202,64 @@ def _tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256((blob + str(getattr(tokenizer, "chat_template", ""))).encode()).hexdigest()
 
 
-def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path) -> None:
+_WORKER = {}  # what a tokenising worker process holds: the tokenizer and the config (`_encode_chunk`)
+
+
+def _init_worker(tokenizer, cfg) -> None:
+    _WORKER.update(tokenizer=tokenizer, cfg=cfg)
+
+
+def _encode_chunk(chunk):
+    """[(id, messages)] -> [(id, int32 ids, bool mask) or (id, None)] in the same order."""
+    import numpy as np
+
+    out = []
+    for cid, messages in chunk:
+        enc = encode_conversation(_WORKER["tokenizer"], messages, _WORKER["cfg"])
+        out.append((cid, None) if enc is None else (cid, np.asarray(enc[0], dtype=np.int32),
+                                                     np.asarray(enc[1], dtype=bool)))
+    return out
+
+
+def _encoded(cfg: dict, tokenizer, convs: list, workers: int):
+    """The conversations encoded in their order, by `workers` processes (chunks of a
+    few hundred, results in submission order: the same arrays as one process)."""
+    items = [(c["id"], c["messages"]) for c in convs]
+    chunk = max(1, min(512, len(items) // (4 * max(1, workers)) or 1))
+    chunks = [items[i : i + chunk] for i in range(0, len(items), chunk)]
+    if workers <= 1 or len(chunks) <= 1:
+        _init_worker(tokenizer, cfg)
+        for c in chunks:
+            yield from _encode_chunk(c)
+        return
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's own threads, per worker
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
+                             initargs=(tokenizer, cfg)) as pool:
+        done = 0
+        for part in pool.map(_encode_chunk, chunks):
+            done += len(part)
+            if done % 50000 < len(part):
+                log.info("tokenised %d of %d conversations", done, len(items))
+            yield from part
+
+
+def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path, workers: int = 1) -> None:
     """Tokenise every conversation once into `final` (a directory), written
-    under a temporary name and renamed into place (atomic)."""
+    under a temporary name and renamed into place (atomic); `workers`
+    processes encode in parallel, with the same bytes as one."""
     import numpy as np
 
     convs = sorted(read_conversations(conversations), key=lambda c: _id_key(c["id"]))
     ids, masks, lengths, names = [], [], [0], []
-    for c in convs:
-        enc = encode_conversation(tokenizer, c["messages"], cfg)
-        if enc is not None:
-            ids.append(np.asarray(enc[0], dtype=np.int32))
-            masks.append(np.asarray(enc[1], dtype=bool))
-            lengths.append(len(enc[0]))
-            names.append(c["id"])
+    for enc in _encoded(cfg, tokenizer, convs, workers):
+        if enc[1] is not None:
+            ids.append(enc[1])
+            masks.append(enc[2])
+            lengths.append(len(enc[1]))
+            names.append(enc[0])
     n_convs = len(convs)
     del convs
     if not names:
@@ -271,19 +315,50 @@ def token_arrays_path(cfg: dict, tokenizer, conversations) -> Path:
     return p.with_name(f"{p.stem}.tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
 
-def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike) -> tuple[TokenArrays, dict]:
+def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike,
+                      workers: int = 1) -> tuple[TokenArrays, dict]:
     """The conversations tokenised (chat template + loss mask), in id order,
     without the samples with fewer than data.min_loss_tokens loss tokens, as
     memory-mapped `TokenArrays`. Tokenised once per (conversations,
     tokenizer, data settings): the first process writes the arrays under a
     file lock, every other process (other ranks, other methods' jobs,
-    resumes) waits for the lock and maps the same file."""
+    resumes) waits for the lock and maps the same file. In the DAG the tokenize
+    rule (`cli_tokenize`, `workers` processes) writes them before any training job."""
     require_file(conversations, "conversations file")
     final = token_arrays_path(cfg, tokenizer, conversations)
     if not (final / "meta.json").exists():
         with _file_lock(final.with_name(final.name + ".lock")):
             if not (final / "meta.json").exists():
                 log.info("tokenising %s into %s", conversations, final)
-                _write_token_arrays(cfg, tokenizer, conversations, final)
+                _write_token_arrays(cfg, tokenizer, conversations, final, workers)
     arrays = TokenArrays(final)
     return arrays, arrays.stats
+
+
+def cli_tokenize(argv) -> int:
+    """The tokenize rule: the training conversations tokenised once, by a pool of
+    processes, before the cache and training jobs (which then map the arrays);
+    `--out` records where the arrays are (a JSON the DAG tracks)."""
+    import argparse
+
+    from ..config import add_config_args, config_from_args
+    from ..paths import RunPaths
+    from ..targets.loading import load_tokenizer
+
+    p = argparse.ArgumentParser(prog="deepspec tokenize", description="tokenise the regenerated conversations once")
+    add_config_args(p)
+    p.add_argument("--conversations", help="regenerated conversations (default: the run's)")
+    p.add_argument("--out", help="record of the token arrays (default: <results>/<target>/regen/tokens.json)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenising processes (default: all CPUs)")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        raise DeepSpecError(f"--workers {args.workers}: at least 1")
+    cfg = config_from_args(args)
+    paths = RunPaths.of(cfg)
+    conversations = args.conversations or paths.conversations()
+    arrays, stats = tokenized_samples(cfg, load_tokenizer(cfg), conversations, workers=args.workers)
+    out = Path(args.out) if args.out else paths.tokens_record()
+    write_json_atomic(out, {"arrays": str(arrays.dir), "samples": len(arrays), "tokens": int(arrays.offsets[-1]),
+                            "digest": arrays.digest, "stats": stats})
+    log.info("%d samples, %d tokens in %s", len(arrays), int(arrays.offsets[-1]), arrays.dir)
+    return 0

@@ -169,9 +169,10 @@ EVAL_RESOURCES = dict(
 
 
 def train_data(wc):
-    """The cache manifest, or with cache.mode: online the conversations themselves."""
+    """The cache manifest, or with cache.mode: online the conversations themselves
+    (and their token arrays, the tokenize rule's)."""
     if CFG["cache"]["mode"] == "online":
-        return PATHS.conversations()
+        return [PATHS.conversations(), PATHS.tokens_record()]
     return PATHS.cache_dir() / "manifest.json"
 
 
