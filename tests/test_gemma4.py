@@ -68,7 +68,21 @@ def test_blocks_for_finds_gemma4_classes(gemma4_target):
     assert b.family == "gemma4" and b.rope_kwargs == {"layer_type": "full_attention"}
     llama = blocks_for(LlamaConfig())
     assert llama.family == "default" and llama.RMSNorm is modeling_llama.LlamaRMSNorm
-    assert llama.apply_rotary_pos_emb is modeling_llama.apply_rotary_pos_emb
+
+
+def test_our_rope_is_transformers_rope():
+    """blocks.rope / apply_rope compute transformers' own apply_rotary_pos_emb
+    (Llama/Qwen3 rotate a q/k pair, Gemma4 one tensor), whatever wraps it."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from deepspec.drafters.blocks import apply_rope, rope
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    for hf in (modeling_llama.apply_rotary_pos_emb, modeling_qwen3.apply_rotary_pos_emb):
+        for ours, theirs in zip(apply_rope(q, k, cos, sin), hf(q, k, cos, sin)):
+            assert torch.equal(ours, theirs)
+    assert torch.equal(rope(q, cos, sin), g4.apply_rotary_pos_emb(q, cos, sin))
 
 
 def test_draft_config_uses_full_attention_geometry(gemma4_target, gemma4_cfg):

@@ -109,6 +109,23 @@ def test_consumers_wait_for_a_server_that_comes_up_late(tiny_target):
             h.server_close()
 
 
+def test_waiting_for_a_refusing_server_stops_once_it_is_known_gone():
+    """A refused connection may come a moment before the supervisor reports its
+    server failed: the wait polls `gone` and stops at once when it says why,
+    not after the whole connect timeout (the race CI once lost)."""
+    calls = []
+
+    def gone():
+        calls.append(1)
+        return "failed: exited with code 3" if len(calls) >= 3 else None
+
+    url = f"http://127.0.0.1:{_free_port()}/v1/chat/completions"
+    t0 = time.monotonic()
+    with pytest.raises(DeepSpecError, match=r"stopped serving \(failed: exited with code 3\)"):
+        wait_for_servers([url], 60, poll_s=0.1, gone=gone)
+    assert time.monotonic() - t0 < 10 and len(calls) == 3
+
+
 def test_refused_urls_fail_within_a_minute_in_one_line(tmp_path):
     """Nothing listening at regenerate.urls: the job fails in one line naming the
     URL (connect_timeout_s, default 30 s), not after retrying every record."""

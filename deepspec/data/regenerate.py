@@ -168,11 +168,13 @@ def _models_url(chat_url: str) -> str:
     return chat_url[: -len("/chat/completions")] + "/models"
 
 
-def wait_for_servers(urls: Sequence[str], timeout_s: float, *, poll_s: float = 1.0) -> float:
+def wait_for_servers(urls: Sequence[str], timeout_s: float, *, poll_s: float = 1.0, gone=None) -> float:
     """Wait until every chat URL's server answers ``GET .../models`` (any HTTP
     answer but a 5xx counts: it is listening), at most `timeout_s` in all;
     returns the seconds waited. A server that never answers fails the job in
-    one line naming its URL, instead of every record failing its retries."""
+    one line naming its URL, instead of every record failing its retries.
+    `gone()`, polled between tries, says why the server will never answer
+    (e.g. its supervisor reported it failed): then fail at once."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     for url in urls:
@@ -188,6 +190,9 @@ def wait_for_servers(urls: Sequence[str], timeout_s: float, *, poll_s: float = 1
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 why = str(getattr(e, "reason", e))
+            why_gone = gone() if gone else None
+            if why_gone:
+                raise DeepSpecError(f"the regeneration server of this run stopped serving ({why_gone})")
             if time.monotonic() + poll_s > deadline:
                 raise DeepSpecError(f"no OpenAI-compatible server answered at {probe} within {timeout_s:g} s ({why}): "
                                     "start one there or fix regenerate.urls / regenerate.server")
@@ -343,13 +348,12 @@ def _regenerate_server(cfg, prompts: list[Prompt], write, fail, bar, *, too_long
                 too_long(p, str(e))
             except RECORD_ERRORS as e:
                 if _refused(e):  # the server is gone (e.g. it crashed): stop in one line, not record by record
-                    try:
+                    try:  # its supervisor may report the crash only a moment after the refusal: poll both
+                        gone = None
                         if own:
                             from .server_status import own_server_gone
-                            why = own_server_gone(*own)
-                            if why:
-                                raise DeepSpecError(f"the regeneration server of this run stopped serving ({why})")
-                        wait_for_servers([url], regen["connect_timeout_s"])
+                            gone = lambda: own_server_gone(*own)  # noqa: E731
+                        wait_for_servers([url], regen["connect_timeout_s"], poll_s=0.5 if own else 1.0, gone=gone)
                     except DeepSpecError:
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise

@@ -13,22 +13,31 @@ from __future__ import annotations
 
 import copy
 import importlib
-import inspect
 from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.models.llama import modeling_llama
 
 from ..architectures import ARCHITECTURES, check_model_type, same_layers  # noqa: F401
 
-def _pair_rope(apply):
-    """HF's rotary helper as a (q, k) pair function: Gemma4's rotates one tensor."""
-    if "k" in inspect.signature(apply).parameters:
-        return apply
-    return lambda q, k, cos, sin: (apply(q, cos, sin), apply(k, cos, sin))
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate one [B, H, L, hd] tensor by cos/sin [B, L, hd]: x cos + rotate_half(x) sin,
+    the formula of every architecture here (transformers' per-model
+    apply_rotary_pos_emb; its module global is not called, since transformers
+    >= 5.25 may replace it by a kernels wrapper of another signature)."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` on a (q, k) pair."""
+    return rope(q, cos, sin), rope(k, cos, sin)
 
 
 def blocks_for(config) -> SimpleNamespace:
@@ -44,15 +53,9 @@ def blocks_for(config) -> SimpleNamespace:
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     ns = SimpleNamespace(**{n: getattr(mod, prefix + n) for n in ("Attention", "MLP", "RotaryEmbedding", "DecoderLayer")})
     ns.RMSNorm = getattr(mod, norm)
-    ns.apply_rotary_pos_emb = _pair_rope(mod.apply_rotary_pos_emb)
     ns.family = "gemma4" if module.startswith("gemma4") else "default"
     ns.rope_kwargs = {"layer_type": "full_attention"} if ns.family == "gemma4" else {}
     return ns
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply=modeling_llama.apply_rotary_pos_emb):
-    """Rotate one [B, H, L, hd] tensor (HF's helper rotates a q/k pair)."""
-    return apply(x, x, cos, sin)[0]
 
 
 def attention(attn: nn.Module, q, k, v, mask) -> torch.Tensor:
@@ -91,10 +94,16 @@ def flex_attend(q, k, v, block_mask: BlockMask, scale: float) -> torch.Tensor:
     dtype (as sdpa is under autocast), else to q's dtype."""
     dev = q.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
-    fn = flex_attention
+    fn, options = flex_attention, None
     if dev == "cuda":
         fn = _COMPILED_FLEX.setdefault("cuda", torch.compile(flex_attention))
-    out = fn(q.to(dt), k.to(dt), v.to(dt), block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        # Below 128 queries inductor picks its decoding kernel, whose BLOCK_M (the
+        # next power of two of queries x GQA group) exceeds the BlockMask's 128-wide
+        # blocks past 64 grouped queries: "NoValidChoicesError" (torch 2.11, seen on
+        # an H200 with 16 anchors x block 7). Training is no decoding: the main kernel.
+        options = {"FORCE_USE_FLEX_ATTENTION": True}
+    out = fn(q.to(dt), k.to(dt), v.to(dt), block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1],
+             kernel_options=options)
     return out.transpose(1, 2)
 
 

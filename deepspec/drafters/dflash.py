@@ -46,7 +46,7 @@ from ..core import verify
 from ..core.decode import Proposal
 from ..core.train_step import block_step
 from .base import DrafterBase
-from .blocks import attention, rope, stack_padded, uses_flex
+from .blocks import apply_rope, attention, rope, stack_padded, uses_flex
 
 
 def heads(lin, norm, x, head_dim: int) -> torch.Tensor:
@@ -67,7 +67,6 @@ class KVInjectionLayer(nn.Module):
         self.mlp = blocks.MLP(config)
         self.input_layernorm = blocks.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = blocks.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self._rope_fn = blocks.apply_rotary_pos_emb
 
     def _proj(self, lin, norm, x):
         return heads(lin, norm, x, self.self_attn.head_dim)
@@ -75,7 +74,7 @@ class KVInjectionLayer(nn.Module):
     def context_kv(self, ctx, cos, sin):
         """K/V of the injected context H_ctx [B, Lc, d] (rotated at context positions)."""
         a = self.self_attn
-        k = rope(self._proj(a.k_proj, getattr(a, "k_norm", None), ctx), cos, sin, self._rope_fn)
+        k = rope(self._proj(a.k_proj, getattr(a, "k_norm", None), ctx), cos, sin)
         v = self._proj(a.v_proj, None, ctx)
         return k, v
 
@@ -85,7 +84,7 @@ class KVInjectionLayer(nn.Module):
         q = self._proj(a.q_proj, getattr(a, "q_norm", None), h)
         k = self._proj(a.k_proj, getattr(a, "k_norm", None), h)
         v = self._proj(a.v_proj, None, h)
-        q, k = self._rope_fn(q, k, cos, sin)
+        q, k = apply_rope(q, k, cos, sin)
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
         x = x + a.o_proj(attention(a, q, k, v, mask))
@@ -117,7 +116,6 @@ class Gemma4KVInjectionLayer(nn.Module):
         self.pre_feedforward_layernorm = blocks.RMSNorm(d, eps=eps)
         self.post_feedforward_layernorm = blocks.RMSNorm(d, eps=eps)
         self.register_buffer("layer_scalar", torch.ones(1))
-        self._rope_fn = blocks.apply_rotary_pos_emb
 
     def _kv(self, x):
         """Un-rotated K (k_norm) and V (scale-free v_norm) of x, [B, Hkv, L, hd]."""
@@ -128,14 +126,14 @@ class Gemma4KVInjectionLayer(nn.Module):
 
     def context_kv(self, ctx, cos, sin):
         k, v = self._kv(ctx)
-        return rope(k, cos, sin, self._rope_fn), v
+        return rope(k, cos, sin), v
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, mask: Optional[torch.Tensor]):
         a = self.self_attn
         h = self.input_layernorm(x)
         q = heads(a.q_proj, a.q_norm, h, a.head_dim)
         k, v = self._kv(h)
-        q, k = self._rope_fn(q, k, cos, sin)
+        q, k = apply_rope(q, k, cos, sin)
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
         x = x + self.post_attention_layernorm(a.o_proj(attention(a, q, k, v, mask)))
