@@ -23,7 +23,8 @@ if [ "${1:-}" = "--prepare" ]; then
   echo "wheels for the GPU machine in $dest: carry it with the check"
   exit 0
 fi
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+# (only where python3 is the 3.12 they were downloaded for: a .whl/ left in a checkout must not break the CPU check)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/deepspec-site .whl/*.whl
   export PYTHONPATH="/tmp/deepspec-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
