@@ -94,6 +94,7 @@ def _released_checkpoint(cfg, method: str, out: Path) -> Path:
     return write_reference(d, target, out, config=ref, shards=2)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("rehearsal", sorted(REHEARSALS))
 def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):

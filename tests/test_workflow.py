@@ -154,6 +154,7 @@ def test_bad_config_key_stops_the_run(tmp_path):
     assert r.returncode != 0 and "unknown key 'trian'" in (r.stdout + r.stderr)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_tiny_preset_end_to_end(tmp_path, shared_data):
     copy_workflow(tmp_path)
@@ -317,6 +318,7 @@ def test_slurm_profile_warns_training_before_the_time_limit(tmp_path):
     assert signalled == ["train"], jobs[:3]
 
 
+@pytest.mark.e2e
 def test_sigterm_to_the_train_job_writes_a_checkpoint(tmp_path):
     """NR2: SIGTERM to a train job's shell (what Snakemake holds, and what SLURM's
     warning ahead of the time limit reaches first) reaches the trainer, which the shell
@@ -396,6 +398,7 @@ def _server_config(port) -> str:
             "threads: 1}}")
 
 
+@pytest.mark.e2e
 def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     """With regenerate.server the server is a service job grouped with the
     shards, and the baselines and evaluations wait for the merged conversations
@@ -431,6 +434,7 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
                                            r"'(vllm|\S+ -m vllm.entrypoints.cli.main) serve .*--port \{port\} ", out), out[-3000:]
 
 
+@pytest.mark.e2e
 def test_regeneration_server_is_started_and_stopped_by_the_dag(tmp_path, shared_data):
     """The tiny preset regenerates through `deepspec serve` started by the
     regenerate_server rule on a port chosen when it starts (port null): the
@@ -499,6 +503,7 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
+@pytest.mark.e2e
 def test_a_stale_server_on_the_port_is_never_used(tmp_path, shared_data):
     """R2/R5: a stale server of the same served name holds the preset's port (an
     earlier run's, after a SIGKILL of snakemake). The DAG's own server cannot have
