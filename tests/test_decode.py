@@ -215,28 +215,47 @@ def test_greedy_real_drafters_equal_plain(tiny_target, tiny_cfg, real_drafter):
     assert gen.rounds and max(r["proposal_len"] for r in gen.rounds) == 7  # block 7 / TTT 7 proposals
 
 
-def test_lm_head_in_chunks_same_logits(tiny_target, monkeypatch):
-    """The chunked LM head of multi-row forwards (core/target.py) gives the same logits
-    bit for bit, in slices (counted), and leaves one-row forwards to the plain head."""
+def test_prepacked_linears_give_the_targets_logits(tiny_target):
+    """The oneDNN-prepacked linear layers of CPU decoding (core/target.py) give the
+    target's logits up to rounding, through every linear layer (counted), one pack
+    per weight, redone when a weight changes; modules are restored; with gradients
+    they change nothing."""
     from deepspec.core import target as target_mod
-    from deepspec.core.batch_cache import engine_cache
 
-    V = tiny_target.vocab_size
-    monkeypatch.setattr(target_mod, "LM_HEAD_CHUNK", 96)  # several slices and a ragged last one
     ids = torch.tensor([PROMPT[:6]])
-    calls = []  # rows of each matmul with (a slice of) the head's weight
-    real, head_mem = torch.nn.functional.linear, tiny_target.lm_head.weight.untyped_storage().data_ptr()
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: (
-        w.untyped_storage().data_ptr() == head_mem and calls.append(w.shape[0])) or real(x, w, b))
+    linears = [m for m in tiny_target.model.modules() if isinstance(m, torch.nn.Linear)]
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
     with torch.no_grad():
         ref = tiny_target.model(input_ids=ids).logits
-        calls.clear()
-        with target_mod.lm_head_in_chunks(tiny_target, chunk=96):
+        with target_mod.prepacked_linears(tiny_target):
+            assert all("forward" in vars(m) for m in linears)
             got = tiny_target.model(input_ids=ids).logits
-            assert len(calls) == math.ceil(V / 96) and sum(calls) == V and max(calls) == 96
-            calls.clear()
-            one, _ = decode.target_forward(tiny_target, ids[:, :1], engine_cache(), None)
-            assert calls == [V]  # one row: the whole head in one matmul
-        assert "forward" not in vars(tiny_target.lm_head)  # restored
-    assert torch.equal(ref, got)
-    assert torch.equal(one, tiny_target.model(input_ids=ids[:, :1]).logits)
+            one = tiny_target.model(input_ids=ids[:, :1]).logits
+        assert not any("forward" in vars(m) for m in linears)  # restored
+        packs = dict(tiny_target._packed_linears)
+        assert len(packs) == len(linears)
+        with target_mod.prepacked_linears(tiny_target):
+            assert {k: v[2] for k, v in tiny_target._packed_linears.items()} == {k: v[2] for k, v in packs.items()}
+            torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or real(*a)
+            try:
+                tiny_target.model(input_ids=ids)
+            finally:
+                torch.ops.mkldnn._linear_pointwise = real
+        assert len(calls) == len(linears)
+    assert torch.allclose(ref, got, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(one, tiny_target.model(input_ids=ids[:, :1]).logits.detach(), atol=1e-4, rtol=1e-4)
+    head = tiny_target.lm_head
+    saved = head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            head.weight.mul_(2.0)
+            with target_mod.prepacked_linears(tiny_target):
+                doubled = tiny_target.model(input_ids=ids).logits
+            assert torch.allclose(doubled, tiny_target.model(input_ids=ids).logits, atol=2e-4, rtol=1e-4)  # repacked
+            assert not torch.allclose(doubled, got)
+    finally:
+        with torch.no_grad():
+            head.weight.copy_(saved)
+    with target_mod.prepacked_linears(tiny_target):  # gradients on: nothing changes
+        assert not any("forward" in vars(m) for m in linears)
