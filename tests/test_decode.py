@@ -215,7 +215,7 @@ def test_greedy_real_drafters_equal_plain(tiny_target, tiny_cfg, real_drafter):
     assert gen.rounds and max(r["proposal_len"] for r in gen.rounds) == 7  # block 7 / TTT 7 proposals
 
 
-def test_prepacked_linears_give_the_targets_logits(tiny_target):
+def test_prepacked_linears_give_the_targets_logits(tiny_target, monkeypatch):
     """The oneDNN-prepacked linear layers of CPU decoding (core/target.py) give the
     target's logits up to rounding, through every linear layer (counted), one pack
     per weight, redone when a weight changes; modules are restored; with gradients
@@ -224,6 +224,9 @@ def test_prepacked_linears_give_the_targets_logits(tiny_target):
 
     ids = torch.tensor([PROMPT[:6]])
     linears = [m for m in tiny_target.model.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad(), target_mod.prepacked_linears(tiny_target):  # target.cpu_matmul: torch (the default)
+        assert not any("forward" in vars(m) for m in linears)
+    monkeypatch.setattr(tiny_target, "packed_matmuls", True)
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     with torch.no_grad():

@@ -25,6 +25,7 @@ class Target:
     target_id: str
     revision: Optional[str] = None
     eos_token_ids: tuple = field(default_factory=tuple)
+    packed_matmuls: bool = False  # decoding's CPU linear layers through oneDNN (`prepacked_linears`; target.cpu_matmul)
 
     @property
     def config(self):
@@ -178,10 +179,12 @@ def prepacked_linears(target: "Target"):
     few rows of a decode or verification step: a one-token forward of SmolLM2-135M
     1.6x faster, an 8-token verification 1.7x (docs/PERFORMANCE.md). The packs are
     kept on the target and redone if a weight changes. The logits differ from
-    MKL's in rounding (~1e-4 absolute); every forward of the decoding loops and the
-    engine goes through here, so plain and speculative decoding see the same kernels.
-    Elsewhere (gradients, GPU, other dtypes, no oneDNN) it changes nothing."""
-    if torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
+    MKL's in rounding (~1e-4 absolute), so greedy rounds may differ from an engine's
+    at near-ties; every forward of the decoding loops and the engine goes through
+    here, so plain and speculative decoding see the same kernels.
+    Only for a target with `packed_matmuls` (target.cpu_matmul: onednn); elsewhere
+    (gradients, GPU, other dtypes, no oneDNN) it changes nothing."""
+    if not target.packed_matmuls or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
         yield
         return
     packs = target.__dict__.setdefault("_packed_linears", {})

@@ -229,6 +229,7 @@ def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool
         prepare=prepare,
     )
     target.check_feature_layers(t["feature_layers"])
+    target.packed_matmuls = t["cpu_matmul"] == "onednn"
     return target
 
 
