@@ -215,6 +215,33 @@ def test_greedy_real_drafters_equal_plain(tiny_target, tiny_cfg, real_drafter):
     assert gen.rounds and max(r["proposal_len"] for r in gen.rounds) == 7  # block 7 / TTT 7 proposals
 
 
+def test_lm_head_in_chunks_same_logits(tiny_target, monkeypatch):
+    """The chunked LM head of multi-row forwards (core/target.py) gives the same logits
+    bit for bit, in slices (counted), and leaves one-row forwards to the plain head."""
+    from deepspec.core import target as target_mod
+    from deepspec.core.batch_cache import engine_cache
+
+    V = tiny_target.vocab_size
+    monkeypatch.setattr(target_mod, "LM_HEAD_CHUNK", 96)  # several slices and a ragged last one
+    ids = torch.tensor([PROMPT[:6]])
+    calls = []  # rows of each matmul with (a slice of) the head's weight
+    real, head_mem = torch.nn.functional.linear, tiny_target.lm_head.weight.untyped_storage().data_ptr()
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: (
+        w.untyped_storage().data_ptr() == head_mem and calls.append(w.shape[0])) or real(x, w, b))
+    with torch.no_grad():
+        ref = tiny_target.model(input_ids=ids).logits
+        calls.clear()
+        with target_mod.lm_head_in_chunks(tiny_target, chunk=96):
+            got = tiny_target.model(input_ids=ids).logits
+            assert len(calls) == math.ceil(V / 96) and sum(calls) == V and max(calls) == 96
+            calls.clear()
+            one, _ = decode.target_forward(tiny_target, ids[:, :1], engine_cache(), None)
+            assert calls == [V]  # one row: the whole head in one matmul
+        assert "forward" not in vars(tiny_target.lm_head)  # restored
+    assert torch.equal(ref, got)
+    assert torch.equal(one, tiny_target.model(input_ids=ids[:, :1]).logits)
+
+
 def test_prepacked_linears_give_the_targets_logits(tiny_target, monkeypatch):
     """The oneDNN-prepacked linear layers of CPU decoding (core/target.py) give the
     target's logits up to rounding, through every linear layer (counted), one pack

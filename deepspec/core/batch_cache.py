@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .target import Target, cache_kwarg, prepacked_linears, select_features
+from .target import Target, cache_kwarg, lm_head_in_chunks, prepacked_linears, select_features
 
 COMPACT_FRACTION = 0.25  # compact when slots no row needs exceed this share of the cache
 
@@ -374,7 +374,7 @@ class BatchKV:
         pos = self.valid.sum(1, keepdim=True) + torch.arange(W, device=ids.device)[None]
         groups = None if self.contiguous else row_groups(self.length + W - self.valid.int().argmax(1))
         with _grouped_query_sdpa(ids.device.type == "cpu"), _ragged_attention(target.model, groups), \
-                prepacked_linears(target):
+                prepacked_linears(target), lm_head_in_chunks(target):
             out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
                                use_cache=True, output_hidden_states=layers is not None,
                                **{cache_kwarg(target.model): self.cache})

@@ -26,7 +26,7 @@ import torch
 from ..errors import DeepSpecError
 from .batch_cache import engine_cache
 from .scheduler import profile_sps, truncate_by_threshold
-from .target import Target, cache_kwarg, crop_cache, prepacked_linears, new_cache, select_features
+from .target import Target, cache_kwarg, crop_cache, lm_head_in_chunks, new_cache, prepacked_linears, select_features
 from .verify import (cut_at_eos, greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
                      sample, verify_chain)
 
@@ -46,8 +46,10 @@ def sync_device(device: torch.device) -> None:
 def target_forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Sequence[int]], last_only: bool = False):
     """One KV-cached target forward: logits [1, n or 1, V] and features [1, n, m*d] (or None).
     The target's linear layers run on weights packed once for the CPU's kernels
-    (`target.prepacked_linears`; nothing changes elsewhere)."""
-    with prepacked_linears(target):
+    with target.cpu_matmul onednn (`target.prepacked_linears`); else the LM head runs
+    in vocabulary chunks where that is faster (`target.lm_head_in_chunks`; the same
+    logits bit for bit)."""
+    with prepacked_linears(target), lm_head_in_chunks(target):
         out = target.model(
             input_ids=ids,
             **{cache_kwarg(target.model): cache},

@@ -205,3 +205,39 @@ def prepacked_linears(target: "Target"):
     finally:
         for module in patched:
             del module.forward
+
+
+# Rows of the LM head per matmul when `lm_head_in_chunks` splits it. MKL's sgemm for a
+# few rows against the 49k x 576 head of SmolLM2 packs the whole head per call; in
+# 1,024-row slices (2.4 MB) it runs 1.5x faster at one thread (benchmarks/bench_vllm.py,
+# docs/PERFORMANCE.md). Every logit is the same dot product either way, so the logits
+# are the same bit for bit (tests/test_decode.py). At two threads each slice is a
+# parallel region of its own, so it is done at one thread only.
+LM_HEAD_CHUNK = 1024
+
+
+@contextlib.contextmanager
+def lm_head_in_chunks(target: "Target", chunk: int = LM_HEAD_CHUNK):
+    """Within this context the target's LM head (an fp32 nn.Linear on the CPU, no
+    gradients, one thread) computes its logits `chunk` vocabulary rows at a time,
+    for inputs of more than one row; otherwise it is left as it is."""
+    head = target.model.get_output_embeddings()
+    w = getattr(head, "weight", None)
+    if (not isinstance(head, torch.nn.Linear) or w is None or w.device.type != "cpu" or w.dtype != torch.float32
+            or torch.is_grad_enabled() or torch.get_num_threads() != 1 or w.shape[0] <= chunk
+            or "forward" in vars(head)):
+        yield
+        return
+    bias = head.bias
+
+    def forward(x):
+        if x.numel() // max(1, x.shape[-1]) < 2:
+            return torch.nn.functional.linear(x, w, bias)
+        return torch.cat([torch.nn.functional.linear(x, w[i : i + chunk], None if bias is None else bias[i : i + chunk])
+                          for i in range(0, w.shape[0], chunk)], -1)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
