@@ -289,3 +289,41 @@ def test_prepacked_linears_give_the_targets_logits(tiny_target, monkeypatch):
             head.weight.copy_(saved)
     with target_mod.prepacked_linears(tiny_target):  # gradients on: nothing changes
         assert not any("forward" in vars(m) for m in linears)
+
+
+@pytest.mark.parametrize("method,extra", [("eagle3", {"draft_vocab_size": 300}), ("dspark", {})])
+def test_the_drafters_matmuls_are_packed_with_the_targets(tiny_target, tiny_cfg, monkeypatch, method, extra):
+    """With target.cpu_matmul onednn the drafter's proposals multiply through the same
+    packed kernels as the target (its linear layers and its draft head, counted): the
+    proposals are the unpacked ones up to rounding, the drafter's modules are restored,
+    and greedy speculative decoding still reproduces plain greedy decoding."""
+    from deepspec.core import target as target_mod
+    from helpers import random_drafter
+
+    d, _ = random_drafter(method, tiny_target, tiny_cfg, **extra)
+    layers = d.config.deepspec_feature_layers
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = tiny_target.model(input_ids=ids, output_hidden_states=True)
+    feats = target_mod.select_features(out.hidden_states, layers)
+    tokens = torch.tensor([PROMPT + [int(out.logits[0, -1].argmax())]])
+
+    def propose():
+        return d.propose(d.init_state(), feats, tokens, temperature=1.0, generator=torch.Generator().manual_seed(3))
+
+    ref = propose()
+    monkeypatch.setattr(tiny_target, "packed_matmuls", True)
+    linears = [m for m in d.modules() if isinstance(m, torch.nn.Linear)]
+    calls, real = [], torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[1]) or real(*a))
+    with torch.no_grad(), target_mod.prepacked_linears(tiny_target, d):
+        got = propose()
+    assert not any("forward" in vars(m) for m in linears)  # restored
+    packed = {id(v[2]): v[0] for v in tiny_target._packed_linears.values()}
+    used = {id(packed[id(c)]) for c in calls}
+    assert {id(m.weight) for m in linears} <= used  # every linear layer of the drafter
+    assert id(d._shared.head_w) in used  # and its draft head
+    assert torch.allclose(got.probs, ref.probs, atol=1e-4)
+    kw = dict(max_new_tokens=24, temperature=0.0)
+    plain = plain_generate(tiny_target, PROMPT, **kw).tokens
+    assert speculative_generate(tiny_target, d, PROMPT, feature_layers=layers, **kw).tokens == plain

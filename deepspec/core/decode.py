@@ -125,7 +125,8 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     the verified tokens."""
     device = target.device
     t_draft = time.perf_counter()
-    prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator)
+    with prepacked_linears(target, drafter):  # the drafter's matmuls through the same kernels as the target's
+        prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator)
     _check_proposal(prop, target.vocab_size)
     sync_device(device)
     t_verify = time.perf_counter()

@@ -44,7 +44,7 @@ from .batch_cache import BatchKV, cache_bytes_per_token, engine_cache, has_slidi
 from .decode import Proposal, Round, target_forward, sync_device, round_record, verify_rows
 from .policies import FixedGamma
 from .scheduler import SPSCurve, profile_sps
-from .target import Target
+from .target import Target, prepacked_linears
 from .verify import logits_to_probs, sample
 
 
@@ -208,7 +208,11 @@ class BatchedEngine:
         dev, R = self.target.device, len(rows)
         sync_device(dev)
         t0 = time.perf_counter()
-        props = [Proposal(torch.zeros(1, 0, dtype=torch.long), None)] * R if self.drafter is None else self._propose(rows)
+        if self.drafter is None:
+            props = [Proposal(torch.zeros(1, 0, dtype=torch.long), None)] * R
+        else:
+            with prepacked_linears(self.target, self.drafter):  # the drafter's matmuls as the target's
+                props = self._propose(rows)
         ells = [0] * R if self.drafter is None else [int(x) for x in self.policy.lengths(props)]
         sync_device(dev)
         t1 = time.perf_counter()

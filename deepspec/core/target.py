@@ -7,6 +7,7 @@ hidden state, embedding and LM head, and its chat template. Loading targets
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -164,24 +165,41 @@ def crop_cache(cache, length: int) -> None:
 PACK_ROWS = 8
 
 
-def _packable(module: torch.nn.Module) -> bool:
-    w = getattr(module, "weight", None)
-    return (isinstance(module, torch.nn.Linear) and w is not None and w.device.type == "cpu"
-            and w.dtype == torch.float32 and "forward" not in vars(module))
+def _packable(w: Optional[torch.Tensor]) -> bool:
+    # (oneDNN crashes with SIGFPE on a zero-width weight, such as DFlash's empty Markov factor)
+    return (w is not None and w.dim() == 2 and w.numel() > 0 and w.device.type == "cpu"
+            and w.dtype == torch.float32)
+
+
+# The packs of the `prepacked_linears` context in force ({id(weight): (weight, version, pack)}), or None.
+_PACKS: contextvars.ContextVar = contextvars.ContextVar("deepspec_packed_linears", default=None)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, w, b); inside `prepacked_linears`, through oneDNN on w packed once
+    (the pack is redone if w changes). The drafters' own heads multiply through here."""
+    packs = _PACKS.get()
+    if packs is None or not _packable(w) or x.dtype != w.dtype or x.device != w.device:
+        return torch.nn.functional.linear(x, w, b)
+    key = id(w)
+    if key not in packs or packs[key][0] is not w or packs[key][1] != w._version:
+        packs[key] = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS))
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packs[key][2], b, "none", [], "")
 
 
 @contextlib.contextmanager
-def prepacked_linears(target: "Target"):
-    """Within this context (no gradients, CPU, fp32) every linear layer of the
-    target, the LM head included, multiplies through oneDNN with its weight packed
-    once for the CPU's kernels (torch.ops.mkldnn, the path vLLM's CPU backend
-    takes), instead of MKL's sgemm, which re-packs the weight at every call for the
-    few rows of a decode or verification step: a one-token forward of SmolLM2-135M
-    1.6x faster, an 8-token verification 1.7x (docs/PERFORMANCE.md). The packs are
-    kept on the target and redone if a weight changes. The logits differ from
-    MKL's in rounding (~1e-4 absolute), so greedy rounds may differ from an engine's
-    at near-ties; every forward of the decoding loops and the engine goes through
-    here, so plain and speculative decoding see the same kernels.
+def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None):
+    """Within this context (no gradients, CPU, fp32) every linear layer of `module`
+    (default: the target, its LM head included) and every `packed_linear` call
+    multiplies through oneDNN with its weight packed once for the CPU's kernels
+    (torch.ops.mkldnn, the path vLLM's CPU backend takes), instead of MKL's sgemm,
+    which re-packs the weight at every call for the few rows of a decode or
+    verification step: a one-token forward of SmolLM2-135M 1.6x faster, an 8-token
+    verification 1.7x, an Eagle3 draft round 2x (docs/PERFORMANCE.md). The packs are
+    kept on the target (a drafter's with them) and redone if a weight changes. The
+    logits differ from MKL's in rounding (~1e-4 absolute), so greedy rounds may
+    differ from an engine's at near-ties; every forward of the decoding loops and
+    the engine goes through here, so plain and speculative decoding see the same kernels.
     Only for a target with `packed_matmuls` (target.cpu_matmul: onednn); elsewhere
     (gradients, GPU, other dtypes, no oneDNN) it changes nothing."""
     if not target.packed_matmuls or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
@@ -189,22 +207,17 @@ def prepacked_linears(target: "Target"):
         return
     packs = target.__dict__.setdefault("_packed_linears", {})
     patched = []
-    for module in target.model.modules():
-        if not _packable(module):
-            continue
-        w, bias = module.weight, module.bias
-        key = id(module)
-        if key not in packs or packs[key][0] is not w or packs[key][1] != w._version:
-            packs[key] = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS))
-        packed = packs[key][2]
-        module.forward = lambda x, packed=packed, bias=bias: torch.ops.mkldnn._linear_pointwise(
-            x, packed, bias, "none", [], "")
-        patched.append(module)
+    for m in (target.model if module is None else module).modules():
+        if isinstance(m, torch.nn.Linear) and _packable(m.weight) and "forward" not in vars(m):
+            m.forward = lambda x, w=m.weight, b=m.bias: packed_linear(x, w, b)
+            patched.append(m)
+    token = _PACKS.set(packs)
     try:
         yield
     finally:
-        for module in patched:
-            del module.forward
+        _PACKS.reset(token)
+        for m in patched:
+            del m.forward
 
 
 # Rows of the LM head per matmul when `lm_head_in_chunks` splits it. MKL's sgemm for a

@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 
 from ..architectures import draft_model_type, layer_arch_of, same_layers
+from ..core.target import packed_linear
 from ..errors import DeepSpecError
 from .blocks import blocks_for, gemma4_draft_config, qwen3_draft_config
 
@@ -236,7 +236,7 @@ class DrafterBase(PreTrainedModel):
         self._require_target()
         w, b = self._shared.head_w, self._shared.head_b
         # Cast the activations, not the V x d head: no full-vocab weight copy per call.
-        return self._softcap(F.linear(h.to(w.dtype), w, b).to(h.dtype))
+        return self._softcap(packed_linear(h.to(w.dtype), w, b).to(h.dtype))  # F.linear but in prepacked_linears
 
     def _softcap(self, z: torch.Tensor) -> torch.Tensor:
         cap = self._shared.softcap
