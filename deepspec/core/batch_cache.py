@@ -17,7 +17,7 @@ What the padding would otherwise cost is avoided where it is cheap:
 concatenating; a joining request takes a left row in place (`BatchKV.put_many`);
 rows attend in groups over only the keys each group needs (`row_groups`,
 `_ragged_sdpa`); on CPU torch's sdpa groups the query heads itself
-(`_grouped_query_sdpa`).
+(`grouped_query_sdpa`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ COMPACT_FRACTION = 0.25  # compact when slots no row needs exceed this share of 
 
 
 @contextlib.contextmanager
-def _grouped_query_sdpa(on: bool):
+def grouped_query_sdpa(on: bool):
     """transformers' sdpa attention copies K/V once per query head (repeat_kv)
     whenever there is an attention mask, unless TRANSFORMERS_SDPA_FORCE_GQA=1
     lets torch's sdpa group the heads itself. On CPU that is exact and 1.8-2.6x
@@ -373,7 +373,7 @@ class BatchKV:
         chunk = torch.arange(W, device=ids.device)[None] < widths[:, None]
         pos = self.valid.sum(1, keepdim=True) + torch.arange(W, device=ids.device)[None]
         groups = None if self.contiguous else row_groups(self.length + W - self.valid.int().argmax(1))
-        with _grouped_query_sdpa(ids.device.type == "cpu"), _ragged_attention(target.model, groups), \
+        with grouped_query_sdpa(ids.device.type == "cpu"), _ragged_attention(target.model, groups), \
                 prepacked_linears(target), lm_head_in_chunks(target):
             out = target.model(input_ids=ids, attention_mask=torch.cat([self.valid, chunk], 1).long(), position_ids=pos,
                                use_cache=True, output_hidden_states=layers is not None,

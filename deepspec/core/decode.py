@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..errors import DeepSpecError
-from .batch_cache import engine_cache
+from .batch_cache import engine_cache, grouped_query_sdpa
 from .scheduler import profile_sps, truncate_by_threshold
 from .target import Target, cache_kwarg, crop_cache, lm_head_in_chunks, new_cache, prepacked_linears, select_features
 from .verify import (cut_at_eos, greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
@@ -48,8 +48,9 @@ def target_forward(target: Target, ids: torch.Tensor, cache, layers: Optional[Se
     The target's linear layers run on weights packed once for the CPU's kernels
     with target.cpu_matmul onednn (`target.prepacked_linears`); else the LM head runs
     in vocabulary chunks where that is faster (`target.lm_head_in_chunks`; the same
-    logits bit for bit)."""
-    with prepacked_linears(target), lm_head_in_chunks(target):
+    logits bit for bit). Masked attention (a verification forward) groups the query heads
+    in torch's sdpa instead of copying K/V per head, as the engine's forward does."""
+    with prepacked_linears(target), lm_head_in_chunks(target), grouped_query_sdpa(ids.device.type == "cpu"):
         out = target.model(
             input_ids=ids,
             **{cache_kwarg(target.model): cache},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -175,16 +176,25 @@ def _packable(w: Optional[torch.Tensor]) -> bool:
 _PACKS: contextvars.ContextVar = contextvars.ContextVar("deepspec_packed_linears", default=None)
 
 
+def _pack(packs: dict, w: torch.Tensor) -> torch.Tensor:
+    """w packed for oneDNN, packed once and again only if w was replaced or changed in place."""
+    e = packs.get(id(w))
+    if e is None or e[0] is not w or e[1] != w._version:
+        e = packs[id(w)] = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS))
+    return e[2]
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 def packed_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, b); inside `prepacked_linears`, through oneDNN on w packed once
-    (the pack is redone if w changes). The drafters' own heads multiply through here."""
+    """F.linear(x, w, b); inside `prepacked_linears`, through oneDNN on w packed once.
+    The drafters' own heads multiply through here."""
     packs = _PACKS.get()
     if packs is None or not _packable(w) or x.dtype != w.dtype or x.device != w.device:
         return torch.nn.functional.linear(x, w, b)
-    key = id(w)
-    if key not in packs or packs[key][0] is not w or packs[key][1] != w._version:
-        packs[key] = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS))
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packs[key][2], b, "none", [], "")
+    return _onednn_linear(x, _pack(packs, w), b)
 
 
 @contextlib.contextmanager
@@ -205,11 +215,15 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
     if not target.packed_matmuls or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
         yield
         return
+    module = target.model if module is None else module
     packs = target.__dict__.setdefault("_packed_linears", {})
+    found = target.__dict__.setdefault("_linear_modules", {})  # per module: its linear layers, listed once
+    if id(module) not in found or found[id(module)][0] is not module:
+        found[id(module)] = (module, [m for m in module.modules() if isinstance(m, torch.nn.Linear)])
     patched = []
-    for m in (target.model if module is None else module).modules():
-        if isinstance(m, torch.nn.Linear) and _packable(m.weight) and "forward" not in vars(m):
-            m.forward = lambda x, w=m.weight, b=m.bias: packed_linear(x, w, b)
+    for m in found[id(module)][1]:
+        if _packable(m.weight) and "forward" not in m.__dict__:  # (the instance's dict: a forward of its own wins)
+            m.__dict__["forward"] = functools.partial(_onednn_linear, packed=_pack(packs, m.weight), bias=m.bias)
             patched.append(m)
     token = _PACKS.set(packs)
     try:
@@ -217,7 +231,7 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
     finally:
         _PACKS.reset(token)
         for m in patched:
-            del m.forward
+            del m.__dict__["forward"]
 
 
 # Rows of the LM head per matmul when `lm_head_in_chunks` splits it. MKL's sgemm for a
