@@ -162,3 +162,64 @@ def test_report_section_shows_failures_taus_and_vllm_patches(tiny_cfg, tmp_path)
     assert "**The serve check failed for eagle3**" in text and "dflash" not in text.split("failed for")[1].split(":")[0]
     assert "| eagle3 | 0.32.0 | yes (2) | yes (30, 1) | 1.0 | 1.200 | 1.250 | **no** |" in text
     assert "vLLM was patched in the checking process" in text and patch in text
+
+
+def test_a_round_parted_at_a_near_tie_is_reported_as_one_and_the_comparison_resumes():
+    toks = list(range(10))  # prefill + 9 emitted: ours [1, 3, 2] accepted, vLLM [2, 2, 2]; both meet again at 7
+    ours = _ours(toks, [1, 3, 2])
+    theirs = {"requests": [_vllm(toks, [2, 2, 2])]}
+    calls = []
+
+    def tie(margin):
+        return lambda *a: calls.append(a) or {"position": 2, "margin": margin, "tolerance": 1e-3}
+
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]}, theirs, near_tie=tie(1e-4))
+    assert calls == [(0, 0, 1, 2)]  # prompt 0, our round 0: ours accepted 1, vLLM 2
+    assert g["lossless"] and g["rounds_identical"] and g["near_ties"][0]["margin"] == 1e-4
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]}, theirs, near_tie=tie(0.5))
+    assert not g["rounds_identical"] and g["round_mismatches"][0]["margin"] == 0.5 and not g["near_ties"]
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]}, theirs)
+    assert not g["rounds_identical"] and g["round_mismatches"][0]["what"] == "emitted"
+    # after the sides meet again (position 7), a later difference is one again
+    g = compare_greedy([_ours(toks, [])], [ours], {"requests": [_vllm(toks, [])]},
+                       {"requests": [_vllm(toks, [2, 2, 0, 1])]},
+                       near_tie=lambda i, j, a, b: {"position": 1, "margin": 1e-4 if j == 0 else 0.5, "tolerance": 1e-3})
+    assert len(g["near_ties"]) == 1 and g["round_mismatches"] == [
+        {"prompt": 0, "round": 2, "what": "emitted", "deepspec": 3, "vllm": 1, "position": 1, "margin": 0.5,
+         "tolerance": 1e-3}]
+
+
+def test_the_near_tie_replay_reads_our_drafters_logits(tiny_target, tiny_cfg):
+    """near_tie_replay's margins come from the logits our drafter drew from in that
+    round (recorded here independently, through the drafter's head)."""
+    import torch
+
+    from deepspec.core.decode import speculative_generate
+    from deepspec.evaluation.serve_check import near_tie_replay
+    from helpers import PROMPT, random_drafter
+
+    d, _ = random_drafter("eagle3", tiny_target, tiny_cfg)
+    layers = d.config.deepspec_feature_layers
+    seen, head = [], d.draft_logits
+    d.draft_logits = lambda h: seen.append(head(h)[0, -1]) or head(h)
+    try:
+        g = speculative_generate(tiny_target, d, PROMPT, feature_layers=layers, max_new_tokens=40, temperature=0.0)
+    finally:
+        del d.draft_logits
+    explain = near_tie_replay(tiny_target, d, [PROMPT], feature_layers=layers, max_new_tokens=40, tolerance=1e-3)
+    checked = 0
+    for j, r in enumerate(g.rounds):
+        a, start = r["accepted"], 1 + sum(x["emitted"] for x in g.rounds[:j])
+        if a >= d.gamma or start + a >= len(g.tokens):
+            continue
+        logits = torch.stack(seen[d.gamma * j : d.gamma * (j + 1)])
+        y = int(d.to_draft_ids(torch.tensor(g.tokens[start + a])))
+        if y < 0:
+            continue
+        got = explain(0, j, a, a + 1)  # vLLM accepted one more: our draft at a was the runner-up's loser
+        assert got["position"] == a + 1
+        assert got["margin"] == pytest.approx(float(logits[a].max() - logits[a][y]), abs=1e-5) and got["margin"] > 0
+        top = logits[a].topk(2).values  # had vLLM accepted fewer (a) than ours (a + 1): our two best at a
+        assert explain(0, j, a + 1, a)["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-5)
+        checked += 1
+    assert checked >= 3

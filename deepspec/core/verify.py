@@ -5,6 +5,8 @@ single source of this math for the decode loop, the losses and the metrics.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
@@ -19,9 +21,28 @@ def is_greedy(temperature: float) -> bool:
     return temperature is None or temperature < GREEDY_EPS
 
 
+_RECORDED: contextvars.ContextVar = contextvars.ContextVar("deepspec_recorded_logits", default=None)
+
+
+@contextlib.contextmanager
+def recording_logits():
+    """Within this context every `logits_to_probs` call also appends its logits (a
+    float copy) to the list it yields: the logits a drafter's draws came from, greedy
+    included (evaluation/serve_check.py replays a round to tell a near-tie)."""
+    rec: list = []
+    token = _RECORDED.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDED.reset(token)
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """softmax(logits / T) in fp32; one-hot argmax when T is (near) zero."""
     logits = logits.float()
+    rec = _RECORDED.get()
+    if rec is not None:
+        rec.append(logits.detach().clone())
     if is_greedy(temperature):
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return torch.softmax(logits / temperature, dim=-1)
