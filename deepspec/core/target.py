@@ -218,8 +218,9 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
     module = target.model if module is None else module
     packs = target.__dict__.setdefault("_packed_linears", {})
     found = target.__dict__.setdefault("_linear_modules", {})  # per module: its linear layers, listed once
-    if id(module) not in found or found[id(module)][0] is not module:
-        found[id(module)] = (module, [m for m in module.modules() if isinstance(m, torch.nn.Linear)])
+    if id(module) not in found or found[id(module)][0] is not module:  # (a drafter that is no nn.Module has none)
+        mods = module.modules() if isinstance(module, torch.nn.Module) else []
+        found[id(module)] = (module, [m for m in mods if isinstance(m, torch.nn.Linear)])
     patched = []
     for m in found[id(module)][1]:
         if _packable(m.weight) and "forward" not in m.__dict__:  # (the instance's dict: a forward of its own wins)
