@@ -3,9 +3,9 @@ and Eagle3 drafter, greedy: tokens/s of plain and speculative decoding at each
 concurrency (1 = batch 1; c > 1 = waves of c concurrent requests), the speedups
 and tau on both sides (issue 31, item 5; docs/PERFORMANCE.md).
 
-    python benchmarks/bench_vllm.py --preset smollm2-135m-overfit [--set target.cpu_matmul=onednn]
-        [--drafter DIR] [--n 16] [--max-new 64] [--concurrency 1,4,16] [--threads 2] [--vllm-compile]
-        [--skip-vllm]
+    python benchmarks/bench_vllm.py --preset smollm2-135m-overfit [--set target.cpu_matmul=torch]
+        [--drafter DIR] [--n 16] [--max-new 64] [--concurrency 1,4,16] [--repeats 1] [--threads 2]
+        [--vllm-compile] [--skip-vllm]
 
 The drafter is --drafter, else the preset's trained Eagle3 (results/<...>/drafters/eagle3;
 the smollm2-135m-overfit preset makes one over-fitted to the benchmark prompts, so
@@ -121,8 +121,8 @@ def ratio_interval(s: dict, n_boot: int = 2000):
     return np.quantile(r, [0.025, 0.975])
 
 
-def run(target, drafter, engines, prompts, max_new, conc, pause) -> dict:
-    """{concurrency: {mode: summary}}: every wave through every mode in turn."""
+def run(target, drafter, engines, prompts, max_new, conc, pause, repeats) -> dict:
+    """{concurrency: {mode: summary}}: every wave through every mode in turn, `repeats` passes over the prompts."""
     modes = {"ours plain": lambda w: ours_wave(target, None, w, max_new),
              "ours spec": lambda w: ours_wave(target, drafter, w, max_new)}
     for name, eng in engines.items():
@@ -132,7 +132,8 @@ def run(target, drafter, engines, prompts, max_new, conc, pause) -> dict:
     out = {}
     for c in conc:
         got = {m: [] for m in modes}
-        for i, start in enumerate(range(0, len(prompts), c)):
+        starts = [i for _ in range(repeats) for i in range(0, len(prompts), c)]
+        for i, start in enumerate(starts):
             for m in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
                 time.sleep(pause)  # no process's spinning threads reach into the next one's time
                 got[m].append(modes[m](prompts[start : start + c]))
@@ -146,11 +147,11 @@ def run(target, drafter, engines, prompts, max_new, conc, pause) -> dict:
 
 def report(res, cfg, args, drafter, src, engines, n):
     first = res[min(res)]
-    same = lambda a, b: sum(x == y for x, y in zip(first[a]["outputs"], first[b]["outputs"]))  # noqa: E731
+    same = lambda a, b: sum(x == y for x, y in zip(first[a]["outputs"][:n], first[b]["outputs"][:n]))  # noqa: E731
     print(f"\n{cfg['target']['name']} / {args.benchmark}: {n} prompts x {args.max_new} new tokens, greedy, "
           f"Eagle3 gamma {drafter.gamma} ({src}), {args.threads} threads, {os.cpu_count()} CPUs, target.cpu_matmul "
           f"{cfg['target']['cpu_matmul']}, load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}; "
-          f"interleaved waves")
+          f"interleaved waves, {args.repeats} pass(es)")
     print(f"outputs equal to our plain greedy ones: ours spec {same('ours plain', 'ours spec')}/{n}" +
           "".join(f", {m} {same('ours plain', m)}/{n}" for m in engines))
     if engines:
@@ -181,6 +182,7 @@ def main():
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (a tighter interval)")
     p.add_argument("--pause", type=float, default=0.2, help="seconds between two measured waves")
     p.add_argument("--vllm-compile", action="store_true", help="let vLLM compile its model (default: enforce_eager)")
     p.add_argument("--skip-vllm", action="store_true")
@@ -204,7 +206,7 @@ def main():
         engines["vLLM spec"] = VLLMEngine({**req, "speculative_config": {
             "method": "eagle3", "model": str(export), "num_speculative_tokens": int(drafter.gamma)}})
     try:
-        res = run(target, drafter, engines, prompts, args.max_new, conc, args.pause)
+        res = run(target, drafter, engines, prompts, args.max_new, conc, args.pause, args.repeats)
     finally:
         for e in engines.values():
             e.close()

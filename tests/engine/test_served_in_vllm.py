@@ -37,6 +37,9 @@ def _check_record(rec: dict) -> None:
     g = rec["greedy"]
     assert rec["passed"] and g["lossless"] and g["rounds_identical"], json.dumps(g)[:2000]
     assert g["prompts"] > 0 and g["rounds"] > 0
+    # rounds parted at a near-tie of the drafter's argmax (two engines' kernels round apart) are rare
+    # events; many would mean features that differ by more than rounding
+    assert len(g["near_ties"]) <= 1 + 0.01 * g["rounds"], g["near_ties"]
     assert g["tau_vllm"] is not None and g["tau_vllm"] > 1.0, "the drafter accepts nothing: the check exercises no position"
 
 
