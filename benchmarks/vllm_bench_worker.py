@@ -48,7 +48,8 @@ def main(argv) -> int:
     t0 = time.perf_counter()
     kw = dict(model=req["target"], dtype="float32", max_model_len=int(req.get("max_model_len", 2048)),
               enforce_eager=bool(req.get("enforce_eager", True)), seed=0, disable_log_stats=False,
-              max_num_seqs=int(req.get("max_num_seqs", 16)))
+              max_num_seqs=int(req.get("max_num_seqs", 16)),
+              enable_prefix_caching=False)  # every wave prefills its prompts, as ours does (no reuse across passes)
     if req.get("speculative_config"):
         kw["speculative_config"] = dict(req["speculative_config"])
     llm = LLM(**kw)
