@@ -265,9 +265,9 @@ def test_prepacked_linears_give_the_targets_logits(tiny_target, monkeypatch):
             got = tiny_target.model(input_ids=ids).logits
             one = tiny_target.model(input_ids=ids[:, :1]).logits
         assert not any("forward" in vars(m) for m in linears)  # restored
-        packs = {id(m.weight): tiny_target._packed_linears[id(m.weight)][2] for m in linears}  # one per weight
+        packs = [(m.weight, tiny_target._packed_linears[m.weight][1]) for m in linears]  # one per weight
         with target_mod.prepacked_linears(tiny_target):
-            assert all(tiny_target._packed_linears[k][2] is p for k, p in packs.items())  # not packed again
+            assert all(tiny_target._packed_linears[w][1] is p for w, p in packs)  # not packed again
             torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or real(*a)
             try:
                 tiny_target.model(input_ids=ids)
@@ -320,7 +320,7 @@ def test_the_drafters_matmuls_are_packed_with_the_targets(tiny_target, tiny_cfg,
     with torch.no_grad(), target_mod.prepacked_linears(tiny_target, d):
         got = propose()
     assert not any("forward" in vars(m) for m in linears)  # restored
-    packed = {id(v[2]): v[0] for v in tiny_target._packed_linears.values()}
+    packed = {id(pack): w for w, (_, pack) in tiny_target._packed_linears.items()}
     used = {id(packed[id(c)]) for c in calls}
     assert {id(m.weight) for m in linears} <= used  # every linear layer of the drafter
     assert id(d._shared.head_w) in used  # and its draft head
@@ -328,3 +328,23 @@ def test_the_drafters_matmuls_are_packed_with_the_targets(tiny_target, tiny_cfg,
     kw = dict(max_new_tokens=24, temperature=0.0)
     plain = plain_generate(tiny_target, PROMPT, **kw).tokens
     assert speculative_generate(tiny_target, d, PROMPT, feature_layers=layers, **kw).tokens == plain
+
+
+def test_a_drafters_packs_go_with_it(tiny_target, tiny_cfg, monkeypatch):
+    """The packs kept on the target for a drafter's weights do not keep them alive."""
+    import gc
+
+    from deepspec.core import target as target_mod
+    from helpers import random_drafter
+
+    monkeypatch.setattr(tiny_target, "packed_matmuls", True)
+    d, _ = random_drafter("eagle3", tiny_target, tiny_cfg, draft_vocab_size=300)
+    with torch.no_grad(), target_mod.prepacked_linears(tiny_target, d):
+        pass
+    n = len(tiny_target._packed_linears)
+    k = sum(1 for m in d.modules() if isinstance(m, torch.nn.Linear))
+    assert d in tiny_target._linear_modules and all(m.weight in tiny_target._packed_linears for m in d.modules()
+                                                     if isinstance(m, torch.nn.Linear))
+    del d
+    gc.collect()
+    assert len(tiny_target._packed_linears) == n - k

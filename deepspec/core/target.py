@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import DeepSpecError
 
@@ -172,16 +173,16 @@ def _packable(w: Optional[torch.Tensor]) -> bool:
             and w.dtype == torch.float32)
 
 
-# The packs of the `prepacked_linears` context in force ({id(weight): (weight, version, pack)}), or None.
+# The packs of the `prepacked_linears` context in force ({weight: (version, pack)}, weakly keyed), or None.
 _PACKS: contextvars.ContextVar = contextvars.ContextVar("deepspec_packed_linears", default=None)
 
 
-def _pack(packs: dict, w: torch.Tensor) -> torch.Tensor:
-    """w packed for oneDNN, packed once and again only if w was replaced or changed in place."""
-    e = packs.get(id(w))
-    if e is None or e[0] is not w or e[1] != w._version:
-        e = packs[id(w)] = (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS))
-    return e[2]
+def _pack(packs: WeakIdKeyDictionary, w: torch.Tensor) -> torch.Tensor:
+    """w packed for oneDNN, packed once and again only if w changed in place."""
+    e = packs.get(w)
+    if e is None or e[0] != w._version:
+        e = packs[w] = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS))
+    return e[1]
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -206,7 +207,8 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
     which re-packs the weight at every call for the few rows of a decode or
     verification step: a one-token forward of SmolLM2-135M 1.6x faster, an 8-token
     verification 1.7x, an Eagle3 draft round 2x (docs/PERFORMANCE.md). The packs are
-    kept on the target (a drafter's with them) and redone if a weight changes. The
+    kept on the target (a drafter's with them, for as long as its weights live) and
+    redone if a weight changes. The
     logits differ from MKL's in rounding (~1e-4 absolute), so greedy rounds may
     differ from an engine's at near-ties; every forward of the decoding loops and
     the engine goes through here, so plain and speculative decoding see the same kernels.
@@ -216,15 +218,19 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
         yield
         return
     module = target.model if module is None else module
-    packs = target.__dict__.setdefault("_packed_linears", {})
-    found = target.__dict__.setdefault("_linear_modules", {})  # per module: its linear layers, listed once
-    if id(module) not in found or found[id(module)][0] is not module:  # (a drafter that is no nn.Module has none)
-        mods = module.modules() if isinstance(module, torch.nn.Module) else []
-        found[id(module)] = (module, [m for m in mods if isinstance(m, torch.nn.Linear)])
+    packs = target.__dict__.setdefault("_packed_linears", WeakIdKeyDictionary())
+    found = target.__dict__.setdefault("_linear_modules", WeakIdKeyDictionary())
+    if module not in found:  # its linear layers, listed once: [layer, weight, version, forward or None]
+        mods = module.modules() if isinstance(module, torch.nn.Module) else []  # (a test double has none)
+        found[module] = [[m, None, -1, None] for m in mods if isinstance(m, torch.nn.Linear)]
     patched = []
-    for m in found[id(module)][1]:
-        if _packable(m.weight) and "forward" not in m.__dict__:  # (the instance's dict: a forward of its own wins)
-            m.__dict__["forward"] = functools.partial(_onednn_linear, packed=_pack(packs, m.weight), bias=m.bias)
+    for e in found[module]:
+        m, w = e[0], e[0].weight
+        if e[1] is not w or e[2] != w._version:  # first use, or a weight replaced or changed in place
+            fn = functools.partial(_onednn_linear, packed=_pack(packs, w), bias=m.bias) if _packable(w) else None
+            e[1:] = [w, w._version, fn]
+        if e[3] is not None and "forward" not in m.__dict__:  # (the instance's dict: a forward of its own wins)
+            m.__dict__["forward"] = e[3]
             patched.append(m)
     token = _PACKS.set(packs)
     try:
