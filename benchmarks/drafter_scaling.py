@@ -4,7 +4,7 @@ CPU-seconds each point cost.
 
     python benchmarks/drafter_scaling.py [--preset smollm2-135m] [--tokens 30000 100000 300000]
         [--steps 300 900 2700] [--eagle3-steps 100 300] [--methods dflash dspark eagle3]
-        [--layer-archs target qwen3] [--jobs 2] [--out results/scaling]
+        [--arm NAME KEY=VALUE ...] [--arm NAME2 KEY=VALUE ...] [--jobs 2] [--out results/scaling]
 
 1. Data, through the DAG itself (`snakemake ... cache/manifest.json`, so the
    cost is the presets' cost): a training pool of the preset's sources with
@@ -28,18 +28,22 @@ CPU-seconds each point cost.
    accepted draft), so it is cheap enough for a grid. Intervals: 95 %
    bootstrap over held-out samples.
 
-4. Draft-layer A/B (`--layer-archs target qwen3`): every point once per
-   drafter.layer_arch, with the same seed, data subset and steps, so the arms
-   differ only in their draft layers; paired.csv / paired.md give each arm's
+4. Paired A/B (`--arm base --arm anchors64 train.num_anchors=64 ...`): every
+   point once per arm, an arm being a name and preset overrides (`--set`
+   syntax; `--layer-archs target qwen3` is short for two arms setting
+   drafter.layer_arch), with the same seed, data subset and steps, so the arms
+   differ only in their overrides; paired.csv / paired.md give each arm's
    acceptance minus the first arm's per domain and position, and the macro
    E[tau] difference, with 95 % paired-bootstrap intervals over the held-out
-   samples (both arms measured on the same samples).
+   samples (both arms measured on the same samples). An arm's `steps=` scales
+   the point's steps (e.g. steps=0.5 for an arm whose steps cost twice as much:
+   equal CPU time).
 
-Outputs under --out: scaling.csv (method, layer_arch, tokens, steps, domain,
+Outputs under --out: scaling.csv (method, arm, tokens, steps, domain,
 position, acceptance, ci_low, ci_high, n_samples, train_cpu_s, data_cpu_s),
 scaling.md (the table the docs quote: position-1..3 acceptance per domain,
 expected tau and CPU-seconds per point), scaling.png and, with two or more
---layer-archs, paired.csv and paired.md. A finished point is kept in
+arms, paired.csv and paired.md. A finished point is kept in
 points/<name>.json, so a rerun only computes what is missing.
 """
 from __future__ import annotations
@@ -202,7 +206,7 @@ def run_point(job: dict) -> dict:
     train(drafter, pool, step_fn, cfg["train"], job["out"], collate_fn=collate, resume=False)
     t1 = time.process_time()
     rows = heldout_acceptance(drafter, CacheDataset(job["heldout_cache"]), spec)
-    return {**{k: job[k] for k in ("method", "tokens", "steps")}, "layer_arch": job.get("layer_arch"),
+    return {**{k: job[k] for k in ("method", "tokens", "steps")}, "arm": job.get("arm"), "arm_steps": job["arm_steps"],
             "actual_tokens": job["actual_tokens"],
             "train_cpu_s": t1 - t0, "eval_cpu_s": time.process_time() - t1, "samples": rows}
 
@@ -224,7 +228,7 @@ def summarize(points: list[dict], data_cpu_per_token: float, n_boot: int = 1000,
                 continue
             boot = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)  # [n_boot, gamma]
             for k in range(x.shape[1]):
-                rows.append({"method": p["method"], "layer_arch": p.get("layer_arch") or "preset",
+                rows.append({"method": p["method"], "arm": p.get("arm") or "preset", "arm_steps": p.get("arm_steps", p["steps"]),
                              "tokens": p["tokens"], "actual_tokens": p["actual_tokens"],
                              "steps": p["steps"], "domain": domain, "position": k + 1,
                              "acceptance": x[:, k].mean(), "ci_low": np.quantile(boot[:, k], 0.025),
@@ -235,13 +239,13 @@ def summarize(points: list[dict], data_cpu_per_token: float, n_boot: int = 1000,
 
 
 def markdown(df) -> str:
-    archs = df.layer_arch.nunique() > 1 if "layer_arch" in df else False
-    lines = ["| method | " + ("layers | " if archs else "") + "tokens | steps | "
+    archs = df.arm.nunique() > 1 if "arm" in df else False
+    lines = ["| method | " + ("arm | " if archs else "") + "tokens | steps | "
              + " | ".join(f"{d} c*1..{GAMMA_SHOWN}" for d in DOMAINS)
              + " | macro E[tau] | train CPU-s | data CPU-s |", "|---" * (6 + archs + len(DOMAINS)) + "|"]
-    keys = ["method", "layer_arch", "tokens", "steps"] if archs else ["method", "tokens", "steps"]
-    for key, g in df.groupby(keys, sort=True):
-        m, s = key[0], key[-1]
+    keys = ["method", "arm", "tokens", "steps"] if archs else ["method", "tokens", "steps"]
+    for key, g in df.groupby(keys, sort=False):
+        m, s = key[0], g.arm_steps.iloc[0] if "arm_steps" in g else key[-1]
         cells = []
         for d in DOMAINS:
             v = g[(g.domain == d) & (g.position <= GAMMA_SHOWN)].sort_values("position").acceptance
@@ -255,7 +259,7 @@ def markdown(df) -> str:
 
 
 def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
-    """Each layer_arch arm minus the first arm at the same (method, tokens, steps):
+    """Each arm minus the first arm at the same (method, tokens, steps):
     rows of paired.csv, per domain and position the acceptance difference and,
     per domain and macro (position "tau"), the E[tau] difference, each with a 95 %
     paired-bootstrap interval (the same resampled held-out samples for both arms)."""
@@ -283,8 +287,8 @@ def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
                 ta, tb = 1 + np.cumprod(ma, 1).sum(1), 1 + np.cumprod(mb, 1).sum(1)
                 taus_a.append((1 + np.cumprod(a.mean(0)).sum(), ta))
                 taus_b.append((1 + np.cumprod(b.mean(0)).sum(), tb))
-                head = {"method": method, "tokens": tokens, "steps": steps, "arm": other.get("layer_arch"),
-                        "baseline": base.get("layer_arch"), "domain": domain, "n_samples": len(idx)}
+                head = {"method": method, "tokens": tokens, "steps": steps, "arm": other.get("arm"),
+                        "baseline": base.get("arm"), "domain": domain, "n_samples": len(idx)}
                 for k in range(a.shape[1]):
                     diff = mb[:, k] - ma[:, k]
                     rows.append({**head, "position": k + 1, "baseline_value": a[:, k].mean(),
@@ -296,8 +300,8 @@ def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
             ma_tau = np.mean([t for t, _ in taus_a])
             mb_tau = np.mean([t for t, _ in taus_b])
             dboot = np.mean([tb for _, tb in taus_b], 0) - np.mean([ta for _, ta in taus_a], 0)
-            rows.append({"method": method, "tokens": tokens, "steps": steps, "arm": other.get("layer_arch"),
-                         "baseline": base.get("layer_arch"), "domain": "macro", "n_samples": len(base["samples"]),
+            rows.append({"method": method, "tokens": tokens, "steps": steps, "arm": other.get("arm"),
+                         "baseline": base.get("arm"), "domain": "macro", "n_samples": len(base["samples"]),
                          "position": "tau", "baseline_value": ma_tau, "arm_value": mb_tau, "diff": mb_tau - ma_tau,
                          "ci_low": np.quantile(dboot, 0.025), "ci_high": np.quantile(dboot, 0.975)})
     return pd.DataFrame(rows)
@@ -311,7 +315,7 @@ def paired_markdown(df) -> str:
     def cell(r):
         return f"{r['diff']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
 
-    for (m, t, s, arm, base), g in df.groupby(["method", "tokens", "steps", "arm", "baseline"], sort=True):
+    for (m, t, s, arm, base), g in df.groupby(["method", "tokens", "steps", "arm", "baseline"], sort=False):
         cells = []
         for d in DOMAINS:
             pos = g[(g.domain == d) & (g.position.astype(str).isin([str(k) for k in range(1, GAMMA_SHOWN + 1)]))]
@@ -330,10 +334,10 @@ def plot(df, path: Path) -> None:
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(4 * len(DOMAINS), 3.2), sharey=True)
     p1 = df[df.position == 1]
     for ax, d in zip(axes, DOMAINS):
-        for (m, a, s), g in p1[p1.domain == d].groupby(["method", "layer_arch", "steps"]):
+        for (m, a, s), g in p1[p1.domain == d].groupby(["method", "arm", "arm_steps"]):
             g = g.sort_values("actual_tokens")
             ax.errorbar(g.actual_tokens, g.acceptance, yerr=[g.acceptance - g.ci_low, g.ci_high - g.acceptance],
-                        marker="o", capsize=2, label=f"{m}{'' if a == 'preset' else f' ({a} layers)'}, {s} steps")
+                        marker="o", capsize=2, label=f"{m}{'' if a == 'preset' else f' ({a})'}, {s} steps")
         ax.set_xscale("log")
         ax.set_title(d)
         ax.set_xlabel("regenerated training tokens")
@@ -347,6 +351,28 @@ def plot(df, path: Path) -> None:
 # ------------------------------------------------------------------ main
 
 
+def parse_arms(arm_args, layer_archs) -> dict:
+    """{arm name (None: the preset as it is): (preset overrides, step scale)}
+    from --arm NAME KEY=VALUE ... (and --layer-archs, short for drafter.layer_arch arms)."""
+    from deepspec.config import parse_set
+
+    arms = {}
+    for a in (arm_args or []) + [[x, f"drafter.layer_arch={x}"] for x in layer_archs or []]:
+        name, sets = a[0], a[1:]
+        if "=" in name or name in arms:
+            raise SystemExit(f"--arm {name}: an arm starts with a new name, then KEY=VALUE overrides")
+        scale = [float(x.split("=", 1)[1]) for x in sets if x.startswith("steps=")]
+        arms[name] = (parse_set([x for x in sets if not x.startswith("steps=")]), scale[-1] if scale else 1.0)
+    return arms or {None: ({}, 1.0)}
+
+
+def deep_merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="smollm2-135m")
@@ -355,9 +381,11 @@ def main(argv=None) -> int:
     p.add_argument("--eagle3-steps", type=int, nargs="+", default=None,
                    help="Eagle3's step grid instead of --steps (its 7-step TTT chain costs ~6x a DFlash step)")
     p.add_argument("--methods", nargs="+", default=["dflash", "dspark", "eagle3"])
+    p.add_argument("--arm", nargs="+", action="append", default=None, metavar="NAME [KEY=VALUE ...]",
+                   help="an arm: a name and preset overrides (KEY=VALUE as --set; steps=F scales the point's steps); "
+                        "each point once per arm, same seed, data and steps; paired.md gives each arm minus the first")
     p.add_argument("--layer-archs", nargs="+", default=None, choices=["target", "qwen3"],
-                   help="drafter.layer_arch arms (default: the preset's): each point once per arm, same seed, data "
-                        "and steps; paired.md gives each arm minus the first")
+                   help="short for --arm target drafter.layer_arch=target --arm qwen3 drafter.layer_arch=qwen3")
     p.add_argument("--heldout-per-domain", type=int, default=48)
     p.add_argument("--tokens-per-prompt", type=float, default=100.0,
                    help="answer tokens per training prompt, to size the pool (the default preset: ~100)")
@@ -365,6 +393,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO / "results" / "scaling")
     args = p.parse_args(argv)
+    arms = parse_arms(args.arm, args.layer_archs)
 
     from deepspec.config import load_config
     from deepspec.data.datasets import CacheDataset
@@ -399,20 +428,20 @@ def main(argv=None) -> int:
     for b in args.tokens:
         for m in args.methods:
             for s in (args.eagle3_steps or args.steps) if m == "eagle3" else args.steps:
-                for arch in args.layer_archs or [None]:
-                    name = f"{m}-{b}-{s}" + (f"-{arch}" if arch else "")
-                    over = {"results_dir": str(out / "pool"), "train": {"max_steps": s, "epochs": 10000}}
-                    if arch:
-                        over["drafter"] = {"layer_arch": arch}
-                    jobs.append({"preset": args.preset, "method": m, "tokens": b, "steps": s, "name": name,
-                                 "layer_arch": arch, "overrides": over,
+                for arm, (arm_over, scale) in arms.items():
+                    name = f"{m}-{b}-{s}" + (f"-{arm}" if arm else "")
+                    steps = max(1, round(s * scale))
+                    over = deep_merge({"results_dir": str(out / "pool"), "train": {"epochs": 10000}}, arm_over)
+                    over["train"]["max_steps"] = steps
+                    jobs.append({"preset": args.preset, "method": m, "tokens": b, "steps": s, "arm_steps": steps,
+                                 "name": name, "arm": arm, "overrides": over,
                                  "pool_cache": str(pool_cache), "heldout_cache": str(held_cache),
                                  "indices": subsets[b], "actual_tokens": int(tokens[subsets[b]].sum()),
                                  "out": str(out / "runs" / name)})
     (out / "points").mkdir(exist_ok=True)
     todo = [j for j in jobs if not (out / "points" / f"{j['name']}.json").exists()]
     # the longest first, so that the last job to finish is a short one
-    todo.sort(key=lambda j: -j["steps"] * {"eagle3": 3.5, "dspark": 1.0, "dflash": 0.6}.get(j["method"], 1.0))
+    todo.sort(key=lambda j: -j["arm_steps"] * {"eagle3": 3.5, "dspark": 1.0, "dflash": 0.6}.get(j["method"], 1.0))
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as ex:
         running = {ex.submit(run_point, j): j for j in todo}
@@ -428,7 +457,7 @@ def main(argv=None) -> int:
     write_text_atomic(out / "scaling.md", table)
     plot(df, out / "scaling.png")
     print(table)
-    if args.layer_archs and len(args.layer_archs) > 1:
+    if len(arms) > 1:
         pairs = paired(points)
         pairs.to_csv(out / "paired.csv", index=False)
         write_text_atomic(out / "paired.md", paired_markdown(pairs))

@@ -247,7 +247,7 @@ RULE_SETTINGS = {
     "prepare_target": ["target.spec", "target.revision"],
     "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
     "tokenize": ["target.spec", "target.revision", *_TOKENS],
-    "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), *_TOKENS],
+    "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), "cache.precision", *_TOKENS],
     "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
     "evaluate": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
     "baseline": _TARGET + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.dtype", "eval.temperature",

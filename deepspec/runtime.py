@@ -49,3 +49,70 @@ def keep_large_allocations_on_heap() -> bool:
     except (OSError, AttributeError):
         return False
     return _applied
+
+
+# ---------------------------------------------------------------- precision
+
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_matmul_support(device: str = "cpu") -> tuple[bool, str]:
+    """(whether `device` multiplies bf16 matrices natively, the reason in words).
+
+    CUDA: torch.cuda.is_bf16_supported() (Ampere and newer). CPU: the AMX-BF16
+    tile engine (torch.cpu._is_amx_tile_supported(), else the amx_bf16 flag of
+    /proc/cpuinfo). A CPU without it (AVX2 only, or AVX-512 without AMX) runs bf16
+    matmuls emulated or on vector units, measured at 0.4 GFLOP/s on an AVX2
+    machine of this kind against 84 in fp32 (docs/PERFORMANCE.md), so fp32 there."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return ok, "CUDA GPU with bf16" if ok else "CUDA GPU without native bf16"
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    ok = bool(amx()) if amx is not None else "amx_bf16" in _cpu_flags()
+    cap = torch.backends.cpu.get_cpu_capability()
+    return ok, f"CPU with AMX-BF16 ({cap})" if ok else f"CPU without AMX-BF16 ({cap})"
+
+
+# Stages whose CPU work bf16 does not speed up even with AMX-BF16, measured by
+# benchmarks/bench_precision.py (docs/PERFORMANCE.md): regeneration's batched
+# decoding (52 one-token rows a step, 1 thread: bf16 0.85x the speed of fp32) and
+# evaluation's batch-1 decoding (one-token forwards, where fp32 on oneDNN-packed
+# weights is the fast path). auto keeps fp32 for them on a CPU; on a GPU it is bf16.
+CPU_FP32_STAGES = ("regenerate", "evaluate")
+
+
+def resolve_precision(setting: str, device: str = "cpu", *, stage: str = "") -> str:
+    """The compute dtype a stage runs in: 'bfloat16' or 'float32'.
+
+    setting: auto | float32 | bfloat16 (the stage's `precision` key). auto takes
+    bf16 where the device multiplies bf16 matrices natively (`bf16_matmul_support`)
+    and the stage gains from it there (not `CPU_FP32_STAGES` on a CPU), else fp32;
+    an explicit value is taken as it is (bfloat16 on a CPU without AMX is slow, and
+    said so in the log)."""
+    import logging
+
+    if setting not in PRECISIONS:
+        raise ValueError(f"precision {setting!r}: expected one of {', '.join(PRECISIONS)}")
+    ok, why = bf16_matmul_support(device)
+    if ok and not str(device).startswith("cuda") and stage in CPU_FP32_STAGES:
+        ok, why = False, f"{why}, but {stage} runs faster in fp32 on a CPU"
+    resolved = setting if setting != "auto" else ("bfloat16" if ok else "float32")
+    log = logging.getLogger("deepspec")
+    if setting == "bfloat16" and not ok:
+        log.warning("%sprecision bfloat16 on a %s: bf16 matmuls are slow here", f"{stage}: " if stage else "", why)
+    log.info("%sprecision %s (%s%s)", f"{stage}: " if stage else "", resolved, setting,
+             f" -> {resolved}: {why}" if setting == "auto" else "")
+    return resolved

@@ -106,6 +106,18 @@ def test_lossless_with_test_double(tiny_target, exact, double):
     assert min(_pvalues(samples, exact)) > P_MIN / 2
 
 
+def test_lossless_in_bf16(tiny_cfg):
+    """The same test with the target in bf16 (decoding's KV-cached forwards against
+    the exact probabilities of the bf16 target's full forwards)."""
+    from deepspec.targets.loading import target_from_config
+
+    t16 = target_from_config(tiny_cfg, dtype="bfloat16")
+    assert next(t16.model.parameters()).dtype == torch.bfloat16
+    exact = {n: _exact_cells(t16, n) for n in (2, N_TOK)}
+    samples = _generate(t16, DistortedTargetDrafter(t16, [-1, 0], gamma=2), N_GEN)
+    assert min(_pvalues(samples, exact)) > P_MIN / 2
+
+
 def test_broken_verifier_is_detected(tiny_target, exact, double, monkeypatch):
     """Negative control: the same test rejects a verifier with a wrong residual."""
     monkeypatch.setattr(decode, "verify_chain", _broken_verify_chain)

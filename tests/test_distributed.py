@@ -27,7 +27,8 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # gradients are summed in another order across
 def _argv(tmp_path, tiny_cfg, out):
     sets = [f"resources_dir={tiny_cfg['resources_dir']}", f"data.root={tiny_cfg['data']['root']}",
             f"results_dir={tmp_path / 'results'}", "cache.mode=online", "train.global_batch=4",
-            "train.micro_batch=1", f"train.epochs={STEPS}", f"train.max_steps={STEPS}", "train.checkpoint_every=2", "train.log_every=1"]
+            "train.micro_batch=1", f"train.epochs={STEPS}", f"train.max_steps={STEPS}", "train.checkpoint_every=2", "train.log_every=1",
+            "train.precision=float32"]  # fp32: bf16 autocast would round the two worlds' partial sums apart (~1e-3)
     return ["--preset", "tiny", "--method", "dspark", "--out", str(out), *[x for kv in sets for x in ("--set", kv)]]
 
 

@@ -37,7 +37,7 @@ def test_heldout_prompts_exclude_the_presets_evaluation_prompts(shared_data):
 
 
 def _point(arch, samples):
-    return {"method": "dspark", "tokens": 30000, "steps": 900, "layer_arch": arch, "actual_tokens": 30000,
+    return {"method": "dspark", "tokens": 30000, "steps": 900, "arm": arch, "actual_tokens": 30000,
             "train_cpu_s": 1.0, "samples": samples}
 
 
@@ -63,3 +63,17 @@ def test_layer_arch_ab_is_paired_over_the_same_samples():
     assert "| dspark | 900 | qwen3 − target |" in table and table.count("\n") == 3
     with pytest.raises(SystemExit, match="different held-out samples"):
         S.paired([_point("target", base), _point("qwen3", base[1:] + base[:1])])
+
+
+def test_arms_are_names_with_preset_overrides_and_a_step_scale():
+    """--arm NAME KEY=VALUE ...: overrides parsed as --set, steps=F scales the
+    point's steps; --layer-archs is two drafter.layer_arch arms; a name that
+    looks like an override, or a repeated one, is refused."""
+    arms = S.parse_arms([["base"], ["a64", "train.num_anchors=64", "train.lr=1.2e-3", "steps=0.5"]], None)
+    assert arms == {"base": ({}, 1.0), "a64": ({"train": {"num_anchors": 64, "lr": 1.2e-3}}, 0.5)}
+    assert S.parse_arms(None, ["target", "qwen3"]) == {
+        "target": ({"drafter": {"layer_arch": "target"}}, 1.0), "qwen3": ({"drafter": {"layer_arch": "qwen3"}}, 1.0)}
+    assert S.parse_arms(None, None) == {None: ({}, 1.0)}
+    for bad in ([["train.lr=1"]], [["x"], ["x", "train.lr=1"]]):
+        with pytest.raises(SystemExit, match="new name"):
+            S.parse_arms(bad, None)

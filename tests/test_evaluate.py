@@ -68,6 +68,12 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     for smp in s["samples"]:
         assert smp["new_tokens"] == 1 + per.get(smp["sample_id"], 0) <= 12
     assert s["tokens_per_s"] > 0 and s["speedup_vs_plain"] > 0
+    # each timed prompt was also decoded plainly beside it (same seed: at T = 1 the same first token)
+    timed = [smp for smp in s["samples"] if smp.get("batch1", True)]
+    assert len(timed) == SPEED and all(smp["plain_time_s"] > 0 and 1 <= smp["plain_new_tokens"] <= 12 for smp in timed)
+    inter = s["speedup_interleaved"]
+    assert inter["n_samples"] == SPEED and s["speedup_vs_plain"] == inter["speedup"]
+    assert inter["ci_low"] <= inter["speedup"] <= inter["ci_high"]
     # the summaries record the settings they were made with, which the report checks (W3)
     from deepspec.config import load_config, parse_set
     from deepspec.reporting.report import check_settings
@@ -245,7 +251,8 @@ def test_kv_budget_caps_the_engine_rows(setup, shared_data, tmp_path):
     """eval.kv_budget_gb reaches the engine: a budget below two rows decodes one request at a time,
     with the records of the unbudgeted run; the summary says how many rows ran at once."""
     ev, args = setup
-    run = args + ["--method", "dspark", "--benchmark", "gsm8k"]
+    # fp32 engine: the comparison across batch compositions is at float noise (bf16 would round them apart)
+    run = args + ["--method", "dspark", "--benchmark", "gsm8k", "--set", "eval.engine_precision=float32"]
     for name, extra in (("free", []), ("capped", ["--set", "eval.kv_budget_gb=1e-6"])):
         assert cli_evaluate(run + extra + ["--out-dir", str(tmp_path / name)]) == 0
     free, capped = (json.loads((tmp_path / d / "gsm8k.json").read_text())["engine"] for d in ("free", "capped"))
@@ -291,3 +298,32 @@ def test_eval_dtype_reaches_the_target_and_the_drafter(setup, shared_data, tmp_p
     assert s["environment"]["target_dtype"] == s["environment"]["drafter_dtype"] == "bfloat16"
     assert s["rounds"] > 0 and 1 <= s["tau"] <= 8
     assert load_config("tiny")["eval"]["dtype"] == "float32" and load_config("qwen3-14b")["eval"]["dtype"] == "bfloat16"
+    # eval.engine_precision: the batched engine's dtype, the timed batch-1 prompts staying in eval.dtype
+    for prec in ("bfloat16", "float32"):
+        out = tmp_path / prec
+        assert cli_evaluate(run + ["--set", f"eval.engine_precision={prec}", "--out-dir", str(out)]) == 0
+        s = json.loads((out / "gsm8k.json").read_text())
+        assert s["environment"]["target_dtype"] == "float32" and s["environment"]["engine_dtype"] == prec
+        assert s["engine"]["requests"] == N_PROMPTS - SPEED and s["rounds"] > 0
+    from deepspec.evaluation.evaluate import engine_dtype
+    from deepspec import runtime
+
+    auto = load_config("tiny")
+    assert engine_dtype(auto) == ("bfloat16" if runtime.bf16_matmul_support("cpu")[0] else "float32")
+
+
+def test_interleaved_speedup_is_the_ratio_of_pooled_rates_with_a_paired_interval():
+    """Pooled tokens/s ratio; a speedup the same on every prompt has a degenerate
+    interval however fast the prompts were, noisy pairs an interval around it;
+    batched samples and samples without a plain side are left out."""
+    from deepspec.evaluation.evaluate import interleaved_speedup
+
+    rng = np.random.default_rng(0)
+    same = [{"new_tokens": 64, "time_s": t, "plain_new_tokens": 64, "plain_time_s": 1.5 * t} for t in rng.uniform(1, 9, 12)]
+    sp = interleaved_speedup(same + [{"new_tokens": 9, "time_s": 1.0, "batch1": False}], 500, 0)
+    assert sp["speedup"] == pytest.approx(1.5) and sp["ci_low"] == pytest.approx(1.5) and sp["n_samples"] == 12
+    assert sp["plain_tokens_per_s"] == pytest.approx(12 * 64 / sum(x["plain_time_s"] for x in same))
+    noisy = [dict(x, time_s=x["time_s"] * rng.uniform(0.8, 1.25)) for x in same]
+    sp = interleaved_speedup(noisy, 500, 0)
+    assert sp["ci_low"] < sp["speedup"] < sp["ci_high"] and sp["ci_low"] < 1.5 < sp["ci_high"] * 1.3
+    assert interleaved_speedup([{"new_tokens": 9, "time_s": 1.0}], 500, 0) is None

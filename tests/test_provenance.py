@@ -149,6 +149,11 @@ def run_dir(tmp_path, tiny_target, shared_data, monkeypatch):
     (d / "train_summary.json").write_text(json.dumps({"precision": {"device": "cpu", "processes": 1,
                                                                     "mixed_precision": "no", "param_dtype": "float32"},
                                                       "code": P.code_commit()}))
+    # what the data stages recorded they computed in
+    (ev.parent / "cache").mkdir()
+    (ev.parent / "cache" / "manifest.json").write_text(json.dumps({"compute_dtype": "bfloat16"}))
+    (ev.parent / "regen").mkdir(parents=True)
+    (ev.parent / "regen" / "conversations.settings.json").write_text(json.dumps({"precision": "float32"}))
     return cfg, tmp_path
 
 
@@ -197,8 +202,18 @@ def test_report_writes_the_record_and_its_section(run_dir, monkeypatch):
     assert dr["dspark"]["training"]["mixed_precision"] == "no" and dr["eagle3"]["training"] is None
     e = dr["dflash"]["evaluation"]
     assert len(e) == 1 and e[0]["target_dtype"] == "float32" and e[0]["device"] == "cpu"
+    from deepspec.runtime import bf16_matmul_support, resolve_precision
+
+    pr = rec["precision"]
+    assert pr["bf16_matmul_support"] == list(bf16_matmul_support("cpu"))
+    assert pr["cache"] == {"setting": "auto", "here": resolve_precision("auto", "cpu", stage="cache"),
+                           "recorded": ["bfloat16"]}
+    assert pr["regenerate"]["recorded"] == ["float32"] and pr["train"]["recorded"] == ["float32"]
+    assert pr["evaluate"]["setting"] == cfg["eval"]["dtype"]
     report = (tmp / "results" / "REPORT.md").read_text()
     section = report.split("## Provenance", 1)[1]
+    assert "Compute precision per stage" in section and "cache bfloat16 (auto)" in section
+    assert "regenerate float32 (auto)" in section and "train float32 (auto)" in section
     assert git["commit"] in section and ("**dirty**" in section) == git["dirty"]
     assert f"torch {pk['torch']}" in section and "| eval/gsm8k.jsonl |" in section and "| dspark | trained here |" in section
     assert "Target `tiny`: random llama weights" in section

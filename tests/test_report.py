@@ -88,6 +88,65 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
     assert "paper, Qwen3-4B: +16.3 %)" in report and "paper, Qwen3-4B: +30.9 %)" in report
 
 
+def _write_train_log(cfg, method, steps):
+    """A train_log.csv where the train rule writes it: the loss falling, c*_1 and the
+    expected tau rising over `steps` logged steps."""
+    from deepspec.paths import RunPaths
+
+    d = RunPaths.of(cfg).drafter_dir(method)
+    d.mkdir(parents=True, exist_ok=True)
+    step = np.arange(1, steps + 1)
+    pd.DataFrame({"step": step, "epoch": step / steps, "lr": 6e-4, "loss": 6.0 / np.sqrt(step), "loss_ce": 5.0,
+                  "c_star_1": 0.8 - 0.6 / step, "tau_expected": 3.0 - 2.0 / step, "grad_norm": 1.0,
+                  "positions_per_s": 100.0, "sequences_per_s": 2.0, "elapsed_s": step * 0.5}
+                 ).to_csv(d / "train_log.csv", index=False)
+
+
+def test_training_figure_and_section(fake_results, monkeypatch, caplog):
+    """figures/training.pdf / .png: the loss, c*_1 and the expected tau of each
+    trained drafter against the step, one line per drafter; REPORT.md links it
+    (relative to itself), says they are training-batch values, gives each drafter's
+    first and last values and the TensorBoard directory. A released checkpoint
+    (eval.released_checkpoints: nothing trained, no train_log) has no line and is
+    named as such; with no log at all the figure is still written, with a warning."""
+    from deepspec.reporting import report as R
+
+    cfg, tmp = fake_results
+    monkeypatch.chdir(tmp)
+    drawn = []
+    save = R.save_figure
+    monkeypatch.setattr(R, "save_figure", lambda fig, *paths, **kw: (drawn.append(fig), save(fig, *paths, **kw)))
+    for m, steps in (("eagle3", 40), ("dspark", 25)):
+        _write_train_log(cfg, m, steps)
+    s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
+    assert cli_report(s + ["--set", "eval.released_checkpoints.dflash=released/dflash_block7"]) == 0
+    assert (tmp / "figures" / "training.pdf").read_bytes()[:5] == b"%PDF-"
+    assert (tmp / "figures" / "training.png").stat().st_size > 1000
+    training = drawn[-1]
+    assert [ax.get_title() for ax in training.axes] == [t for _, t in R.TRAINING_CURVES]
+    for ax in training.axes:
+        assert [ln.get_label() for ln in ax.get_lines()] == ["Eagle3", "DSpark"]
+    assert list(training.axes[0].get_lines()[1].get_xdata()) == list(range(1, 26))
+
+    report = (tmp / "results" / "REPORT.md").read_text()
+    section = report.split("## Training\n", 1)[1].split("\n## ", 1)[0]
+    assert "![training curves](../figures/training.png)" in section and "training batches" in section
+    assert "| Eagle3 | 40 | 6.000 → 0.949 | 0.200 → 0.785 | 1.000 → 2.950 |" in section
+    assert "| DSpark | 25 |" in section and "DFlash" not in section
+    assert "released checkpoints, eval.released_checkpoints): dflash." in section
+    assert f"`tensorboard --logdir {tmp / 'results' / 'tiny' / 'drafters'}`" in section
+
+    # nothing released and no log: no line, one warning per drafter, the figure still written
+    for m in ("eagle3", "dspark"):
+        (tmp / "results" / "tiny" / "drafters" / m / "train_log.csv").unlink()
+    (tmp / "figures" / "training.png").unlink()
+    with caplog.at_level("WARNING"):
+        assert cli_report(s) == 0
+    assert all(not ax.get_lines() for ax in drawn[-1].axes) and (tmp / "figures" / "training.png").exists()
+    assert all(f"no training curve for {m}" in caplog.text for m in ("eagle3", "dflash", "dspark"))
+    assert "| drafter | steps |" not in (tmp / "results" / "REPORT.md").read_text()
+
+
 def test_report_refuses_summaries_made_with_other_settings(fake_results):
     """W3: Table 1 with one method re-evaluated at another eval.max_new_tokens (or a
     baseline timed at another temperature) is refused in one line naming the file and
@@ -228,3 +287,40 @@ def test_claims_are_not_judged_without_attempts():
     low = {m: [0.05] * 7 for m in RATES}  # almost no round reaches position 3
     claims = {c.name: c.holds for c in judge_claims(_records(cfg, low, np.random.default_rng(0), n=5, rounds=4), 7)[0]}
     assert claims["DFlash decay p1 > p3"] is None and claims["DSpark > DFlash at p2, p3"] is None
+
+
+def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
+    """Each drafter's speedup over the plain decoding timed beside it, pooled over
+    the timed benchmarks with a paired interval: faster holds only when the whole
+    interval is above 1; table1.csv carries each benchmark's interval."""
+    from deepspec.data.prompts import speed_benchmarks
+    from deepspec.paths import RunPaths
+
+    cfg, tmp = fake_results
+    rng = np.random.default_rng(1)
+    ratios = {"dspark": 1.4, "dflash": 0.8, "eagle3": 1.0}
+    timed = speed_benchmarks(cfg)
+    for bench in timed:
+        for m, r in ratios.items():
+            path = RunPaths.of(cfg).summary(m, bench)
+            s = json.loads(path.read_text())
+            t = rng.uniform(2, 4, 6)
+            s["samples"] = [{"sample_id": f"{bench}-{i}", "new_tokens": 64, "time_s": float(x),
+                             "plain_new_tokens": 64, "plain_time_s": float(x * r * rng.uniform(0.97, 1.03))}
+                            for i, x in enumerate(t)]
+            from deepspec.evaluation.evaluate import interleaved_speedup
+
+            s["speedup_interleaved"] = interleaved_speedup(s["samples"], 200, 0)
+            path.write_text(json.dumps(s))
+    monkeypatch.chdir(tmp)
+    assert cli_report(["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}",
+                       "--set", f"figures_dir={tmp / 'figures'}"]) == 0
+    report = (tmp / "results" / "REPORT.md").read_text()
+    speed = report.split("## Speed at batch size 1", 1)[1]
+    assert "**DSpark faster than plain decoding: holds.** 1.4" in speed
+    assert "**DFlash faster than plain decoding: does not hold.** 0.8" in speed
+    assert "**Eagle3 faster than plain decoding: does not hold.**" in speed
+    assert f"over {6 * len(timed)} prompts" in speed
+    t1 = pd.read_csv(tmp / "results" / "tables" / "table1.csv")
+    row = t1[(t1.method == "dspark") & (t1.benchmark == timed[0])].iloc[0]
+    assert row.speedup_ci_low <= row.speedup <= row.speedup_ci_high and row.speedup == pytest.approx(1.4, rel=0.05)

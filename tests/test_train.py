@@ -88,7 +88,8 @@ def make_step_fn(use_rng: bool):
 
 def train_cfg(**kw):
     cfg = dict(lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0, global_batch=4, micro_batch=1,
-               epochs=1, max_steps=None, seed=42, checkpoint_every=1000, log_every=1, keep_checkpoints=None)
+               epochs=1, max_steps=None, seed=42, checkpoint_every=1000, log_every=1, keep_checkpoints=None,
+               precision="float32")  # the loop's mechanics compared exactly, on any CPU (bf16: test_precision.py)
     cfg.update(kw)
     return cfg
 
@@ -96,6 +97,16 @@ def train_cfg(**kw):
 def read_log(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def tensorboard_scalars(run_dir, tag="loss"):
+    """[(step, value)] of scalar `tag` in a TensorBoard run directory, as TensorBoard
+    shows it (the steps a restarted run purged left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(run_dir))
+    ea.Reload()
+    return [(e.step, e.value) for e in ea.Scalars(tag)]
 
 
 # --------------------------------------------------------------------------- schedule and order
@@ -227,6 +238,56 @@ def test_kill_and_resume_is_bit_identical(tmp_path):
     assert summary["precision"] == {"device": "cpu", "processes": 1, "mixed_precision": "no", "param_dtype": "float32"}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "latest", "step_10", "step_12", "step_2", "step_4", "step_6", "step_8"]
+
+
+def test_tensorboard_has_the_log_rows_and_a_resume_shows_each_step_once(tmp_path):
+    """Every train_log.csv row is in <out>/tensorboard/<out name>/ as scalars at its
+    step (accelerate's tracker). A run killed in step 6 has logged step 5 after its
+    checkpoint at 4; the resumed run logs 5 and 6 again, in a new event file, and
+    TensorBoard shows each step once (purge_step), as the log does. The event files
+    stay beside the final drafter; a fresh start drops them with the log."""
+    data = toy_dataset()
+    cfg = train_cfg(checkpoint_every=2, lr=1e-2)  # 6 steps, checkpoints at 2, 4, 6
+    step_fn = make_step_fn(True)
+    out, calls = tmp_path / "run", []
+
+    def dies_in_step_6(model, batch, generator, log_step=True):
+        calls.append(1)
+        if len(calls) > 5 * 4:
+            raise RuntimeError("killed")
+        return step_fn(model, batch, generator, log_step=log_step)
+
+    with pytest.raises(RuntimeError, match="killed"):
+        T.train(toy_model(), data, dies_in_step_6, cfg, out, collate_fn=collate)
+    run_dir = out / "tensorboard" / "run"
+    assert [s for s, _ in tensorboard_scalars(run_dir)] == [1, 2, 3, 4, 5]
+    T.train(toy_model(), data, step_fn, cfg, out, collate_fn=collate)
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
+    rows = read_log(out / T.LOG_NAME)
+    for col in ("loss", "lr", "c_star_1", "tau_expected", "grad_norm"):
+        got = tensorboard_scalars(run_dir, col)
+        assert [s for s, _ in got] == [1, 2, 3, 4, 5, 6], col
+        assert [v for _, v in got] == pytest.approx([float(r[col]) for r in rows], rel=1e-6), col
+    assert (out / "config.json").exists() and sorted(p.name for p in (out / "tensorboard").iterdir()) == ["run"]
+
+    T.train(toy_model(), data, step_fn, train_cfg(checkpoint_every=2, lr=5e-2), out, collate_fn=collate)
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    assert [v for _, v in tensorboard_scalars(run_dir, "lr")] == pytest.approx(
+        [float(r["lr"]) for r in read_log(out / T.LOG_NAME)], rel=1e-6)
+
+
+def test_training_without_tensorboard_warns_once_and_trains(tmp_path, monkeypatch, caplog):
+    """Without the tensorboard package (nor tensorboardX) training runs as before,
+    with one warning saying so, and writes no event files."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # find_spec and import now fail
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with caplog.at_level("WARNING"):
+        res = T.train(toy_model(), toy_dataset(n=8), make_step_fn(False), train_cfg(), tmp_path, collate_fn=collate)
+    assert res.steps == 2 and (tmp_path / "config.json").exists() and len(read_log(tmp_path / T.LOG_NAME)) == 2
+    assert caplog.text.count("no TensorBoard logging") == 1 and "pip install tensorboard" in caplog.text
+    assert not (tmp_path / "tensorboard").exists()
 
 
 def test_resume_flags(tmp_path):
@@ -363,6 +424,11 @@ def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target)
         assert col in rows[0], col
     assert all(math.isfinite(float(r["loss"])) and 1.0 <= float(r["tau_expected"]) <= gamma + 1 for r in rows)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    # the same rows as TensorBoard scalars, in the drafter's directory (which loads with them there)
+    events = out / "tensorboard" / "dspark"
+    assert tensorboard_scalars(events, "loss") == [(int(r["step"]), pytest.approx(float(r["loss"]), rel=1e-6))
+                                                   for r in rows]
+    assert [s for s, _ in tensorboard_scalars(events, "c_star_1")] == [1, 2]
 
     # Rerunning resumes from the last checkpoint: nothing left to train, same weights.
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
@@ -370,6 +436,7 @@ def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target)
     again = load_drafter(out, tiny_target)
     assert all(torch.equal(before[n], p) for n, p in again.named_parameters())
     assert len(read_log(out / T.LOG_NAME)) == 2
+    assert len(list(events.glob("events.out.tfevents.*"))) == 1  # no event file for no steps
 
 
 def test_a_step_that_cannot_fit_in_memory_is_refused_before_training(tmp_path, tiny_cfg, tiny_target, monkeypatch):

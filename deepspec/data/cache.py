@@ -50,6 +50,7 @@ from ..config import CACHE_BYTES_SETTINGS, pick
 from ..errors import DeepSpecError
 from ..files import atomic_path, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
+from ..runtime import resolve_precision
 from ..targets.specs import text_dims
 from .conversations import TokenArrays, TokenizedSample, tokenized_samples
 
@@ -118,11 +119,16 @@ def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSampl
 
 def data_fingerprint(cfg: dict, target_id: str, samples: TokenArrays) -> str:
     """Everything the cache's bytes depend on: the settings of config.CACHE_BYTES_SETTINGS
-    (part of the build_cache rule's settings) and the exact token data
-    (the digest of the token arrays)."""
+    (part of the build_cache rule's settings), the dtype the forward computes in
+    on this machine (`cache_precision`; named only when it is not target.dtype,
+    which caches were computed in before cache.precision existed, so those stay
+    valid) and the exact token data (the digest of the token arrays)."""
     h = hashlib.sha256()
     settings = dict(version=VERSION, target_id=target_id,
                     **{name: pick(cfg, path) for name, path in CACHE_BYTES_SETTINGS.items()})
+    compute = cache_precision(cfg)
+    if compute != cfg["target"]["dtype"]:
+        settings["compute_dtype"] = compute
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(samples.digest.encode())
     return h.hexdigest()
@@ -207,14 +213,12 @@ def build_cache(
     progress = _resume_state(out, fp)
     if progress is None:  # up to date
         return read_manifest(out)
-    if target is None:
-        from ..targets.loading import target_from_config
-
-        target = target_from_config(cfg)
+    target = cache_target(cfg, target)
     t0 = time.perf_counter()
     shard_entries, written, new_tokens = _write_shards(cfg, target, samples, out, progress)
     secs = time.perf_counter() - t0
-    manifest = _manifest(cfg, target_id, samples, stats, hidden, fp, shard_entries)
+    manifest = _manifest(cfg, target_id, samples, stats, hidden, fp, shard_entries,
+                         str(next(target.model.parameters()).dtype).replace("torch.", ""))
     write_json_atomic(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
     log.info("cache %s: %d samples, %d tokens, %s (%.1f bytes/token); %d shard(s) computed, %d new tokens in %.1f s = %.0f tok/s",
@@ -285,7 +289,26 @@ def _write_shards(cfg: dict, target, samples: TokenArrays, out: Path, progress: 
     return entries, written, new_tokens
 
 
-def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: str, shards: list) -> dict:
+def cache_precision(cfg: dict) -> str:
+    """The dtype the cache's target forward computes in (cache.precision resolved
+    on this machine, `runtime.resolve_precision`); cache.dtype is what is stored."""
+    return resolve_precision(cfg["cache"]["precision"], cfg["target"]["device"], stage="build-cache")
+
+
+def cache_target(cfg: dict, target=None):
+    """`target` when it is in the cache's compute dtype (`cache_precision`), else
+    the preset's target loaded in it (on `target`'s device): the offline cache and
+    online mode's features are computed alike."""
+    from ..targets.loading import target_from_config
+
+    want = cache_precision(cfg)
+    if target is not None and next(target.model.parameters()).dtype == DTYPES[want]:
+        return target
+    return target_from_config(cfg, dtype=want, **({"device": str(target.device)} if target is not None else {}))
+
+
+def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: str, shards: list,
+              compute_dtype: Optional[str] = None) -> dict:
     t, c = cfg["target"], cfg["cache"]
     n_tokens = sum(samples.lengths())
     total_bytes = sum(x["bytes"] for x in shards)
@@ -297,6 +320,7 @@ def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: 
         "revision": t.get("revision"),
         "feature_layers": list(t["feature_layers"]),
         "dtype": c["dtype"],
+        "compute_dtype": compute_dtype,
         "hidden_size": hidden,
         "feature_dim": hidden * len(t["feature_layers"]),
         "num_samples": len(samples),

@@ -22,7 +22,7 @@ import torch
 from ..errors import DeepSpecError
 from ..paths import RunPaths
 from ..files import sha256_file
-from .cache import DTYPES, data_fingerprint, forward_features, validate_cache
+from .cache import DTYPES, cache_target, data_fingerprint, forward_features, validate_cache
 from .conversations import TokenArrays, tokenized_samples
 
 
@@ -149,7 +149,7 @@ def make_train_dataset(
 
             target = target_from_config(cfg)
         samples, _ = tokenized_samples(cfg, target.tokenizer, conversations or RunPaths.of(cfg).conversations())
-        return OnlineDataset(cfg, target, samples)
+        return OnlineDataset(cfg, cache_target(cfg, target), samples)  # features as the offline cache computes them
     d = Path(cache_dir) if cache_dir else RunPaths.of(cfg).cache_dir()
     m = validate_cache(d, checksums=False)
     want = {"feature_layers": list(t["feature_layers"]), "dtype": c["dtype"], "target_name": t["name"]}

@@ -73,6 +73,7 @@ from ..config import rule_settings, settings_fingerprint
 from ..errors import DeepSpecError
 from ..files import JsonlAppender, exclusive_lock, read_json, recover_jsonl, write_json_atomic
 from ..paths import RunPaths, errors_path, settings_path
+from ..runtime import resolve_precision
 from .conversations import with_system_prompt
 from .prompts import Prompt, load_train_prompts
 from .sampling import generate_batch
@@ -100,11 +101,17 @@ def record_seed(seed: int, record_id: str, turn: int) -> int:
 # ---------------------------------------------------------------- back ends
 
 
+def regenerate_precision(cfg: dict) -> str:
+    """The local backend's compute dtype: regenerate.precision resolved on this
+    machine (`runtime.resolve_precision`)."""
+    return resolve_precision(cfg["regenerate"]["precision"], cfg["target"]["device"], stage="regenerate")
+
+
 def _regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=None) -> int:
     from ..targets.loading import target_from_config
 
     regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
-    target = target or target_from_config(cfg)
+    target = target or target_from_config(cfg, dtype=regenerate_precision(cfg))
     tok, limit = target.tokenizer, cfg["data"]["max_prompt_tokens"]
     first = {p.id: len(target.chat_ids(with_system_prompt([{"role": "user", "content": p.turns[0]}], system))) for p in prompts}
     order = sorted(prompts, key=lambda p: (first[p.id], p.id))
@@ -445,7 +452,10 @@ def _forget_other_settings(cfg: dict, out: Path, partial: Path) -> None:
                         ", ".join(map(str, stale)))
         for p in stale:
             p.unlink()
-        write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate")})
+    # the compute dtype this machine regenerates in (local backend), for provenance
+    used = regenerate_precision(cfg) if cfg["regenerate"]["backend"] == "local" else "server"
+    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate"),
+                                           "precision": used})
 
 
 def _run_backend(cfg: dict, todo: list[Prompt], partial: Path, errors_file: Path, target, server_token=None

@@ -65,9 +65,13 @@ def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optio
     off = np.zeros(len(ids), dtype=np.int64)
     size = np.zeros(len(ids), dtype=np.int32)
     n_recs = n_errs = 0
+    used: list = []  # the dtypes the shards computed in (their settings files)
     for f in map(Path, shard_files):
         require_file(f, "regenerated shard")
-        made = read_json(settings_path(f), default={}).get("fingerprint")
+        made_with = read_json(settings_path(f), default={})
+        made = made_with.get("fingerprint")
+        if made_with.get("precision") not in used:
+            used.append(made_with.get("precision"))
         if made != fp:
             raise DeepSpecError(f"{f} was regenerated under other settings (fingerprint {made}, this run {fp}): "
                                 "rerun its shard")
@@ -109,7 +113,8 @@ def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optio
     finally:
         for h in handles:
             h.close()
-    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate")})
+    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate"),
+                                           "precision": ", ".join(str(u) for u in used) if len(used) > 1 else (used or [None])[0]})
     log.info("merged %d shards: %d records, %d failed or skipped -> %s", len(shard_files), n_recs, n_errs, out)
     return n_recs
 

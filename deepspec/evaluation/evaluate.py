@@ -5,8 +5,8 @@ the protocol of DeepSpec's eval.py.
 
 `evaluate` runs all of a method's benchmarks in one process: the first
 eval.speed_prompts prompts of each benchmark are decoded alone by the batch-1
-loop (timed: tokens/s and the speedup over plain decoding, which `baseline`
-measures on the same prompts), the others by the batched engine
+loop (timed: tokens/s, and the speedup over plain decoding of the same prompt
+decoded right before or after it, with a paired-bootstrap interval), the others by the batched engine
 (core/engine.py) at eval.batch_size with continuous batching across
 benchmarks. Every sample keeps its batch-1 seed (eval.seed + index), and the
 records are the same per-round rows (plus batch_size and verify_tokens), so tau
@@ -39,20 +39,31 @@ from ..data.prompts import benchmark_prompt_set, speed_benchmarks
 log = logging.getLogger(__name__)
 
 
-def eval_target(cfg: dict):
+def eval_target(cfg: dict, dtype: str | None = None):
     """The target as evaluation runs it: in eval.dtype (the paper presets bf16, as
-    DeepSeek's reference evaluates its bf16 checkpoints; docs/FIDELITY.md)."""
+    DeepSeek's reference evaluates its bf16 checkpoints; docs/FIDELITY.md), or `dtype`."""
     from ..targets.loading import target_from_config
 
-    return target_from_config(cfg, dtype=cfg["eval"]["dtype"])
+    return target_from_config(cfg, dtype=dtype or cfg["eval"]["dtype"])
 
 
-def eval_drafter(path, target, cfg: dict):
+def eval_drafter(path, target, cfg: dict, dtype: str | None = None):
     """A saved drafter (fp32, as trained or converted) loaded for `target` and cast
-    to eval.dtype, in eval mode."""
+    to eval.dtype (or `dtype`), in eval mode."""
     from ..drafters import load_drafter
 
-    return load_drafter(path, target, cfg["drafter"]).to(getattr(torch, cfg["eval"]["dtype"])).eval()
+    return load_drafter(path, target, cfg["drafter"]).to(getattr(torch, dtype or cfg["eval"]["dtype"])).eval()
+
+
+def engine_dtype(cfg: dict) -> str:
+    """The batched engine's dtype: eval.engine_precision, whose auto takes bf16
+    where the hardware multiplies it natively (`runtime.resolve_precision`) and
+    eval.dtype elsewhere."""
+    from ..runtime import resolve_precision
+
+    ev = cfg["eval"]
+    got = resolve_precision(ev["engine_precision"], cfg["target"]["device"], stage="evaluate-engine")
+    return ev["dtype"] if ev["engine_precision"] == "auto" and got == "float32" else got
 
 
 def _generator(cfg: dict, target, idx: int) -> torch.Generator:
@@ -181,29 +192,42 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
     Requests already in `progress` are read from it, the others appended to it."""
     from tqdm import tqdm
 
-    from ..core.decode import speculative_generate
+    from ..core.decode import plain_generate, speculative_generate
 
     ev = cfg["eval"]
     progress = progress or Progress(None)
     layers = feature_layers(cfg, drafter)
     rows, samples = [], []
+
+    def spec(idx, ids, max_new):
+        return speculative_generate(target, drafter, ids, feature_layers=layers, max_new_tokens=max_new,
+                                    temperature=ev["temperature"], generator=_generator(cfg, target, idx),
+                                    confidence_threshold=ev["confidence_threshold"])
+
+    def plain(idx, ids, max_new):
+        return plain_generate(target, ids, max_new_tokens=max_new, temperature=ev["temperature"],
+                              generator=_generator(cfg, target, idx))
+
     if any(progress.get(benchmark, i, p.id) is None for i, (p, _) in enumerate(prompts)):
-        # one short untimed run (kernel selection, allocator, lazy init) before timing
-        speculative_generate(target, drafter, prompts[0][1], feature_layers=layers, max_new_tokens=4,
-                             temperature=ev["temperature"], generator=_generator(cfg, target, 0))
+        # one short untimed run of each (kernel selection, allocator, lazy init) before timing
+        spec(0, prompts[0][1], 4)
+        plain(0, prompts[0][1], 4)
     for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"{method}/{benchmark}", unit="prompt")):
         if (rec := progress.get(benchmark, idx, p.id)) is not None:
             rows += rec["rows"]
             samples.append(rec["sample"])
             continue
-        gen = speculative_generate(
-            target, drafter, ids, feature_layers=layers, max_new_tokens=ev["max_new_tokens"],
-            temperature=ev["temperature"], generator=_generator(cfg, target, idx),
-            confidence_threshold=ev["confidence_threshold"],
-        )
+        # plain decoding of the same prompt right before or after (alternating), so that the
+        # speedup's pairs share the machine's state of the moment (`interleaved_speedup`)
+        if idx % 2:
+            base = plain(idx, ids, ev["max_new_tokens"])
+        gen = spec(idx, ids, ev["max_new_tokens"])
+        if not idx % 2:
+            base = plain(idx, ids, ev["max_new_tokens"])
         mine = [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
         sample = {"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
-                  "rounds": len(gen.rounds), "time_s": gen.time_s}
+                  "rounds": len(gen.rounds), "time_s": gen.time_s,
+                  "plain_new_tokens": len(base.tokens), "plain_time_s": base.time_s}
         progress.add(benchmark, idx, mine, sample)
         rows += mine
         samples.append(sample)
@@ -212,6 +236,28 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
         raise DeepSpecError(f"{method}/{benchmark}: no speculative rounds: every sample ended on its first token "
                             "(an EOS, or eval.max_new_tokens < 2)")
     return pd.DataFrame(rows), samples
+
+
+def interleaved_speedup(samples: list[dict], n_boot: int, seed: int) -> dict | None:
+    """Speculative over plain decoding tokens/s on the batch-1 samples that were
+    decoded both ways back to back (`run_timed`): the ratio of the pooled rates,
+    sum(tokens) / sum(time) each, and its 95 % interval from a paired bootstrap
+    over the samples (both sides of a sample resampled together). None without
+    such samples."""
+    import numpy as np
+
+    pairs = [s for s in samples if s.get("batch1", True) and s.get("plain_time_s")]
+    if not pairs:
+        return None
+    x = np.array([[s["new_tokens"], s["time_s"], s["plain_new_tokens"], s["plain_time_s"]] for s in pairs], dtype=float)
+
+    def ratio(a):
+        return (a[..., 0].sum(-1) / a[..., 1].sum(-1)) / (a[..., 2].sum(-1) / a[..., 3].sum(-1))
+
+    boot = ratio(x[np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))])
+    return {"speedup": float(ratio(x)), "ci_low": float(np.quantile(boot, 0.025)),
+            "ci_high": float(np.quantile(boot, 0.975)), "n_samples": len(x),
+            "plain_tokens_per_s": float(x[:, 2].sum() / x[:, 3].sum())}
 
 
 def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, baseline_json: Path) -> dict:
@@ -240,6 +286,10 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, b
             log.warning("%s was made with other eval settings: no speedup_vs_plain", baseline_json)
         elif (base.get("plain") or {}).get("tokens_per_s"):
             out["speedup_vs_plain"] = out["tokens_per_s"] / base["plain"]["tokens_per_s"]
+    inter = interleaved_speedup(samples, n_boot, seed)
+    out["speedup_interleaved"] = inter
+    if inter is not None:  # measured beside each prompt: preferred over the baseline job's separate timing
+        out["speedup_vs_plain"] = inter["speedup"]
     out["baseline_json"] = str(baseline_json) if baseline_json.exists() else None
     out["confidence_selfcheck"] = confidence_selfcheck(df)
     out["positions"] = position_table(df, gamma=gamma, n_boot=n_boot, seed=seed).to_dict("records")
@@ -306,9 +356,11 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     return res, info
 
 
-def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
+def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None,
+               engine: tuple | None = None):
     """All benchmarks of a method: the speed sample of each at batch size 1
-    (`run_timed`), the rest batched (`run_batched`). Returns
+    (`run_timed`), the rest batched (`run_batched`, with `engine` = (target,
+    drafter) in the engine's dtype when it differs). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
     out = {}
     for b, prompts in bench_prompts.items():
@@ -316,7 +368,7 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, 
         speed = speed_sample(cfg, prompts, b)
         out[b] = run_timed(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
                            progress=progress) if speed else (pd.DataFrame(), [])
-    batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
+    batched, info = run_batched(cfg, *(engine or (target, drafter)), bench_prompts, method=method,
                                 skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
         df0, s0 = out[b]
@@ -385,11 +437,19 @@ def cli_evaluate(argv) -> int:
     base, _ = resolve_method(cfg, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
+    # the batched engine in eval.engine_precision (bf16 where it pays), the timed batch-1 prompts in eval.dtype
+    e_dtype = engine_dtype(cfg)
+    pair = None
+    if e_dtype != cfg["eval"]["dtype"]:
+        e_target = eval_target(cfg, e_dtype)
+        pair = (e_target, eval_drafter(path, e_target, cfg, e_dtype))
     # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
     progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
                         progress_header(cfg, args.method, path, benches))
-    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
+    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress,
+                                 engine=pair)
     environment = evaluation_environment(target, drafter)  # dtypes, device, machine (the provenance record's)
+    environment["engine_dtype"] = e_dtype
     for b, (df, samples) in results.items():
         _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1], environment)
     progress.finish()

@@ -119,10 +119,58 @@ def dtypes(cfg: dict) -> dict:
             "cache_mode": cfg["cache"]["mode"]}
 
 
+def precision(cfg: dict) -> dict:
+    """Per CPU/GPU stage, the precision setting (auto | float32 | bfloat16), what
+    this machine resolves it to with the reason (`runtime.resolve_precision`) and
+    what the stage's outputs recorded they computed in: the regeneration shards'
+    settings files, the cache manifest's compute_dtype, each drafter's
+    train_summary.json (accelerate's mixed precision); evaluation runs in eval.dtype."""
+    import json
+
+    from ..paths import RunPaths
+    from ..runtime import bf16_matmul_support, resolve_precision
+
+    paths, dev = RunPaths.of(cfg), cfg["target"]["device"]
+
+    def recorded(files, read):
+        got = []
+        for f in files:
+            try:
+                v = read(json.loads(Path(f).read_text()))
+            except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                continue
+            if v is not None and v not in got:
+                got.append(v)
+        return got
+
+    from ..paths import settings_path
+
+    shards = [settings_path(paths.conversations())]  # the merged shards' (data/shards.py:merge_shards)
+    mixed = {"bf16": "bfloat16", "no": "float32", "fp16": "float16"}
+    train_files = [paths.drafter_dir(m) / "train_summary.json" for m in cfg["train"]["methods"]]
+    out = {"bf16_matmul_support": list(bf16_matmul_support("cuda" if str(dev).startswith("cuda") else "cpu"))}
+    for stage, setting, files, read in (
+            ("regenerate", cfg["regenerate"]["precision"], shards, lambda r: r.get("precision")),
+            ("cache", cfg["cache"]["precision"], [paths.cache_dir() / "manifest.json"], lambda r: r.get("compute_dtype")),
+            ("train", cfg["train"]["precision"], train_files,
+             lambda r: mixed.get(r["precision"]["mixed_precision"], r["precision"]["mixed_precision"]))):
+        out[stage] = {"setting": setting, "here": resolve_precision(setting, dev, stage=stage),
+                      "recorded": recorded(files, read)}
+    from ..evaluation.evaluate import engine_dtype
+
+    evals = [paths.summary(m, b) for m in cfg["train"]["methods"] for b in cfg["data"]["benchmarks"]]
+    out["evaluate"] = {"setting": cfg["eval"]["dtype"], "here": cfg["eval"]["dtype"], "recorded": recorded(
+        evals, lambda r: r["environment"]["target_dtype"])}
+    out["evaluate-engine"] = {"setting": cfg["eval"]["engine_precision"], "here": engine_dtype(cfg),
+                              "recorded": recorded(evals, lambda r: r["environment"].get("engine_dtype"))}
+    return out
+
+
 def collect(cfg: dict) -> dict:
     """The provenance record of a run (results/provenance.json)."""
     return {"written_at": now_utc(), "preset": cfg["preset"], "target_name": cfg["target"]["name"],
             "code": code_state(), "packages": packages(), "hardware": hardware(), "dtypes": dtypes(cfg),
+            "precision": precision(cfg),
             "target": _target(cfg), "data": _data(cfg), "drafters": _drafters(cfg)}
 
 
@@ -176,11 +224,28 @@ def _drafter_rows(drafters: dict) -> list[str]:
             trained = (f"{tr['device']}, {tr['processes']}, {tr['mixed_precision']}, {tr['param_dtype']}; "
                        f"{_job_code(tr.get('code'))}") if tr else "not recorded"
         evaluated = "; ".join(
-            f"{e['device']}, {e['target_dtype']} / {e['drafter_dtype']}; {_job_code(e.get('code'))}; "
+            f"{e['device']}, {e['target_dtype']} / {e['drafter_dtype']}"
+            + (f" (batched engine {e['engine_dtype']})" if e.get("engine_dtype") not in (None, e["target_dtype"]) else "")
+            + f"; {_job_code(e.get('code'))}; "
             + (", ".join(sorted({g["name"] for g in e["hardware"]["gpus"]})) or e["hardware"]["cpu"])
             for e in d["evaluation"]) or "not recorded"
         rows.append(f"| {method} | {origin} | {trained} | {evaluated} |")
     return rows
+
+
+def _precision_lines(prec) -> list[str]:
+    """One line: each stage's compute precision (setting -> what its outputs recorded)."""
+    if not prec:
+        return []
+    ok, why = prec.get("bf16_matmul_support", (None, "not recorded"))
+    cells = []
+    names = {"evaluate": "evaluate (batch 1)", "evaluate-engine": "evaluate (batched engine)"}
+    for stage in ("regenerate", "cache", "train", "evaluate", "evaluate-engine"):
+        p = prec.get(stage)
+        if p:
+            used = ", ".join(p["recorded"]) if p["recorded"] else p["here"]
+            cells.append(f"{names.get(stage, stage)} {used}" + (f" ({p['setting']})" if p["setting"] == "auto" else ""))
+    return [f"- Compute precision per stage (setting `auto` resolves by the hardware: {why}): " + "; ".join(cells) + "."]
 
 
 def provenance_markdown(rec: dict, json_name: str = "provenance.json") -> list[str]:
@@ -199,6 +264,7 @@ def provenance_markdown(rec: dict, json_name: str = "provenance.json") -> list[s
            else f"no GPU visible (torch CUDA build: {hw['torch_cuda'] or 'none'})") + ".",
         f"- Dtypes in the preset: target {dt['target']}, " + (f"cache {dt['cache']}" if dt["cache"] else "no cache (online)")
         + "; what training and evaluation used is in the drafter table.",
+        *_precision_lines(rec.get("precision")),
         _target_line(rec["target"]), "",
         "| prompt file | source | revision | commit | sha256 | = reference copy |", "|---|---|---|---|---|---|",
     ]

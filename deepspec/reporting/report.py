@@ -5,15 +5,18 @@ Inputs (`deepspec.paths`; R = results_dir, T = target name):
   R/T/eval/<method>/<benchmark>.json  evaluate's summary: tau with its CI, tokens/s
   R/T/eval/<method>/<benchmark>.csv   per-round records (Figure 2)
   R/T/eval/baseline/<benchmark>.json  plain / prompt-lookup tokens/s
+  R/T/drafters/<method>/train_log.csv  the training curves (trained drafters only)
 Outputs (given on the command line by the rule):
   table1.csv (tidy), table1.md (the paper's wide layout), fig2.csv,
-  fig2.pdf / .png, REPORT.md, provenance.json (deepspec.provenance: what the
-  results were made with; REPORT.md's "Provenance" section)
+  fig2.pdf / .png, training.pdf / .png (the training curves), REPORT.md,
+  provenance.json (deepspec.provenance: what the results were made with;
+  REPORT.md's "Provenance" section)
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +30,12 @@ from ..paths import RunPaths
 from . import paper
 from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
 from ..data.prompts import speed_benchmarks
+from ..training.checkpoints import LOG_NAME
 
 log = logging.getLogger(__name__)
 
 TABLE1_COLUMNS = ["target", "method", "benchmark", "domain", "n_samples", "rounds", "tau", "tau_ci_low",
-                  "tau_ci_high", "verify_rate", "tokens_per_s", "speedup"]
+                  "tau_ci_high", "verify_rate", "tokens_per_s", "speedup", "speedup_ci_low", "speedup_ci_high"]
 # survival: the unconditional P(accepted >= k | proposed >= k), what vLLM and speculators report
 FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted", "acceptance", "ci_low", "ci_high",
                 "survival"]
@@ -39,6 +43,11 @@ FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted"
 # every round that verified position k contributes, weighted by the probability
 # that it reached k; NaN when the records lack the per-position probabilities.
 FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
+METHOD_COLORS = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
+METHOD_MARKERS = {"dflash": "s", "eagle3": "^", "dspark": "o"}
+# the training figure's panels: train_log.csv column, title
+TRAINING_CURVES = [("loss", "training loss"), ("c_star_1", "c*₁: position-1 acceptance"),
+                   ("tau_expected", "expected τ")]
 
 
 _RUN_EVALUATE = " (run the evaluate rule first)"
@@ -97,10 +106,15 @@ def build_table1(cfg) -> pd.DataFrame:
             s = read_json(require_file(paths.summary(method, bench), "evaluation output", _RUN_EVALUATE))
             check_settings(cfg, s, paths.summary(method, bench), "evaluate")
             tps = float(_nan(s.get("tokens_per_s", np.nan)))
+            # the speedup over plain decoding of the same prompts, timed back to back (evaluate), else
+            # over the baseline job's separate timing of them
+            inter = s.get("speedup_interleaved") or {}
             rows.append(dict(target=t, method=method, benchmark=bench, domain=spec["domain"],
                              n_samples=s["n_samples_with_rounds"], rounds=s["rounds"], tau=_nan(s["tau"]),
                              tau_ci_low=_nan(s["tau_ci_low"]), tau_ci_high=_nan(s["tau_ci_high"]),
-                             verify_rate=_nan(s["verify_rate"]), tokens_per_s=tps, speedup=tps / plain,
+                             verify_rate=_nan(s["verify_rate"]), tokens_per_s=tps,
+                             speedup=inter.get("speedup", tps / plain),
+                             speedup_ci_low=inter.get("ci_low", np.nan), speedup_ci_high=inter.get("ci_high", np.nan),
                              tau_selfcheck=_nan(s["tau_selfcheck"]),
                              skipped_prompts=s.get("n_skipped_prompts", 0)))
         for which in cfg["eval"]["baselines"]:
@@ -110,6 +124,29 @@ def build_table1(cfg) -> pd.DataFrame:
                                  tokens_per_s=tps, speedup=tps / plain))
     # skipped_prompts: the benchmark's prompts over data.max_prompt_tokens, left out of every method and baseline
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"])
+
+
+def speed_claims(cfg) -> list[str]:
+    """Per drafter, its speedup over plain decoding at batch size 1 pooled over
+    every timed prompt (evaluate decodes each both ways back to back): the ratio
+    of the pooled tokens/s with a paired-bootstrap 95 % interval over prompts, and
+    whether speculation is faster (the interval above 1). Empty when nothing was
+    timed both ways."""
+    from ..evaluation.evaluate import interleaved_speedup
+
+    paths, out = RunPaths.of(cfg), []
+    for method in cfg["train"]["methods"]:
+        samples = []
+        for bench in speed_benchmarks(cfg):
+            samples += read_json(paths.summary(method, bench), default={}).get("samples") or []
+        sp = interleaved_speedup(samples, cfg["eval"]["n_boot"], cfg["eval"]["seed"])
+        if sp is None:
+            continue
+        faster = bool(sp["ci_low"] > 1)  # as the claims: holds when the interval excludes 1 on the claimed side
+        out.append(f"**{paper.METHOD_LABEL.get(method, method)} faster than plain decoding: {verdict(faster)}.** "
+                   f"{sp['speedup']:.2f}× [{sp['ci_low']:.2f}, {sp['ci_high']:.2f}] over {sp['n_samples']} prompts "
+                   f"(plain {sp['plain_tokens_per_s']:.1f} tokens/s)")
+    return out
 
 
 def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
@@ -206,8 +243,7 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     lines; `claims_line` (which claims hold) goes under the panels."""
     plt = pyplot()
 
-    colors = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
-    markers = {"dflash": "s", "eagle3": "^", "dspark": "o"}
+    colors, markers = METHOD_COLORS, METHOD_MARKERS
     curves, kind = fig2_curves(fig2)
     domains = [d for d in ["Math", "Code", "Chat"] if d in set(fig2["domain"])]
     fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.6), squeeze=False, sharey=True)
@@ -243,6 +279,77 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     fig.tight_layout(rect=(0, 0.06 if claims_line else 0, 1, 1))
     save_figure(fig, pdf, *([png] if png else []))
     plt.close(fig)
+
+
+def training_logs(cfg) -> dict[str, pd.DataFrame]:
+    """Each trained drafter's train_log.csv (the train rule's), in train.methods'
+    order. A released checkpoint (eval.released_checkpoints) was not trained here
+    and has none; a trained drafter whose log is missing or unreadable is left
+    out with a warning."""
+    paths, released = RunPaths.of(cfg), cfg["eval"]["released_checkpoints"]
+    logs = {}
+    for method in (m for m in cfg["train"]["methods"] if m not in released):
+        path = paths.drafter_dir(method) / LOG_NAME
+        try:
+            logs[method] = pd.read_csv(path)
+        except (OSError, ValueError) as e:  # missing; pandas' EmptyDataError and ParserError are ValueErrors
+            log.warning("%s: no training curve for %s (%s)", path, method, str(e).strip().splitlines()[0])
+    return logs
+
+
+def plot_training(logs: dict[str, pd.DataFrame], pdf: Path, png: Path | None = None, title: str = "") -> None:
+    """The training curves against the optimiser step, one line per drafter
+    (`TRAINING_CURVES`): the loss, c*_1 (the expected acceptance sum min(p_d, p_t)
+    of draft position 1) and the expected tau, all on the training batches,
+    teacher-forced: a view of the learning, not held-out numbers (Table 1 and
+    Figure 2 are those). A drafter whose log lacks a column has no line there."""
+    plt = pyplot()
+
+    fig, axes = plt.subplots(1, len(TRAINING_CURVES), figsize=(4.2 * len(TRAINING_CURVES), 3.4), squeeze=False)
+    for ax, (col, label) in zip(axes[0], TRAINING_CURVES):
+        for method, df in logs.items():
+            if col in df:
+                ax.plot(df["step"], df[col], color=METHOD_COLORS.get(method), lw=1.5, ms=3,
+                        marker=METHOD_MARKERS.get(method, "o") if len(df) <= 30 else None,
+                        label=paper.METHOD_LABEL.get(method, method))
+        ax.set_xlabel("Optimiser step")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3)
+    if logs:
+        axes[0][0].legend(fontsize=8)
+    else:
+        axes[0][1].text(0.5, 0.5, "no drafter trained here", ha="center", va="center", transform=axes[0][1].transAxes)
+    fig.suptitle((title + "\n" if title else "") + "on the training batches (teacher-forced), not held out", fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, pdf, *([png] if png else []))
+    plt.close(fig)
+
+
+def training_markdown(cfg, logs: dict[str, pd.DataFrame], figure: Path, report: Path) -> list[str]:
+    """REPORT.md's "Training" section: the training figure (linked relative to
+    the report), what its lines are, each drafter's first and last logged values,
+    the released checkpoints that were not trained, and where TensorBoard finds
+    every column of the logs."""
+    released = [m for m in cfg["train"]["methods"] if m in cfg["eval"]["released_checkpoints"]]
+    drafters_dir = RunPaths.of(cfg).drafter_dir("_").parent
+    lines = ["## Training", "", f"![training curves]({Path(os.path.relpath(figure, report.parent)).as_posix()})", "",
+             "Each trained drafter's `train_log.csv` against the optimiser step: the loss (each method's own "
+             "objective, so its level does not compare across methods), c*₁ (the expected acceptance "
+             "Σ min(p_d, p_t) of draft position 1) and the expected τ = 1 + Σ_k Π_{i≤k} c*_i. "
+             "They are measured on the training batches, teacher-forced: they show the learning, not held-out "
+             "acceptance (that is Table 1 and Figure 2).", ""]
+    if logs:
+        lines += ["| drafter | steps | loss (first → last) | c*₁ | expected τ |", "|---|---|---|---|---|"]
+        for method, df in logs.items():
+            cells = [f"{df[c].iloc[0]:.3f} → {df[c].iloc[-1]:.3f}" if c in df and len(df) else "n/a"
+                     for c, _ in TRAINING_CURVES]
+            steps = int(df["step"].iloc[-1]) if len(df) else 0
+            lines.append(f"| {paper.METHOD_LABEL.get(method, method)} | {steps} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if released:
+        lines += [f"Not trained here (released checkpoints, eval.released_checkpoints): {', '.join(released)}.", ""]
+    lines += [f"Every column of the logs as TensorBoard scalars: `tensorboard --logdir {drafters_dir}`.", ""]
+    return lines
 
 
 def _estimator_notes(fig2: pd.DataFrame) -> list[str]:
@@ -286,7 +393,8 @@ def _draft_layers(cfg) -> str:
 
 
 def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None,
-                 provenance: dict | None = None) -> None:
+                 provenance: dict | None = None, training: list[str] | None = None) -> None:
+    """REPORT.md; `training`: its "Training" section (`training_markdown`)."""
     drafts = t1[t1["tau"].notna()]
     macro = drafts.groupby("method")[["tau", "tau_selfcheck", "speedup"]].mean()
     f2 = fig2.pivot_table(index=["method", "domain"], columns="position", values="acceptance").round(3)
@@ -322,6 +430,12 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
         "rates recomputed on the same resampled prompts); it holds when the interval excludes 0 on the claimed "
         f"side. Points with fewer than {MIN_ATTEMPTS} (expected) attempts are not judged.", "",
         *[f"- **{c.name}: {verdict(c.holds)}.** {c.text}" for c in (claims or [])], "",
+        *(["## Speed at batch size 1", "",
+           "Each timed prompt is decoded with the drafter and without it (plain decoding), back to back in "
+           "alternating order, in the evaluation's process; the speedup is the ratio of the pooled tokens/s, "
+           "its interval a paired bootstrap over prompts (not in the paper, which reports τ only).", "",
+           *[f"- {c}" for c in speed], ""] if (speed := speed_claims(cfg)) else []),
+        *(training or []),
         *served_markdown(cfg),
         *(provenance_markdown(provenance) if provenance else []),
     ]
@@ -374,6 +488,8 @@ OUTPUTS = {
     "fig2-csv": lambda p: p.table("fig2.csv"),
     "fig2-pdf": lambda p: p.figure("fig2.pdf"),
     "fig2-png": lambda p: p.figure("fig2.png"),
+    "training-pdf": lambda p: p.figure("training.pdf"),
+    "training-png": lambda p: p.figure("training.png"),
     "report": lambda p: p.report(),
     "provenance": lambda p: p.provenance(),
 }
@@ -401,6 +517,9 @@ def cli_report(argv) -> int:
               paper_reference=cfg["target"].get("paper_name") is not None, claims_line=figure_line(claims))
     provenance = collect_provenance(cfg)  # code, packages, hardware, dtypes, hub commits (deepspec/provenance.py)
     write_json_atomic(out["provenance"], json_safe(provenance))
-    write_report(cfg, t1, fig2, out["report"], claims, provenance)
-    log.info("wrote %s, %s, %s", out["table1"], out["fig2-pdf"], out["report"])
+    logs = training_logs(cfg)
+    plot_training(logs, out["training-pdf"], out["training-png"], title=f"{cfg['target']['name']}: training curves")
+    write_report(cfg, t1, fig2, out["report"], claims, provenance,
+                 training_markdown(cfg, logs, out["training-png"], out["report"]))
+    log.info("wrote %s, %s, %s, %s", out["table1"], out["fig2-pdf"], out["training-pdf"], out["report"])
     return 0

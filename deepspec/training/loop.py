@@ -36,9 +36,11 @@ metrics)``, and implements the paper's recipe (paper Sec. 4.1; DeepSpec's deepsp
   SIGTERM (SLURM's warning ahead of the time limit, the slurm profile) makes
   every process finish its step, write a checkpoint and stop with one line
   (`TrainingStopped`); the rerun continues from there;
-* ``<out>/train_log.csv`` (one row every ``train.log_every`` steps, flushed)
-  and a tqdm bar; the final drafter is ``save_pretrained``'ed into ``<out>/``
-  with ``config.json`` moved in last, marking completion.
+* ``<out>/train_log.csv`` (one row every ``train.log_every`` steps, flushed),
+  the same rows as TensorBoard scalars under ``<out>/tensorboard/`` (accelerate's
+  tracker, main process; `deepspec.training.train_log`) and a tqdm bar; the
+  final drafter is ``save_pretrained``'ed into ``<out>/`` with ``config.json``
+  moved in last, marking completion.
 
 ``python -m deepspec train`` (`cli_train`) wires in the target, the dataset of
 `deepspec.data.datasets` and a drafter of `deepspec.drafters`, whose
@@ -67,6 +69,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_dir, write_json_atomic
 from ..paths import RunPaths
 from ..provenance import code_commit
+from ..runtime import resolve_precision
 from .launch import direct_command, free_port
 from .recipe import (
     StepSampler,
@@ -90,7 +93,7 @@ from .checkpoints import (
 
 from .state import StepFn, TrainRun, TrainSettings
 from .stopping import StopOnSigterm, TrainingStopped, any_process
-from .train_log import TrainLog
+from .train_log import TB_DIR, TrainLog, finish_tensorboard, start_tensorboard, tensorboard_available
 
 log = logging.getLogger(__name__)
 
@@ -131,18 +134,42 @@ def _use_cpu(device: str) -> bool:
     return not str(device).startswith("cuda") or not torch.cuda.is_available()
 
 
-def make_accelerator(device: str, accum: int):
-    """An Accelerator on `device` ('cpu' forces CPU), bf16 autocast on GPU."""
+def make_accelerator(device: str, accum: int, precision: str = "auto", log_dir: Optional[Path] = None):
+    """An Accelerator on `device` ('cpu' forces CPU) with bf16 autocast where
+    train.precision resolves to bfloat16 (`runtime.resolve_precision`: auto takes
+    it on a GPU with bf16 and on a CPU with AMX-BF16); master weights, optimiser
+    state and the losses' softmax / L1 terms stay fp32 either way. log_dir: the
+    project directory of accelerate's TensorBoard tracker (`train_log.start_tensorboard`);
+    without the tensorboard package, one warning and no tracker."""
     from accelerate import Accelerator
 
     cpu = _use_cpu(device)
-    acc = Accelerator(cpu=cpu, mixed_precision="no" if cpu else "bf16", gradient_accumulation_steps=accum)
+    bf16 = resolve_precision(precision, "cpu" if cpu else "cuda", stage="train") == "bfloat16"
+    tb = log_dir is not None and tensorboard_available()
+    _release_other_precision("bf16" if bf16 else "no")
+    acc = Accelerator(cpu=cpu, mixed_precision="bf16" if bf16 else "no", gradient_accumulation_steps=accum,
+                      **({"log_with": "tensorboard", "project_dir": str(log_dir)} if tb else {}))
+    if log_dir is not None and not tb and acc.is_main_process:
+        log.warning("no TensorBoard logging: the tensorboard package is not installed (pip install tensorboard); "
+                    "train_log.csv has the same rows")
     if acc.gradient_accumulation_steps != accum:
         raise DeepSpecError(
             f"gradient accumulation is {acc.gradient_accumulation_steps}, expected {accum} "
             "(unset ACCELERATE_GRADIENT_ACCUMULATION_STEPS)"
         )
     return acc
+
+
+def _release_other_precision(mixed: str) -> None:
+    """accelerate keeps one AcceleratorState per process and refuses a second
+    Accelerator with another mixed precision; a process that trains twice (a
+    benchmark's sweep, the tests) with different train.precision starts the
+    second from a fresh state (the distributed PartialState is kept)."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state.get("_mixed_precision") not in (None, mixed):
+        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def process_device(device: str) -> torch.device:
@@ -195,7 +222,8 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     from accelerate import PartialState
 
     world = PartialState(cpu=_use_cpu(device)).num_processes
-    acc = make_accelerator(device, accumulation_steps(train_cfg, world))
+    acc = make_accelerator(device, accumulation_steps(train_cfg, world), train_cfg.get("precision", "auto"),
+                           log_dir=out / TB_DIR)
     settings = TrainSettings.of(train_cfg)
     n = len(dataset)
     per_epoch, total = plan_steps(n, train_cfg)
@@ -286,19 +314,26 @@ def _start_or_resume(run: TrainRun, resume: Optional[bool]) -> tuple[int, float]
         log.info("resumed from %s at step %d/%d", ckpt, start, run.total)
     elif acc.is_main_process:
         (out / LOG_NAME).unlink(missing_ok=True)
+        shutil.rmtree(out / TB_DIR, ignore_errors=True)  # its event files start afresh with the log
     acc.wait_for_everyone()
     return start, elapsed_before
 
 
 def _run_steps(run: TrainRun, start: int, elapsed_before: float, t_run: float) -> float:
-    """Optimiser steps start..total with logging and checkpoints; returns the
+    """Optimiser steps start..total with logging (train_log.csv and TensorBoard,
+    the run named after the output directory) and checkpoints; returns the
     positions this process predicted."""
     from tqdm.auto import tqdm
 
-    train_log = TrainLog(run.out / LOG_NAME, enabled=run.acc.is_main_process)
+    if start < run.total:
+        start_tensorboard(run.acc, run.out.name, start)
+    train_log = TrainLog(run.out / LOG_NAME, enabled=run.acc.is_main_process, acc=run.acc)
     bar = tqdm(total=run.total, initial=start, disable=not run.acc.is_main_process, desc="train", dynamic_ncols=True)
-    with StopOnSigterm() as stop:
-        positions_run = _steps(run, start, elapsed_before, t_run, train_log, bar, stop)
+    try:
+        with StopOnSigterm() as stop:
+            positions_run = _steps(run, start, elapsed_before, t_run, train_log, bar, stop)
+    finally:
+        finish_tensorboard(run.acc)
     bar.close()
     return positions_run
 
