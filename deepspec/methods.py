@@ -9,8 +9,8 @@ eagle3, dflash, dspark or dspark_rnn (DSpark with the RNN head of Eq. 6):
   dspark_rnn-b15  DSpark, RNN head, block 15          (Figure 4)
 
 ``resolve_method(cfg, name)`` returns the base method and the config with the
-variant's overrides applied (and a per-method ``train.max_steps`` mapping
-resolved to this method's cap).
+variant's overrides applied (and per-method ``train.max_steps`` and
+``train.lr`` mappings resolved to this method's value).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import re
 
 from .errors import DeepSpecError
 
+PAPER_LR = 6.0e-4  # train.lr of a method a per-method mapping does not name (the schema's default)
 BASES = {"eagle3": ("eagle3", {}), "dflash": ("dflash", {}), "dspark": ("dspark", {}),
          "dspark_rnn": ("dspark", {"markov_head_type": "rnn"})}
 _NAME = re.compile(r"^(?P<base>[a-z0-9_]+?)(?:-l(?P<layers>\d+))?(?:-b(?P<block>\d+))?$")
@@ -42,6 +43,9 @@ def resolve_method(cfg: dict, name: str) -> tuple[str, dict]:
     steps = cfg["train"].get("max_steps")
     if isinstance(steps, dict):  # per-method caps: the base method's (or none)
         cfg["train"]["max_steps"] = steps.get(m.group("base"), steps.get(method))
+    lr = cfg["train"].get("lr")
+    if isinstance(lr, dict):  # per-method learning rates: the base method's (or the paper's)
+        cfg["train"]["lr"] = lr.get(m.group("base"), lr.get(method, PAPER_LR))
     if m.group("block"):
         b = int(m.group("block"))
         cfg["drafter"]["block_size"] = b

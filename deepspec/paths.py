@@ -13,7 +13,7 @@ patterns), then passes `{output}` to the commands. R = results_dir, T = target n
   R/T/regen/shards/conversations.I-of-N.jsonl  shard I of regenerate.shards = N  (regenerate_shard)
   R/T/regen/server.{service,pid}       the regeneration server's marker and pid (regenerate_server)
   R/T/cache/manifest.json              target cache                 (build_cache)
-  R/T/drafters/<method>/               trained drafter + train_log  (train)
+  R/T/drafters/<method>/               trained drafter + train_log, tensorboard/  (train)
   R/T/eval/<method>/<benchmark>.csv    per-round records, .json summary      (evaluate)
   R/T/eval/baseline/<benchmark>.json   plain / prompt-lookup tokens/s (+ .csv) (baseline)
   R/T/eval/baseline/part.I-of-N.done   baseline job I of eval.baseline_jobs = N finished (baseline)

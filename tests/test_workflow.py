@@ -182,9 +182,15 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     prov = json.loads((tmp_path / "results" / "provenance.json").read_text())
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert prov["code"]["git"]["commit"] == head and prov["target"]["kind"] == "random"
+    from deepspec.runtime import resolve_precision
+
+    bf16 = resolve_precision("auto", "cpu", stage="train") == "bfloat16"  # this CPU has AMX-BF16
     for method, d in prov["drafters"].items():
-        assert d["training"]["mixed_precision"] == "no" and d["training"]["code"]["commit"] == head, method
-        assert [(e["device"], e["target_dtype"]) for e in d["evaluation"]] == [("cpu", "float32")], method
+        assert d["training"]["mixed_precision"] == ("bf16" if bf16 else "no"), method
+        assert d["training"]["code"]["commit"] == head, method
+        assert [(e["device"], e["target_dtype"], e["engine_dtype"]) for e in d["evaluation"]] == [
+            ("cpu", "float32", "bfloat16" if bf16 else "float32")], method
+    assert prov["precision"]["cache"]["recorded"] == ["bfloat16" if bf16 else "float32"]
     assert "## Provenance" in (tmp_path / "results" / "REPORT.md").read_text()
     # A rerun has nothing to do.
     r2 = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny", env=env)
@@ -192,6 +198,13 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     # A changed setting reruns exactly the rules that depend on it, and their descendants.
     for override, want in CHANGES.items():
         assert _planned(tmp_path, env, override) == want, override
+    # Seeded: the cache, training, evaluation and report made again give Figure 2's table byte for byte.
+    fig2 = (tmp_path / "results" / "tables" / "fig2.csv").read_bytes()
+    r3 = snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", "preset=tiny", "--forcerun", "build_cache",
+                   env=env, timeout=900)
+    assert r3.returncode == 0, r3.stdout[-3000:] + r3.stderr[-3000:]
+    assert "build_cache" in r3.stdout + r3.stderr
+    assert (tmp_path / "results" / "tables" / "fig2.csv").read_bytes() == fig2
 
 
 EVAL = {"evaluate": 3, "report": 1}  # one evaluate job per method (all benchmarks)
