@@ -10,7 +10,8 @@ from deepspec.errors import DeepSpecError
 # cost-benchmark presets that train on their own evaluation prompts at T = 0 on purpose
 # (benchmarks/bench_vllm.py needs a drafter with a high tau); they reproduce nothing of the paper
 BENCHMARK_ONLY = {"smollm2-135m-overfit"}
-CPU_LR = {"smollm2-135m": 2.4e-3, "smollm2-135m-full": 2.4e-3}
+CPU_LR = {"smollm2-135m": {"eagle3": 2.4e-3, "dflash": 4.8e-3, "dspark": 2.4e-3}}
+CPU_LR["smollm2-135m-full"] = CPU_LR["smollm2-135m"]
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
