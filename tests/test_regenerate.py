@@ -55,6 +55,19 @@ def test_sampling_is_per_row_seeded_and_matches_the_distribution():
     assert torch.allclose(freq, probs, atol=0.04)
 
 
+
+def test_unfiltered_sampling_is_the_tempered_softmax():
+    # top_k 0, top_p 1, min_p 0 (plain sampling at T): the whole vocabulary, unsorted, and draws
+    # that follow softmax(logits / T)
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    cand, ids = filter_logits(logits, 2.0, top_k=0, top_p=1.0, min_p=0.0)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(cand, logits / 2.0)
+    rc = dict(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_next(logits, [g], rc)[0] for _ in range(4000)])
+    freq = torch.bincount(draws, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.softmax(logits[0] / 2.0, -1), atol=0.03)
+
 def test_duplicate_prompt_ids_are_named(tiny_cfg, tmp_path):
     with pytest.raises(DeepSpecError, match=r"^duplicate prompt id 't:2' in the training prompts$"):
         regenerate(_cfg(tiny_cfg, tmp_path), tmp_path / "conv.jsonl", prompts=[*PROMPTS, PROMPTS[1]])

@@ -111,15 +111,30 @@ def test_dry_run_plans_every_preset(tmp_path, preset):
         assert rule in out, f"{rule} missing from the plan of {preset}"
 
 
+def _job_priorities(out: str) -> dict:
+    """{(rule, method or part): priority} of a dry run's job blocks (0 where none is printed)."""
+    prio = {}
+    for block in re.split(r"\n(?=\[|localrule |rule )", out):
+        m = re.match(r"(?:local)?rule (\w+):", block.lstrip("\n"))
+        if m:
+            w = re.search(r"wildcards: (?:method|part)=(\w+)", block)
+            p = re.search(r"priority: (\d+)", block)
+            prio[(m.group(1), w.group(1) if w else None)] = int(p.group(1)) if p else 0
+    return prio
+
+
 def test_train_start_first_orders_training_jobs(tmp_path):
-    """train.start_first raises those methods' training jobs above the others (1),
-    in its order; a name that is no method of the preset stops the plan."""
+    """The trainers come first (2, train.start_first's methods above the others in its
+    order), then the evaluations (1), then the baselines (0: only the report reads them);
+    a name that is no method of the preset stops the plan."""
     copy_workflow(tmp_path)
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
                    "train={start_first: [dspark, eagle3]}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    prio = dict(re.findall(r"method=(\w+)\n\s+priority: (\d+)", r.stdout + r.stderr))
-    assert prio == {"dspark": "3", "eagle3": "2", "dflash": "1"}, prio
+    prio = _job_priorities(r.stdout + r.stderr)
+    assert {k[1]: v for k, v in prio.items() if k[0] == "train"} == {"dspark": 4, "eagle3": 3, "dflash": 2}, prio
+    assert {v for k, v in prio.items() if k[0] == "evaluate"} == {1}, prio
+    assert {v for k, v in prio.items() if k[0] == "baseline"} == {0}, prio
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
                    "train={start_first: [eagle]}")
     assert r.returncode != 0 and "train.start_first: 'eagle' is none of this preset's methods" in r.stdout + r.stderr

@@ -18,10 +18,15 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
     Returns (logits [B, K], token ids [B, K]) sorted by decreasing logit,
     -inf where filtered out; K = top_k (or the vocabulary when top_k == 0), so
-    the usual top_k = 20 never sorts the whole vocabulary.
+    the usual top_k = 20 never sorts the whole vocabulary. With no filter at
+    all (top_k 0, top_p 1, min_p 0: plain sampling at the temperature) the
+    whole vocabulary comes back in token order, unsorted.
     """
     logits = logits.float() / temperature
-    k = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
+    V = logits.shape[-1]
+    if not 0 < top_k < V and top_p >= 1.0 and min_p <= 0.0:  # nothing filtered: the vocabulary as it is, unsorted
+        return logits, torch.arange(V, device=logits.device).expand_as(logits)
+    k = top_k if 0 < top_k < V else V
     logits, ids = torch.topk(logits, k, dim=-1)  # sorted, descending
     if top_p < 1.0:
         p = torch.softmax(logits, dim=-1)

@@ -260,7 +260,7 @@ def interleaved_speedup(samples: list[dict], n_boot: int, seed: int) -> dict | N
             "plain_tokens_per_s": float(x[:, 2].sum() / x[:, 3].sum())}
 
 
-def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, baseline_json: Path) -> dict:
+def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int) -> dict:
     from ..core.acceptance import confidence_selfcheck, position_table, summarize_rounds
 
     n_boot, seed = cfg["eval"]["n_boot"], cfg["eval"]["seed"]
@@ -273,24 +273,10 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int, b
         total_time_s=sum(s["time_s"] for s in samples),
         tokens_per_s=_tokens_per_s(samples),
     )
-    out["speedup_vs_plain"] = None
-    if baseline_json.exists():
-        base = read_json(baseline_json)
-        same = all(base.get(k) == cfg["eval"][k] for k in ("temperature", "max_new_tokens"))
-        timed = [s["sample_id"] for s in samples if s.get("batch1", True)]
-        if base.get("sample_ids") is not None and base["sample_ids"] != timed:
-            log.warning("%s timed other prompts (%s) than this run (%s): no speedup_vs_plain", baseline_json,
-                        base["sample_ids"], timed)
-            same = False
-        if not same:
-            log.warning("%s was made with other eval settings: no speedup_vs_plain", baseline_json)
-        elif (base.get("plain") or {}).get("tokens_per_s"):
-            out["speedup_vs_plain"] = out["tokens_per_s"] / base["plain"]["tokens_per_s"]
+    # plain decoding of each timed prompt, timed beside it in this process (run_timed)
     inter = interleaved_speedup(samples, n_boot, seed)
     out["speedup_interleaved"] = inter
-    if inter is not None:  # measured beside each prompt: preferred over the baseline job's separate timing
-        out["speedup_vs_plain"] = inter["speedup"]
-    out["baseline_json"] = str(baseline_json) if baseline_json.exists() else None
+    out["speedup_vs_plain"] = None if inter is None else inter["speedup"]
     out["confidence_selfcheck"] = confidence_selfcheck(df)
     out["positions"] = position_table(df, gamma=gamma, n_boot=n_boot, seed=seed).to_dict("records")
     out["samples"] = samples
@@ -382,10 +368,9 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, 
 def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict,
                      skipped: list, environment: dict | None = None):
     """Summary JSON (tau with CI, positions, tokens/s of the batch-1 sample, speedup) beside the records."""
-    paths = RunPaths.of(cfg)
     domain = cfg["data"]["benchmarks"][bench]["domain"]
     gamma = int(df.filter(like="conf_logit_").shape[1]) or int(df["proposal_len"].max())
-    summary = summarize(cfg, df, samples, gamma=gamma, baseline_json=paths.baseline(bench))
+    summary = summarize(cfg, df, samples, gamma=gamma)
     summary = {"target": cfg["target"]["name"], "method": method, "benchmark": bench, "domain": domain,
                "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
                "max_new_tokens": cfg["eval"]["max_new_tokens"],

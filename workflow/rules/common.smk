@@ -177,9 +177,10 @@ def train_data(wc):
 
 
 def train_priority(wc):
-    """1 for every training job, more for train.start_first's methods (the first highest)."""
+    """2 for every training job (above the evaluations' 1 and the baselines' 0: the
+    trainers are the critical path), more for train.start_first's methods (the first highest)."""
     first = CFG["train"]["start_first"]
-    return 1 + (len(first) - first.index(wc.method) if wc.method in first else 0)
+    return 2 + (len(first) - first.index(wc.method) if wc.method in first else 0)
 
 
 def train_port(wc):
@@ -190,11 +191,11 @@ def train_port(wc):
 
 
 def eval_inputs(wc):
-    """evaluate (one job per method, every benchmark) waits for every timed
-    benchmark's baseline so that its summaries carry speedup_vs_plain. A method with a
+    """evaluate's inputs (one job per method, every benchmark; it times plain
+    decoding itself, beside each timed prompt, so it needs no baseline). A method with a
     released checkpoint (eval.released_checkpoints) is evaluated from the hub
     and needs no trained drafter."""
-    inputs = {"target": TARGET_CONFIG, "baselines": BASELINES, "prompts": BENCHMARK_FILES}
+    inputs = {"target": TARGET_CONFIG, "prompts": BENCHMARK_FILES}
     if wc.method not in CFG["eval"]["released_checkpoints"]:
         inputs["drafter"] = PATHS.drafter_dir(wc.method) / "config.json"
     return {**inputs, **released_input(wc.method)}

@@ -22,6 +22,7 @@ rule evaluate:
         settings=settings("evaluate"),
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
+    priority: 1  # after the trainers, before the baselines (common.smk: train_priority)
     resources:
         **EVAL_RESOURCES,
     shell:
@@ -32,10 +33,12 @@ rule evaluate:
 # The drafter-free baselines of the timed benchmarks (eval.speed_benchmarks) in
 # eval.baseline_jobs jobs: job {part} times every N-th of them (from the
 # {part}-th) in one process, so the start-up (~7 s) and the warm-up are paid
-# once per job, not per benchmark. On CPU, two one-thread jobs fill both cores
-# between the regeneration and the cache. Each job writes its benchmarks'
+# once per job, not per benchmark. Only the report reads them (the prompt-lookup
+# column; evaluate times plain decoding beside each timed prompt itself), so they
+# wait for the training data and then fill whatever core the trainers and the
+# evaluations leave free, off the critical path. Each job writes its benchmarks'
 # <benchmark>.json/.csv and then, through Snakemake, its flag file
-# (PATHS.baseline_part), which the jobs that read the baselines wait for.
+# (PATHS.baseline_part), which the report waits for.
 def baseline_args(wc):
     benches = SPEED_BENCHMARKS[int(wc.part) :: BASELINE_JOBS]
     return " ".join(f"--benchmark {shlex.quote(b)}" for b in benches)
@@ -46,6 +49,7 @@ rule baseline:
         target=TARGET_CONFIG,
         prompts=BENCHMARK_FILES,
         regenerated=REGENERATION_DONE,
+        after=train_data,  # ordering only: the cores go to the data, then the trainers first
     output:
         touch(PATHS.baseline_part("{part}", BASELINE_JOBS)),
     wildcard_constraints:

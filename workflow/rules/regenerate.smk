@@ -125,7 +125,7 @@ rule regenerate_shard:
         "regenerate" if REGEN_SERVER else None
     # beside a server a shard only sends requests: no core of its own
     threads: 0 if REGEN_SERVER else res("regenerate", "threads", 2)
-    # the critical path: the shards start before the baselines, which fill the cores later
+    # the critical path: the shards first
     priority: 1
     resources:
         **REGEN_RESOURCES,
