@@ -324,3 +324,26 @@ def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
     t1 = pd.read_csv(tmp / "results" / "tables" / "table1.csv")
     row = t1[(t1.method == "dspark") & (t1.benchmark == timed[0])].iloc[0]
     assert row.speedup_ci_low <= row.speedup <= row.speedup_ci_high and row.speedup == pytest.approx(1.4, rel=0.05)
+
+
+def test_compare_runs_pairs_two_runs_over_the_same_prompts():
+    """benchmarks/compare_runs.py: a run against itself differs by exactly 0; a run
+    whose DFlash accepts more at position 1 shows it, its interval above 0."""
+    import importlib.util
+
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "compare_runs.py"
+    spec = importlib.util.spec_from_file_location("compare_runs", path)
+    cr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cr)
+    cfg = load_config("tiny")
+    rates = {"dflash": RATES["dflash"]}
+    a = _records(cfg, rates, np.random.default_rng(0))
+    same = cr.compare(a, a, n_boot=200)
+    assert {r["quantity"] for r in same} >= {"macro tau", "Math p1", "Chat p3"}
+    assert all(r["diff"] == r["low"] == r["high"] == 0 for r in same)
+    better = _records(cfg, {"dflash": [RATES["dflash"][0] + 0.2, *RATES["dflash"][1:]]}, np.random.default_rng(1))
+    rows = {r["quantity"]: r for r in cr.compare(a, better, n_boot=200)}
+    assert all(rows[f"{d} p1"]["low"] > 0.1 for d in ("Math", "Code", "Chat")), rows
+    assert rows["macro tau"]["low"] > 0
