@@ -42,7 +42,20 @@ def _require_checkout() -> None:
 
 class _Yaml12Loader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 core-schema scalars: floats without a dot
-    (3e-4) are numbers and only true/false are booleans."""
+    (3e-4) are numbers and only true/false are booleans. A key given twice in
+    one mapping is an error (YAML 1.2 requires unique keys; PyYAML would keep
+    the last one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {seen[key] + 1} and line {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Yaml12Loader.yaml_implicit_resolvers = {

@@ -268,3 +268,15 @@ def test_per_method_learning_rates_resolve_for_each_method_and_its_variants():
     assert resolve_method(load_config("tiny", {"train": {"lr": 1e-3}}), "dflash")[1]["train"]["lr"] == 1e-3
     with pytest.raises(DeepSpecError, match="train.lr"):
         load_config("tiny", {"train": {"lr": {"dspark": 0}}})
+
+
+def test_a_key_given_twice_in_a_preset_is_refused(tmp_path):
+    """C7: two `base:` keys (or any key twice in one mapping) fail in one line naming
+    the file and both lines, instead of the last one winning without a word."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("base: tiny\ndescription: x\nbase: smollm2-135m\n")
+    with pytest.raises(DeepSpecError, match=r"twice\.yaml: malformed YAML: duplicate key 'base' \(line 1 and line 3\)$"):
+        load_config(str(p))
+    p.write_text("base: tiny\ntrain:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
+    with pytest.raises(DeepSpecError, match=r"duplicate key 'lr' \(line 3 and line 4\)"):
+        load_config(str(p))

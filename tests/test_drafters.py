@@ -5,6 +5,8 @@ init_from_target, and a small overfitting run per drafter.
 Tests taking `target` / `target_cfg` run on both the Llama-style tiny target and
 the tiny Gemma4 one (conftest.py); Gemma4-only checks are in test_gemma4.py."""
 import copy
+import json
+import re
 
 import pytest
 import torch
@@ -295,3 +297,67 @@ def test_damaged_drafter_files_are_one_line_errors(tiny_target, tiny_cfg, tmp_pa
     (tmp_path / "d" / "config.json").write_text("{deepspec_method: dflash")
     with pytest.raises(DeepSpecError, match=r"config\.json: malformed drafter config"):
         load_drafter(tmp_path / "d", tiny_target)
+
+
+def _saved(method, tiny_target, tiny_cfg, where):
+    d = build_drafter(method, tiny_target, tiny_cfg)
+    d.save_pretrained(where)
+    return where
+
+
+def _edit_weights(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    edit(state)
+    save_file(state, str(f), metadata={"format": "pt"})
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update({k: v(cfg[k]) if callable(v) else v for k, v in changes.items()})
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_drafter_missing_a_tensor_is_refused_not_initialised(tiny_target, tiny_cfg, tmp_path):
+    """B11: a tensor deleted from model.safetensors (or a missing d2t buffer, B9) is one
+    line naming the file and the tensor, never a weight made up at random."""
+    d = _saved("dspark", tiny_target, tiny_cfg, tmp_path / "d")
+    up = next(k for k in load_drafter(d, tiny_target).state_dict() if "mlp.up_proj.weight" in k)
+    _edit_weights(d, lambda s: s.pop(up))
+    with pytest.raises(DeepSpecError, match=rf"config\.json: {re.escape(up)} is not in the weights file") as e:
+        load_drafter(d, tiny_target)
+    assert "\n" not in str(e.value)
+    d2 = _saved("dflash", tiny_target, tiny_cfg, tmp_path / "d2")
+    _edit_weights(d2, lambda s: s.pop("d2t"))
+    with pytest.raises(DeepSpecError, match=r"d2t is not in the weights file"):
+        load_drafter(d2, tiny_target)
+
+
+def test_a_tampered_drafter_config_names_the_tensor_and_the_key(tiny_target, tiny_cfg, tmp_path):
+    """B8 / B10: a config.json whose sizes do not match the weights (Markov rank, one
+    layer more) is one line naming the tensor and the config key."""
+    d = _saved("dspark", tiny_target, tiny_cfg, tmp_path / "d")
+    _edit_config(d, deepspec_markov_rank=lambda r: r * 2)
+    with pytest.raises(DeepSpecError, match=r"markov.* is \[.*\], but config\.json \(.*deepspec_markov_rank.*\) implies") as e:
+        load_drafter(d, tiny_target)
+    assert "\n" not in str(e.value)
+    d2 = _saved("dflash", tiny_target, tiny_cfg, tmp_path / "d2")
+    _edit_config(d2, num_hidden_layers=lambda n: n + 1)
+    with pytest.raises(DeepSpecError, match=r"layers\.\d+\..* is not in the weights file.*config num_hidden_layers"):
+        load_drafter(d2, tiny_target)
+
+
+def test_non_finite_drafter_weights_are_refused(tiny_target, tiny_cfg, tmp_path):
+    """B12: NaN weights are not evaluated or exported (both load through load_drafter)."""
+    d = _saved("eagle3", tiny_target, tiny_cfg, tmp_path / "d")
+    name = next(k for k, v in load_drafter(d, tiny_target).state_dict().items() if v.is_floating_point())
+
+    def poison(s):
+        s[name] = s[name].clone()
+        s[name].view(-1)[0] = float("nan")
+
+    _edit_weights(d, poison)
+    with pytest.raises(DeepSpecError, match=rf"{re.escape(name)} has 1 non-finite value"):
+        load_drafter(d, tiny_target)
