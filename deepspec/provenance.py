@@ -87,7 +87,11 @@ def packages() -> dict:
 
 
 def _git(root: Path, *args: str) -> str:
-    r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    """git's output as text. Paths come quoted in ASCII whatever the user's
+    core.quotepath (a non-UTF-8 file name would otherwise fail to decode), and
+    any byte that still does not decode is kept as a backslash escape."""
+    r = subprocess.run(["git", "-c", "core.quotepath=on", "-C", str(root), *args], capture_output=True, timeout=30)
+    r.stdout, r.stderr = (b.decode("utf-8", errors="backslashreplace") for b in (r.stdout, r.stderr))
     if r.returncode != 0:
         raise RuntimeError((r.stderr.strip().splitlines() or [f"git {args[0]} failed"])[0])
     return r.stdout

@@ -56,6 +56,19 @@ def test_code_state_is_the_packages_checkout_and_flags_a_dirty_tree(tmp_path, mo
     assert P.code_commit()["commit"] == _git(REPO, "rev-parse", "HEAD").strip()  # this package's checkout
 
 
+
+def test_a_non_utf8_file_name_is_recorded_not_raised(tmp_path):
+    """B21: with core.quotepath false, git prints a non-UTF-8 file name as raw bytes;
+    the dirty state is still recorded (the name escaped), never a UnicodeDecodeError."""
+    repo = _checkout(tmp_path)
+    _git(repo, "config", "core.quotepath", "false")
+    name = os.fsencode(repo / "deepspec") + b"/caf\xe9\xff.py"
+    with open(name, "wb") as f:
+        f.write(b"")
+    state = P.code_state(repo / "deepspec")["git"]
+    assert state["dirty"] is True and len(state["changed"]) == 1 and state["changed"][0].startswith("?? ")
+    json.dumps(state)  # recordable as it is
+
 def test_no_git_is_said_not_raised(tmp_path, monkeypatch):
     pkg = tmp_path / "site-packages" / "deepspec"
     pkg.mkdir(parents=True)
