@@ -249,6 +249,9 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
 # and execution-only keys (server URLs, concurrency, timeouts, retries,
 # checkpoint cadence, GPU counts), which do not change what a rule computes.
 _TARGET = ["target.spec", "target.revision", "target.dtype"]
+# what decoding also depends on: the CPU linear-layer kernels (oneDNN's packed matmuls or
+# torch's) round differently, by up to ~4e-6 in the records' probabilities (probe-3, C8)
+_DECODE = _TARGET + ["target.cpu_matmul"]
 _TOKENS = ["data.max_length", "data.min_loss_tokens", "data.system_prompt"]
 # What a target cache's bytes depend on besides the target and the token data:
 # {name in the cache's fingerprint (deepspec.data.cache.data_fingerprint): dotted path}.
@@ -262,17 +265,17 @@ RULE_SETTINGS = {
     "tokenize": ["target.spec", "target.revision", *_TOKENS],
     "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), "cache.precision", *_TOKENS],
     "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
-    "evaluate": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
-    "baseline": _TARGET + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.dtype", "eval.temperature",
+    "evaluate": _DECODE + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
+    "baseline": _DECODE + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.dtype", "eval.temperature",
                            "eval.max_new_tokens", "eval.seed", "eval.baselines", "eval.prompt_lookup_num_tokens",
                            "eval.speed_prompts", "eval.speed_benchmarks"],
     "schedule": _TARGET + ["data.max_length", "eval", "ablations.thresholds"],
     "report": ["preset", "description", "target", "data.benchmarks", "drafter", "train", "eval", "serve.engine"],
     "ablation": ["data.benchmarks", "drafter", "train.max_steps", "eval", "ablations"],
-    "throughput": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens",
+    "throughput": _DECODE + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens",
                              "eval.dtype", "eval.temperature", "eval.seed", "eval.released_checkpoints", "throughput"],
     "fig7": ["target.name"],
-    "serve_check": _TARGET + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens",
+    "serve_check": _DECODE + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens",
                               "eval", "serve.greedy_prompts"],
 }
 EXECUTION_KEYS = {"regenerate.urls", "regenerate.server", "regenerate.connect_timeout_s", "regenerate.concurrency", "regenerate.shards", "regenerate.request_timeout_s",

@@ -280,3 +280,16 @@ def test_a_key_given_twice_in_a_preset_is_refused(tmp_path):
     p.write_text("base: tiny\ntrain:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")
     with pytest.raises(DeepSpecError, match=r"duplicate key 'lr' \(line 3 and line 4\)"):
         load_config(str(p))
+
+
+def test_the_cpu_matmul_kernels_are_part_of_the_decoding_rules_settings():
+    """C8: target.cpu_matmul changes the records (kernels round differently), so the rules
+    that decode rerun when it changes; the ones that do not decode do not."""
+    from deepspec import config as C
+
+    cfg = load_config("tiny")
+    other = load_config("tiny", {"target": {"cpu_matmul": "torch" if cfg["target"]["cpu_matmul"] != "torch" else "onednn"}})
+    for rule in ("evaluate", "baseline", "throughput", "serve_check"):
+        assert C.settings_fingerprint(cfg, rule) != C.settings_fingerprint(other, rule), rule
+    for rule in ("regenerate", "build_cache", "train"):
+        assert C.settings_fingerprint(cfg, rule) == C.settings_fingerprint(other, rule), rule
