@@ -304,6 +304,23 @@ def test_prepacked_linears_give_the_targets_logits(tiny_target, monkeypatch):
         assert not any("forward" in vars(m) for m in linears)
 
 
+
+def test_prepacked_linears_skip_a_target_with_nothing_to_pack(tiny_target):
+    """P6: a bf16 (or GPU) target has no fp32 CPU weight to pack: its linear layers are not
+    walked on each entry (twice per verification round), nothing is patched."""
+    import copy as _copy
+
+    from deepspec.core import target as target_mod
+
+    t = _copy.copy(tiny_target)
+    t.__dict__.pop("_linear_modules", None)
+    t.__dict__.pop("_packed_linears", None)
+    t.model = _copy.deepcopy(tiny_target.model).to(torch.bfloat16)
+    t.packed_matmuls = True
+    with torch.no_grad(), target_mod.prepacked_linears(t):
+        assert not any("forward" in vars(m) for m in t.model.modules() if isinstance(m, torch.nn.Linear))
+    assert "_linear_modules" not in t.__dict__ and "_packed_linears" not in t.__dict__
+
 @pytest.mark.parametrize("method,extra", [("eagle3", {"draft_vocab_size": 300}), ("dspark", {})])
 def test_the_drafters_matmuls_are_packed_with_the_targets(tiny_target, tiny_cfg, monkeypatch, method, extra):
     """With target.cpu_matmul onednn the drafter's proposals multiply through the same

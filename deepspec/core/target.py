@@ -214,8 +214,10 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
     the engine goes through here, so plain and speculative decoding see the same kernels.
     Only for a target with `packed_matmuls` (target.cpu_matmul: onednn); elsewhere
     (gradients, GPU, other dtypes, no oneDNN) it changes nothing."""
-    if not target.packed_matmuls or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available():
-        yield
+    head = getattr(target.lm_head, "weight", None)
+    if (not target.packed_matmuls or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available()
+            or head is None or head.device.type != "cpu" or head.dtype != torch.float32):
+        yield  # a GPU or bf16 target has nothing to pack: its linear layers are not even listed
         return
     module = target.model if module is None else module
     packs = target.__dict__.setdefault("_packed_linears", WeakIdKeyDictionary())
