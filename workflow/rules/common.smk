@@ -176,6 +176,13 @@ def train_data(wc):
     return PATHS.cache_dir() / "manifest.json"
 
 
+# The baselines wait for the training data (the cores go to the data, then to the
+# trainers and evaluations, and the baselines fill what is left): an ordering only,
+# `ancient` so that new training data never reruns them, and none where nothing is trained.
+_data = train_data(None)
+BASELINE_AFTER = [ancient(f) for f in (_data if isinstance(_data, list) else [_data])] if _TRAINED else []
+
+
 def train_priority(wc):
     """2 for every training job (above the evaluations' 1 and the baselines' 0: the
     trainers are the critical path), more for train.start_first's methods (the first highest)."""

@@ -49,7 +49,7 @@ rule baseline:
         target=TARGET_CONFIG,
         prompts=BENCHMARK_FILES,
         regenerated=REGENERATION_DONE,
-        after=train_data,  # ordering only: the cores go to the data, then the trainers first
+        after=BASELINE_AFTER,  # ordering only (common.smk)
     output:
         touch(PATHS.baseline_part("{part}", BASELINE_JOBS)),
     wildcard_constraints:
