@@ -136,6 +136,45 @@ def test_eagle3_chain_cache_equals_recompute(target, target_cfg, seq_batch):
     assert torch.allclose(prop.probs, ref, atol=1e-5)
 
 
+def test_eagle3_chains_of_chosen_rows_equal_the_full_pass(target, target_cfg, seq_batch):
+    """Steps > 0 run on a subset of rows (train.chain_rows): each kept row's
+    states are those of the all-rows TTT pass."""
+    d = _drafter("eagle3", target, target_cfg)
+    ids, f = seq_batch["input_ids"], seq_batch["features"]
+    rows = torch.tensor([[0, 5, 6, 13]])
+    with torch.no_grad():
+        full, part = d(ids, f), d(ids, f, rows=rows)
+    assert torch.equal(full[0], part[0])
+    for s in range(1, d.gamma):
+        ref = full[s].gather(1, rows.unsqueeze(-1).expand(-1, -1, full[s].shape[-1]))
+        assert part[s].shape == ref.shape and torch.allclose(part[s], ref, atol=1e-5), s
+
+
+def test_eagle3_row_sampled_loss_is_unbiased(tiny_target, tiny_cfg):
+    """With train.chain_rows every TTT step's loss is an unbiased estimate of
+    the all-rows loss: exact when every row is kept, the full loss within its
+    standard error over many samples of 3 rows, and different per sample."""
+    import dataclasses
+
+    ids = (torch.arange(2 * 24).view(2, 24) * 37 + 5) % tiny_target.vocab_size
+    feats, last = tiny_target.features(ids, tiny_cfg["target"]["feature_layers"])
+    lm = torch.ones_like(ids, dtype=torch.bool)
+    lm[0, :6], lm[1, :10] = False, False
+    batch = dict(input_ids=ids, loss_mask=lm, attention_mask=torch.ones_like(lm), features=feats, last_hidden=last)
+    d = _drafter("eagle3", tiny_target, tiny_cfg)
+    spec = step_spec(_cfg(tiny_cfg))
+    with torch.no_grad():
+        full = float(d.training_step(batch, spec)[0])
+        every = float(d.training_step(batch, dataclasses.replace(spec, chain_rows=24),
+                                      torch.Generator().manual_seed(0))[0])
+        few = dataclasses.replace(spec, chain_rows=3)
+        est = torch.tensor([float(d.training_step(batch, few, torch.Generator().manual_seed(i))[0])
+                            for i in range(300)])
+    assert every == pytest.approx(full, rel=1e-5)
+    assert est.std() > 1e-3 * full  # the rows really are sampled
+    assert abs(float(est.mean()) - full) < 4 * float(est.std()) / 300**0.5
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_training_step_gives_finite_gradients(target, target_cfg, seq_batch, method):
     d = _drafter(method, target, target_cfg).train()

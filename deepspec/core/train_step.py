@@ -52,6 +52,7 @@ class StepSpec:
     """Everything a training step needs besides the batch."""
 
     num_anchors: int = 512  # anchors per sequence (block drafters)
+    chain_rows: int = 0  # Eagle3: rows per sequence whose TTT chain runs past step 0 (0: every row)
     coef: LossWeights = field(default_factory=LossWeights)
     chunk_positions: int = 512  # positions per checkpointed head chunk
     pt_table_bytes: int = 1 << 30  # the shared p_t table is built when it fits in this
@@ -86,16 +87,23 @@ def sample_anchors(loss_mask, attention_mask, num_anchors: int, generator=None):
         lm = lm & attention_mask.bool()
     elig = torch.zeros_like(lm)
     elig[:, :-1] = lm[:, :-1] & lm[:, 1:]
-    counts = elig.sum(1)
-    N = int(min(num_anchors, counts.max().item() if counts.numel() else 0))
+    return sample_rows(elig, num_anchors, generator)
+
+
+def sample_rows(eligible, num: int, generator=None):
+    """Up to `num` of the eligible positions [B, L] per sequence, uniformly
+    without replacement. Returns positions [B, N] (sorted; padding entries are
+    0) and valid [B, N] with N = min(num, the most eligible in one sequence)."""
+    counts = eligible.sum(1)
+    N = int(min(num, counts.max().item() if counts.numel() else 0))
     if N == 0:
-        z = torch.zeros(lm.shape[0], 0, dtype=torch.long, device=lm.device)
+        z = torch.zeros(eligible.shape[0], 0, dtype=torch.long, device=eligible.device)
         return z, z.bool()
-    u = torch.rand(lm.shape, generator=generator, device="cpu" if generator is None else generator.device)
-    u = u.to(lm.device).masked_fill(~elig, -1.0)
+    u = torch.rand(eligible.shape, generator=generator, device="cpu" if generator is None else generator.device)
+    u = u.to(eligible.device).masked_fill(~eligible, -1.0)
     idx = u.topk(N, dim=1).indices
-    valid = elig.gather(1, idx)
-    idx = torch.where(valid, idx, torch.full_like(idx, lm.shape[1]))  # invalid last after sorting
+    valid = eligible.gather(1, idx)
+    idx = torch.where(valid, idx, torch.full_like(idx, eligible.shape[1]))  # invalid last after sorting
     idx, order = idx.sort(1)
     valid = valid.gather(1, order)
     return torch.where(valid, idx, torch.zeros_like(idx)), valid
@@ -266,10 +274,23 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     if am is not None:
         lm = lm & am.to(dev).bool()
     last = batch["last_hidden"].to(dev)
-    outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev))
-    t = torch.arange(L, device=dev)
-    valids = [chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask) for s in range(len(outs))]
-    srcs = [(t + 1 + s).clamp(max=L - 1).expand(B, L) for s in range(len(outs))]  # row t's target: p_t at t+1+s
+    S = drafter.gamma
+    valids = [chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask) for s in range(S)]
+    norms = [chain_normalizer(v, spec.coef.eagle3_normalizer) for v in valids]  # the all-rows pass's
+    t = torch.arange(L, device=dev).expand(B, L)
+    rows, weights = None, [None] * S
+    if spec.chain_rows and S > 1:
+        # steps > 0 on a uniform sample of the rows with a loss there, each weighted by the
+        # inverse of its sequence's sampling fraction: every step's loss is an unbiased
+        # estimate of the all-rows loss (`StepSpec.chain_rows`)
+        elig = torch.stack(valids[1:]).any(0)
+        rows, kept = sample_rows(elig, spec.chain_rows, generator)
+        w = (elig.sum(1) / kept.sum(1).clamp_min(1)).view(B, 1).expand_as(rows)
+        valids = valids[:1] + [v.gather(1, rows) & kept for v in valids[1:]]
+        weights = [None] + [w] * (S - 1)
+    outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev), rows=rows)
+    # row t's target at step s: p_t at t+1+s
+    srcs = [((t if rows is None or s == 0 else rows) + 1 + s).clamp(max=L - 1) for s in range(S)]
     table = _chain_target_table(drafter, last, srcs, valids, spec)
     # per row: its row of the p_t table (read inside the chunk: no [rows, K] copy
     # per step outlives its chunk), or (too large a table) the final hidden state
@@ -287,16 +308,21 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
         return soft_ce_terms(logp, pt)
 
     metrics, cs, step_losses, n_pos = {}, [], [], 0
-    for s, (h, valid, src) in enumerate(zip(outs, valids, srcs)):
+    for s, (h, valid, src, w, norm) in enumerate(zip(outs, valids, srcs, weights, norms)):
         if not valid.any():
             metrics[f"loss_step_{s + 1}"] = 0.0
             cs.append(0.0)
             step_losses.append(None)
             continue
         sce, cstar = _chunked(terms, spec.chunk_positions, h[valid], _gather_rows(x, src)[valid], alone=alone)
-        step_losses.append(sce.sum() / chain_normalizer(valid, spec.coef.eagle3_normalizer))
+        if w is None:
+            step_losses.append(sce.sum() / norm)
+            cs.append(float(cstar.mean()))
+        else:
+            w = w[valid].to(sce.dtype)
+            step_losses.append((sce * w).sum() / norm)
+            cs.append(float((cstar * w).sum() / w.sum()))
         metrics[f"loss_step_{s + 1}"] = float(step_losses[-1].detach())
-        cs.append(float(cstar.mean()))
         n_pos += int(valid.sum())
     loss = _zero_loss(drafter) + chain_loss(step_losses, spec.coef.eagle3_step_decay)
     _cstar_metrics(metrics, cs)

@@ -61,6 +61,15 @@ def ttt_mask(L: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [eye] * step, dim=1).view(1, 1, L, -1)
 
 
+def chain_rows_mask(rows: torch.Tensor, L: int, step: int) -> torch.Tensor:
+    """[B, 1, R, L + step*R] boolean for the chains of `rows` [B, R] only: row
+    t attends to step-0 keys j <= t and to its own chain's keys of steps 1..step."""
+    R = rows.shape[1]
+    causal = torch.arange(L, device=rows.device).view(1, 1, L) <= rows.unsqueeze(-1)
+    eye = torch.eye(R, dtype=torch.bool, device=rows.device).expand(rows.shape[0], R, R)
+    return torch.cat([causal] + [eye] * step, dim=2).unsqueeze(1)
+
+
 def widen(lin: nn.Linear, in_features: int) -> nn.Linear:
     """A fresh Linear(in_features -> lin.out_features) with lin's bias setting."""
     return nn.Linear(in_features, lin.out_features, bias=lin.bias is not None)
@@ -149,19 +158,27 @@ class Eagle3Drafter(DrafterBase):
             hidden = layer(emb, hidden, cos, sin, mask, cache)
         return hidden
 
-    def forward(self, input_ids, features, attention_mask=None, steps: Optional[int] = None):
+    def forward(self, input_ids, features, attention_mask=None, steps: Optional[int] = None,
+                rows: Optional[torch.Tensor] = None):
         """TTT pass. Returns a list over steps s of post-norm hidden states
-        [B, L, d]; row t of step s predicts token t+2+s."""
+        [B, L, d]; row t of step s predicts token t+2+s. With `rows` [B, R]
+        (positions), steps s > 0 run only those rows' chains ([B, R, d]): a
+        row's chain reads the step-0 keys and its own chain, nothing of other
+        rows' chains, so each kept row's states are those of the full pass."""
         B, L = input_ids.shape
         S = steps or self.gamma
         hidden = self.fc(features.to(self.fc.weight.dtype))
         cache = KVStore()
         outs = []
-        idx = torch.arange(L, device=input_ids.device)
+        dev = input_ids.device
+        idx = torch.arange(L, device=dev).expand(B, L)
         for s in range(S):
-            tok = input_ids.gather(1, (idx + 1 + s).clamp(max=L - 1).expand(B, L))
-            pos = (idx + s).expand(B, L)
-            hidden = self._step(tok, hidden, pos, ttt_mask(L, s, input_ids.device), cache)
+            if s == 1 and rows is not None:
+                idx = rows
+                hidden = hidden.gather(1, rows.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            tok = input_ids.gather(1, (idx + 1 + s).clamp(max=L - 1))
+            mask = ttt_mask(L, s, dev) if rows is None or s == 0 else chain_rows_mask(rows, L, s)
+            hidden = self._step(tok, hidden, idx + s, mask, cache)
             outs.append(self.norm(hidden))
         return outs
 

@@ -449,8 +449,8 @@ def step_spec(cfg: dict) -> StepSpec:
     coef = LossWeights(ce_alpha=L["ce_alpha"], l1_alpha=L["l1_alpha"], conf_alpha=L["conf_alpha"],
                        decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"],
                        eagle3_row_mask=L["eagle3_row_mask"], eagle3_normalizer=L["eagle3_normalizer"])
-    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), coef=coef,
-                    chunk_positions=int(cfg["train"]["chunk_positions"]))
+    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), chain_rows=int(cfg["train"]["chain_rows"]),
+                    coef=coef, chunk_positions=int(cfg["train"]["chunk_positions"]))
 
 
 def machine_memory(device: torch.device) -> tuple[int, str]:
