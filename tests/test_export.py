@@ -238,6 +238,22 @@ def test_vllm_export_of_a_learned_mask_appends_it_as_token_v(tiny_target, tiny_c
     assert "\n" not in str(ei.value) and not (tmp_path / "back").exists()
 
 
+@pytest.mark.parametrize("method", ["dflash", "dspark"])
+def test_a_learned_mask_over_the_full_vocabulary_drafts_v_tokens(tiny_target, tiny_cfg, method, tmp_path):
+    """A learned mask with the full vocabulary (no draft_vocab_size): the input vocabulary
+    is V + 1 but the drafted one V, so draft_vocab_size = V is written, in both layouts
+    (engines size lm_head and markov_w2 by it and would otherwise build V + 1 rows)."""
+    target, V = tiny_target, tiny_target.vocab_size
+    d, _ = _drafter(method, target, tiny_cfg, layer_arch="qwen3")
+    assert not d.reduced_vocab and d.config.deepspec_mask_token_id is None
+    out = export.export_drafter(d, target, "deepspec", tmp_path / "v", engine="vllm")
+    cfg, sd = json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
+    assert cfg["vocab_size"] == V + 1 and cfg["draft_vocab_size"] == V
+    assert sd["lm_head.weight"].shape[0] == sd["markov_head.markov_w2.weight"].shape[0] == V
+    spec_cfg = json.loads((export.export_drafter(d, target, "speculators", tmp_path / "sp") / "config.json").read_text())
+    assert spec_cfg["draft_vocab_size"] == V and spec_cfg["transformer_layer_config"]["vocab_size"] == V + 1
+
+
 def test_vllm_dflash_export_converts_back_to_the_same_dflash(qwen3_target, qwen3_cfg, tmp_path):
     """The null Markov head of a vLLM DFlash export is dropped again by convert-checkpoint:
     the same DFlash drafter, bit for bit, with the same proposals."""
@@ -443,6 +459,26 @@ def test_speculators_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
     assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd)
     default = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp2")
     assert json.loads((default / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-qwen3"
+
+
+def test_a_local_verifier_is_served_explicitly(qwen3_target, qwen3_cfg, tmp_path, caplog):
+    """vLLM >= 0.34 refuses `vllm serve DIR` when the speculators verifier is local
+    (transformers_utils/config.py: "must name a remote model repository"). The export still
+    names it, records the form both 0.32 and 0.34 serve (the target as the model, the
+    drafter as its speculative model) and says so in the log; a hub verifier keeps `vllm serve DIR`."""
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    local = tmp_path / "target"
+    local.mkdir()
+    with caplog.at_level("INFO", logger="deepspec.interop.export"):
+        out = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp", verifier=str(local))
+    serve = json.loads((out / "config.json").read_text())["deepspec_serve_vllm"]
+    assert serve == {"model": str(local), "speculative_config": {"method": "dspark", "num_speculative_tokens": 7,
+                                                                 "draft_sample_method": "probabilistic"}}
+    assert f"vllm serve {local} --speculative-config" in caplog.text and "refuses" in caplog.text
+    hub = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "hub", verifier="Qwen/Qwen3-4B")
+    assert "model" not in json.loads((hub / "config.json").read_text())["deepspec_serve_vllm"]
+    assert [export.local_verifier(x) for x in ("Qwen/Qwen3-4B", "tiny-qwen3", "./t", "/abs/t", "a/b/c", "a--b")] == \
+        [False, False, True, True, True, True]
 
 
 def test_speculators_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):

@@ -126,7 +126,9 @@ def test_where_vllm_is_looked_for(monkeypatch, tmp_path):
         engine_env.vllm_python(str(tmp_path / "nope" / "python"))
     monkeypatch.setenv(engine_env.ENV_VAR, sys.executable)
     assert engine_env.vllm_python() == sys.executable
-    assert engine_env.vllm_command() == f"{sys.executable} -m vllm.entrypoints.cli.main"
+    bin_dir = str(Path(sys.executable).absolute().parent)
+    assert re.fullmatch(rf"env PATH={re.escape(bin_dir)}:\S* {re.escape(sys.executable)} -m vllm.entrypoints.cli.main",
+                        engine_env.vllm_command())  # its venv's bin/ first (ninja, nvcc for FlashInfer's JIT)
     monkeypatch.delenv(engine_env.ENV_VAR)
     monkeypatch.setattr(engine_env.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DeepSpecError, match="install-vllm"):
@@ -357,3 +359,53 @@ def test_install_vllm_pins_the_tested_series_for_gpus_too(tmp_path, monkeypatch)
     assert any(wanted in cmd for cmd in ran), ran
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [wanted]
+
+
+def _fake_vllm_python(where: Path, version: str) -> Path:
+    """A 'python' whose vLLM metadata says `version` (what installed_vllm_version reads)."""
+    fake = where / f"python-{version}"
+    fake.write_text(f"#!/bin/sh\necho {version}\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_vllm_versions_are_data(tmp_path, monkeypatch):
+    """The tested series passes (any patch level or local build), another is refused in one
+    line naming the tested series, unless DEEPSPEC_ALLOW_UNTESTED_VLLM=1 (then a warning)."""
+    tested = engine_env.VLLM_VERSION
+    monkeypatch.delenv(engine_env.ALLOW_UNTESTED, raising=False)
+    assert engine_env.check_vllm_version(f"{tested}.0", "x") == f"{tested}.0"
+    assert engine_env.check_vllm_version(f"{tested}.2+cpu", "x") == f"{tested}.2+cpu"
+    for untested in ("0.34.0", "0.3.2", "1.32.0"):
+        with pytest.raises(DeepSpecError, match=rf"vLLM {re.escape(untested)} \(x\) is untested: .* vLLM {tested}.x") as e:
+            engine_env.check_vllm_version(untested, "x")
+        assert "\n" not in str(e.value)
+    monkeypatch.setenv(engine_env.ALLOW_UNTESTED, "1")
+    assert engine_env.check_vllm_version("0.34.0", "x") == "0.34.0"
+    assert engine_env.installed_vllm_version(str(_fake_vllm_python(tmp_path, "0.34.0"))) == "0.34.0"
+    with pytest.raises(DeepSpecError, match="no vLLM installed for"):
+        engine_env.installed_vllm_version(sys.executable)  # the project's environment has none
+
+
+def test_an_export_for_vllm_records_the_vllm_beside_it_and_refuses_an_untested_one(tiny_target, tiny_cfg, tmp_path,
+                                                                                  monkeypatch):
+    import json
+
+    from helpers import random_drafter
+
+    from deepspec.interop import export
+
+    monkeypatch.delenv(engine_env.ALLOW_UNTESTED, raising=False)
+    d = random_drafter("dspark", tiny_target, tiny_cfg, layer_arch="qwen3")[0]
+    monkeypatch.setenv(engine_env.ENV_VAR, str(_fake_vllm_python(tmp_path, engine_env.VLLM_VERSION + ".0")))
+    out = export.export_drafter(d, tiny_target, "deepspec", tmp_path / "ok", engine="vllm")
+    meta = json.loads((out / "config.json").read_text())["deepspec_exported_from"]
+    assert meta["vllm_tested"] == engine_env.VLLM_VERSION and meta["vllm_found"] == engine_env.VLLM_VERSION + ".0"
+    monkeypatch.setenv(engine_env.ENV_VAR, str(_fake_vllm_python(tmp_path, "0.34.0")))
+    with pytest.raises(DeepSpecError, match="vLLM 0.34.0 .* is untested"):
+        export.export_drafter(d, tiny_target, "deepspec", tmp_path / "bad", engine="vllm")
+    assert not (tmp_path / "bad").exists()
+    monkeypatch.delenv(engine_env.ENV_VAR)
+    monkeypatch.setattr(engine_env.importlib.util, "find_spec", lambda name: None)
+    out = export.export_drafter(d, tiny_target, "deepspec", tmp_path / "none", engine="vllm")
+    assert json.loads((out / "config.json").read_text())["deepspec_exported_from"]["vllm_found"] is None

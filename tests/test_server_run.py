@@ -21,13 +21,16 @@ from deepspec.errors import DeepSpecError
 
 REPO = Path(__file__).resolve().parents[1]
 
-# An OpenAI-ish server: GET /v1/models answers; its model name is argv[2].
+# An OpenAI-ish server: GET /v1/models answers; its model name is argv[2], its /version argv[3].
 FAKE = r"""
 import json, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 class H(BaseHTTPRequestHandler):
     def do_GET(self):
-        b = json.dumps({"object": "list", "data": [{"id": sys.argv[2]}]}).encode()
+        if self.path == "/version" and len(sys.argv) > 3:  # vLLM's version endpoint
+            b = json.dumps({"version": sys.argv[3]}).encode()
+        else:
+            b = json.dumps({"object": "list", "data": [{"id": sys.argv[2]}]}).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
     def log_message(self, *a):
         pass
@@ -66,9 +69,9 @@ def _env():
     return dict(os.environ, PYTHONPATH=str(REPO))
 
 
-def _supervise(procs, status, token, command, *, port="auto", grace="3", env=None):
+def _supervise(procs, status, token, command, *, port="auto", grace="3", env=None, extra=()):
     p = subprocess.Popen([sys.executable, "-m", "deepspec", "run-server", "--status", str(status), "--token", token,
-                          "--port", str(port), "--grace-s", grace, command],
+                          "--port", str(port), "--grace-s", grace, *extra, command],
                          env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     procs.append(p)
@@ -167,6 +170,28 @@ def test_the_shard_talks_only_to_its_own_runs_server(tmp_path, procs, fake):
     sup.send_signal(signal.SIGTERM)
     assert sup.wait(timeout=30) == 0 and read_status(status)["state"] == "stopped"
     assert "stopped by SIGTERM" in own_server_gone(status, "new") and not _wait_gone([st["server_pid"]])
+
+
+def test_a_vllm_server_of_an_untested_series_is_stopped_in_one_line(tmp_path, procs, fake, monkeypatch):
+    """vLLM versions as data: run-server --engine vllm reads the served /version once the
+    server answers; the tested series is recorded in the status, another one fails the run
+    (and its shards) in one line naming the tested series, the server stopped."""
+    from deepspec.interop.engine_env import VLLM_VERSION
+
+    ok, bad = tmp_path / "ok.json", tmp_path / "bad.json"
+    sup = _supervise(procs, ok, "t1", f"{sys.executable} {fake} {{port}} x {VLLM_VERSION}.1", extra=("--engine", "vllm"))
+    st = _wait_state(ok, "t1", ("ready",))
+    assert st["engine_version"] == f"{VLLM_VERSION}.1"
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(timeout=30) == 0
+    env = {k: v for k, v in _env().items() if k != "DEEPSPEC_ALLOW_UNTESTED_VLLM"}
+    sup = _supervise(procs, bad, "t2", f"{sys.executable} {fake} {{port}} x 0.34.0", extra=("--engine", "vllm"), env=env)
+    with pytest.raises(DeepSpecError, match=f"vLLM 0.34.0 .* is untested: .* tested with vLLM {VLLM_VERSION}.x"):
+        wait_for_own_server(bad, "t2", 60, poll_s=0.1)
+    out, _ = sup.communicate(timeout=30)
+    st = read_status(bad)
+    assert sup.returncode == 2 and st["state"] == "failed" and "untested" in st["message"]
+    assert not _wait_gone([st["server_pid"]])
 
 
 @pytest.mark.parametrize("case", ["exits", "killed", "no-program", "vllm"])

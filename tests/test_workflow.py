@@ -459,7 +459,7 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "-p", "--cores", "16", "--config", "preset=qwen3-4b")
     out = r.stdout + r.stderr
     assert r.returncode == 0 and re.search(r"; exec python -m deepspec run-server .* --port auto --gpus 8 .* "
-                                           r"'(vllm|\S+ -m vllm.entrypoints.cli.main) serve .*--port \{port\} ", out), out[-3000:]
+                                           r"--engine vllm '(vllm|(env PATH=\S+ )?\S+ -m vllm.entrypoints.cli.main) serve .*--port \{port\} ", out), out[-3000:]
 
 
 @pytest.mark.e2e

@@ -29,7 +29,9 @@ position t with token t+1 and predicts token t+2; step s > 0 replaces the target
 features by the draft's step-(s-1) output at the same row and uses token t+1+s
 (teacher forced), predicting t+2+s, at RoPE position t+s. Row t of step s
 attends to step-0 keys j <= t (the context) and to its own chain (row t of
-steps 1..s) - the TTT mask.
+steps 1..s) - the TTT mask. Rows' chains are independent past step 0, so
+training may run steps s > 0 on chosen rows only (`rows`, `chain_rows_mask`;
+train.chain_rows), each kept row's states those of the full pass.
 
 Inference (`propose`): the verified context goes into a KV cache (step 0), then
 gamma tokens are drafted autoregressively from the last context row, appending

@@ -56,7 +56,7 @@ from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
-from ..interop.engine_env import vllm_python
+from ..interop.engine_env import check_vllm_version, installed_vllm_version, vllm_bin_path, vllm_python
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def run_vllm(python: str, request: dict, workdir: Path, name: str, log_path: Pat
     t0 = time.perf_counter()
     with open(logf, "w") as f:
         rc = subprocess.run([python, str(RUNNER), str(req), str(ans)], stdout=f, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONPATH="")).returncode
+                            env=dict(os.environ, PYTHONPATH="", PATH=vllm_bin_path(python))).returncode
     if rc != 0 or not ans.exists():
         tail = [ln for ln in Path(logf).read_text(errors="replace").splitlines() if ln.strip()][-1:]
         if keep_dir is not None and log_path is None:
@@ -369,6 +369,7 @@ def cli_serve_check(argv) -> int:
     if cfg["target"]["device"] == "cpu" and args.method != "eagle3":
         raise DeepSpecError(f"vLLM runs {args.method} only in its model runner V2, which needs a GPU: serve-check "
                             f"{args.method} on a GPU machine (eagle3 runs on CPU)")
+    check_vllm_version(installed_vllm_version(py), py)
     tdir = paths.target_checkpoint()
     if not (tdir / "config.json").exists():
         raise DeepSpecError(f"no prepared target at {tdir}: run `python -m deepspec prepare-target` first")

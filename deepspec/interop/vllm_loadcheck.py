@@ -7,7 +7,9 @@ torch and the standard library, never deepspec):
 
 REQUEST.json: {"cases": [{"name", "draft": export dir, "target": HF dir of the
 target (config.json), or "speculators": true (the target is the verifier the
-export names, resolved by vLLM's own `maybe_override_with_speculators`)}],
+export names, resolved by vLLM's own `maybe_override_with_speculators`), and
+optionally "spec": the speculative config without its model (default
+{"method": "dspark"})}],
 "dtype": "float32"}. For each case this builds the speculative config as `vllm
 serve` would (method "dspark", or what the speculators format says), then the
 draft model the way vLLM's model loader does (`create_model` under the draft's
@@ -121,8 +123,8 @@ def check_case(case: dict, dtype: str) -> dict:
     draft, target = case["draft"], case.get("target")
     if case.get("speculators"):
         target, _, spec = maybe_override_with_speculators(model=draft, tokenizer=None, trust_remote_code=False)
-    else:
-        spec = {"method": "dspark", "model": draft}
+    else:  # `vllm serve TARGET --speculative-config SPEC` with the export as its model
+        spec = dict(case.get("spec") or {"method": "dspark"}, model=draft)
     mc = ModelConfig(model=target, dtype=dtype, skip_tokenizer_init=True, max_model_len=512)
     pc = ParallelConfig()
     sc = SpeculativeConfig(**spec, target_model_config=mc, target_parallel_config=pc)

@@ -20,6 +20,8 @@ CASES = {  # name: (target, method, drafter settings)
     # draft vocabulary and a learned mask embedding (no reserved token), exported as token V
     "llama-target-dspark": ("llama", "dspark", {"layer_arch": "qwen3", "draft_vocab_size": 300}),
     "llama-target-dflash": ("llama", "dflash", {"layer_arch": "qwen3", "draft_vocab_size": 300}),
+    # a learned mask embedding over the full vocabulary: the input vocabulary is V + 1, the drafted V
+    "llama-target-dspark-full-vocab": ("llama", "dspark", {"layer_arch": "qwen3"}),
 }
 
 

@@ -29,6 +29,11 @@ def parsed(vllm_python, qwen3_cfg, tmp_path_factory):
         assert_export_is_the_drafter(out, d, target)
         drafters[name] = (d, target, target_dir)
         cases.append({"name": name, "draft": str(out), "speculators": True})
+        # a local verifier: the form vLLM >= 0.34 requires (and 0.32 takes), the target served explicitly
+        serve = json.loads((out / "config.json").read_text())["deepspec_serve_vllm"]
+        assert serve["model"] == str(target_dir)
+        cases.append({"name": name + "-explicit", "draft": str(out), "target": serve["model"],
+                      "spec": serve["speculative_config"]})
     return drafters, run_loadcheck(vllm_python, cases, where), qwen3_cfg
 
 
@@ -61,3 +66,19 @@ def test_vllm_configures_itself_from_our_speculators_export(parsed, name):
     assert s["sample_from_anchor"] is True and s["dspark_bonus_anchor"] is False
     assert s["markov_rank"] == (export.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])
     assert s["confidence_head"] is (method == "dspark")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_explicit_form_for_a_local_verifier_loads_the_same(parsed, name):
+    """`vllm serve TARGET --speculative-config {model: DIR, ...}` (what the export records
+    for a local verifier, which vLLM >= 0.34 refuses in `vllm serve DIR`): the same
+    settings and the same tensors as vLLM's own reading of the format."""
+    drafters, results, _ = parsed
+    via_format, explicit = results[name], results[name + "-explicit"]
+    assert explicit.get("error") is None, explicit.get("traceback")
+    d = drafters[name][0]
+    assert explicit["speculative_config"] == {"method": "dspark", "num_speculative_tokens": d.gamma,
+                                              "draft_sample_method": "probabilistic"}
+    assert explicit["differ"] == [] and explicit["dropped"] == [] and explicit["compared"] == via_format["compared"]
+    keep = {k: v for k, v in via_format["settings"].items()}
+    assert explicit["settings"] == keep

@@ -67,6 +67,7 @@ if REGEN_SERVER:
     except (KeyError, IndexError, ValueError) as e:
         raise WorkflowError(f"config error: regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, "
                             "{port}, {host}, {name}; write literal braces as {{ and }})")
+    SERVER_ENGINE = "--engine vllm " if SERVER_COMMAND.split()[:1] == ["vllm"] else ""  # its /version is checked
     if SERVER_COMMAND.split()[:1] == ["vllm"]:  # vLLM in this environment or its own (deepspec/interop/engine_env.py)
         try:
             _vllm = vllm_command(CFG["serve"]["vllm_python"])
@@ -99,7 +100,8 @@ if REGEN_SERVER:
             # exec: run-server replaces this shell, so Snakemake's SIGTERM (the shards
             # are done) and SIGKILL (a shard failed) reach it
             "touch {output:q}; exec python -m deepspec run-server --status {params.status:q} --token {REGEN_TOKEN} "
-            "--host {params.host:q} --port {params.port} --gpus {params.gpus} --log {log:q} {params.command:q} > {log:q} 2>&1"
+            "--host {params.host:q} --port {params.port} --gpus {params.gpus} --log {log:q} {SERVER_ENGINE}{params.command:q} "
+            "> {log:q} 2>&1"
 
 
 def regen_server_input(wc):
