@@ -135,7 +135,10 @@ def _fails(d, target, fmt, out, match):
 def test_refusals(tiny_target, tiny_cfg, qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp_path):
     llama, _ = _drafter("eagle3", tiny_target, tiny_cfg)
     _fails(llama, tiny_target, "deepspec", tmp_path / "a", "Qwen3 and Gemma4")
-    _fails_for(llama, tiny_target, "eagle3", "sglang", tmp_path / "b", "fuses 3 feature layers, this drafter 2")
+    # E3: SGLang 0.5.23 sizes fc from eagle_config's layer list (llama_eagle3.py), any count
+    sg = json.loads((export.export_drafter(llama, tiny_target, "eagle3", tmp_path / "b", engine="sglang")
+                     / "config.json").read_text())
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == tiny_cfg["target"]["feature_layers"]
     cfg = json.loads((export.export_drafter(llama, tiny_target, "eagle3", tmp_path / "b2", engine="vllm")
                       / "config.json").read_text())  # vLLM sizes fc from the list: any number of layers
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [x + 1 for x in tiny_cfg["target"]["feature_layers"]]
@@ -349,7 +352,8 @@ def test_sglang_export_holds_exactly_sglangs_names(qwen3_target, qwen3_cfg, kind
     assert cfg["num_target_layers"] == 3 and cfg["sample_from_anchor"] is True
     assert cfg["enable_confidence_head"] is confidence
     assert cfg.get("confidence_head_with_markov") == (with_markov if confidence else None)
-    assert cfg["deepspec_serve_sglang"] == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7}
+    assert cfg["deepspec_serve_sglang"] == dict({"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7},
+                                                **({} if confidence else {"env": {"SGLANG_RAGGED_VERIFY_MODE": "static"}}))
     assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARKER, "config.json", "model.safetensors"]
     # the tensors are the drafter's, under the reference names (RNN cell = joint_proj, same [s; W1[x]; h] order)
     ours = d.state_dict()
@@ -390,7 +394,17 @@ def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
     assert serve == {"speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 7,
                      "speculative_dspark_confidence_sts_path": "sglang_sts.json",
                      "speculative_dspark_sps_table_path": "sglang_sps.json",
-                     "env": {"SGLANG_RAGGED_VERIFY_MODE": "compact"}}
+                     "env": {"SGLANG_RAGGED_VERIFY_MODE": "compact"},
+                     # E4: SGLang clamps SPS(B) past the table (8 tokens = one request of 8): beyond, its
+                     # planner would see free verification and verify everything
+                     "max_running_requests": 1}
+    short = tmp_path / "short"
+    short.mkdir()
+    a = json.loads(_alg1(short).read_text())
+    a["sps"] = {"batch_tokens": [1, 2, 4], "steps_per_s": [50.0, 49.0, 46.0]}
+    (short / "gsm8k.alg1.json").write_text(json.dumps(a))
+    _fails_with(d, qwen3_target, tmp_path / "sh", "ends at 4 tokens, short of one request's 8", engine="sglang",
+                sps=short / "gsm8k.alg1.json")
     bare = tmp_path / "bare"
     bare.mkdir()
     out2 = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s2", engine="sglang", sts=_alg1(bare, ece=False))
@@ -403,6 +417,10 @@ def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
     _fails_with(d, qwen3_target, tmp_path / "v", "use --format deepspec --engine sglang", engine="vllm", sps=alg1)
     noconf, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, confidence_head=False)
     _fails_with(noconf, qwen3_target, tmp_path / "n", "no confidence head", engine="sglang", sts=alg1)
+    # E6: without a confidence head SGLang must verify statically (its other modes build the head)
+    out3 = export.export_drafter(noconf, qwen3_target, "deepspec", tmp_path / "n2", engine="sglang")
+    assert json.loads((out3 / "config.json").read_text())["deepspec_serve_sglang"]["env"] == \
+        {"SGLANG_RAGGED_VERIFY_MODE": "static"}
 
 
 def _fails_with(d, target, out, match, fmt="deepspec", **kw):

@@ -75,9 +75,9 @@ NULL_MARKOV_RANK = 1
 # SGLang's DSPARK loads these files (docs/FORMATS.md §1.3), written beside the weights.
 SGLANG_STS_FILE, SGLANG_SPS_FILE = "sglang_sts.json", "sglang_sps.json"
 EAGLE3_ARCH = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "LlamaForCausalLMEagle3"}
-# SGLang's LlamaForCausalLMEagle3 builds fc over 3 feature layers (docs/FORMATS.md);
-# vLLM 0.32's sizes it from eagle_config's layer list (llama_eagle3.py), any count
-SGLANG_EAGLE3_FEATURES = 3
+# SGLang's requests in flight by default (ServerArgs.max_running_requests, 0.5.23): its
+# DSPARK planner verifies up to requests x (gamma + 1) tokens a step (speculative_hook.py)
+SGLANG_RUNNING_REQUESTS = 48
 
 
 def _base_config(d) -> dict:
@@ -386,6 +386,9 @@ def sglang_files(d, sts=None, sps=None) -> dict[str, dict]:
         if not ok:
             _refuse(f"--sps {sps}", "sps.batch_tokens must be increasing integers >= 1 with one positive "
                     "sps.steps_per_s each")
+        if max(B) < gamma + 1:
+            _refuse(f"--sps {sps}", f"the SPS table ends at {max(B)} tokens, short of one request's {gamma + 1} "
+                    "(SGLang would clamp every step to it): profile to more (schedule --max-batch-tokens)")
         files[SGLANG_SPS_FILE] = {"sample_batch_tokens": B, "sample_steps_per_sec": [float(x) for x in S],
                                   "max_batch_tokens": max(B)}
     return files
@@ -558,10 +561,6 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         cfg, sd = eagle3_layout(d, target)
         if engine == "sglang" and cfg["architectures"] != [EAGLE3_ARCH["llama"]]:
             _refuse("as eagle3 for SGLang", "SGLang's EAGLE-3 draft class is LlamaForCausalLMEagle3 (Llama layer) only")
-        n = len(cfg["deepspec_feature_layers"])
-        if engine == "sglang" and n != SGLANG_EAGLE3_FEATURES:
-            _refuse("as eagle3 for SGLang", f"SGLang's LlamaForCausalLMEagle3 fuses {SGLANG_EAGLE3_FEATURES} feature "
-                    f"layers, this drafter {n} (vLLM takes any number)")
         _check_eagle3(cfg, sd)
     cfg["deepspec_exported_from"] = {"target": d.config.deepspec_target_id, "method": d.method, "format": fmt}
     if engine == "vllm" or fmt == "speculators":
@@ -595,8 +594,22 @@ def _sglang_serve(d, files: dict) -> dict:
         serve["speculative_dspark_confidence_sts_path"] = SGLANG_STS_FILE
     if SGLANG_SPS_FILE in files:
         serve["speculative_dspark_sps_table_path"] = SGLANG_SPS_FILE
-    if files:  # the confidence-scheduled (ragged) verification reads them; the default mode, static, does not
+    if getattr(d, "confidence", None) is None:
+        # no confidence head: SGLang's other verify modes build one and raise on its missing weights
+        serve["env"] = {"SGLANG_RAGGED_VERIFY_MODE": "static"}
+    elif files:  # the confidence-scheduled (ragged) verification reads them; the default mode, static, does not
         serve["env"] = {"SGLANG_RAGGED_VERIFY_MODE": "compact"}
+    if SGLANG_SPS_FILE in files:
+        # SGLang looks SPS(B) up by floor and clamps past the table's last entry, so beyond it every
+        # candidate looks free and it verifies everything: cap the requests at what the table spans
+        gamma = int(d.config.deepspec_block_size)
+        n = files[SGLANG_SPS_FILE]["max_batch_tokens"] // (gamma + 1)
+        serve["max_running_requests"] = n
+        if n < SGLANG_RUNNING_REQUESTS:
+            log.warning("the SPS table spans %d verified tokens, %d requests of %d: served with "
+                        "--max-running-requests %d (SGLang's default %d needs a table to %d tokens: schedule "
+                        "--max-batch-tokens %d on the serving GPU)", n * (gamma + 1), n, gamma + 1, n,
+                        SGLANG_RUNNING_REQUESTS, SGLANG_RUNNING_REQUESTS * (gamma + 1), SGLANG_RUNNING_REQUESTS * (gamma + 1))
     return serve
 
 
