@@ -142,7 +142,7 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
     assert grown.dir != arrays.dir and len(grown) == len(arrays) + 1 and grown.digest != arrays.digest
 
 
-def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg, tiny_target):
+def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg, tiny_target, monkeypatch):
     """The tokenize rule's pool of processes (NR4) writes the arrays one process
     writes, byte for byte, in the same order; `deepspec tokenize` records where."""
     import numpy as np
@@ -173,3 +173,14 @@ def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg
     arrays = C.TokenArrays(rec["arrays"])
     assert rc == 0 and rec["samples"] == len(arrays) and rec["digest"] == arrays.digest
     assert np.array_equal(np.load(one / "input_ids.npy"), arrays.input_ids)
+    # P8: a training rank with the record maps the arrays without hashing the conversations;
+    # a record of another file state (the conversations grown since) is not trusted
+    monkeypatch.setattr(C, "sha256_file", lambda *a: pytest.fail("the conversations were hashed again"))
+    known, _ = C.tokenized_samples(cfg, tok, path, record=out)
+    monkeypatch.undo()
+    assert known.dir == arrays.dir and known.digest == arrays.digest
+    with open(path, "a") as f:
+        f.write(json.dumps({"id": "late:1", "messages": [{"role": "user", "content": "Hi"}, {
+            "role": "assistant", "content": "one two three four five six seven eight nine ten"}]}) + "\n")
+    assert C.recorded_token_arrays(cfg, tok, path, out) is None
+    assert C.tokenized_samples(cfg, tok, path, record=out)[0].dir != arrays.dir

@@ -196,7 +196,8 @@ def build_cache(
     conversations = Path(conversations) if conversations else paths.conversations()
     out = Path(out) if out else paths.cache_dir()
     t, c = cfg["target"], cfg["cache"]
-    samples, stats = tokenized_samples(cfg, target.tokenizer if target is not None else load_tokenizer(cfg), conversations)
+    samples, stats = tokenized_samples(cfg, target.tokenizer if target is not None else load_tokenizer(cfg), conversations,
+                                       record=paths.tokens_record())
     lengths = samples.lengths()
     n_tokens, hidden = sum(lengths), _hidden_size(cfg, target)
     bpt = bytes_per_token(len(t["feature_layers"]), hidden, c["dtype"])

@@ -304,27 +304,53 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _settings_key(cfg: dict, tokenizer) -> dict:
+    d = cfg["data"]
+    return {"version": TOKENS_VERSION, "tokenizer": _tokenizer_digest(tokenizer), "max_length": d["max_length"],
+            "min_loss_tokens": d["min_loss_tokens"], "system_prompt": d.get("system_prompt")}
+
+
 def token_arrays_path(cfg: dict, tokenizer, conversations) -> Path:
     """Where the token arrays of these conversations, tokenizer and data
     settings live: beside the conversations, named by a digest of all three."""
-    d = cfg["data"]
-    key = json.dumps({"version": TOKENS_VERSION, "conversations": sha256_file(conversations),
-                      "tokenizer": _tokenizer_digest(tokenizer), "max_length": d["max_length"],
-                      "min_loss_tokens": d["min_loss_tokens"], "system_prompt": d.get("system_prompt")}, sort_keys=True)
+    key = json.dumps(dict(_settings_key(cfg, tokenizer), conversations=sha256_file(conversations)), sort_keys=True)
     p = Path(conversations)
     return p.with_name(f"{p.stem}.tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
 
+def _file_stat(path) -> dict:
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def recorded_token_arrays(cfg: dict, tokenizer, conversations, record) -> Optional[Path]:
+    """The arrays the tokenize rule recorded for these conversations (`record`, its
+    JSON) when the record names this very file (path, size and mtime) and these
+    settings, so that no training rank re-hashes a multi-GB conversations file; else None."""
+    try:
+        rec = json.loads(Path(record).read_text())
+        ok = (rec.get("conversations") == _file_stat(conversations)
+              and rec.get("settings") == _settings_key(cfg, tokenizer))
+    except (OSError, ValueError, AttributeError):
+        return None
+    arrays = Path(rec.get("arrays", ""))
+    return arrays if ok and (arrays / "meta.json").exists() else None
+
+
 def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike,
-                      workers: int = 1) -> tuple[TokenArrays, dict]:
+                      workers: int = 1, record: str | os.PathLike | None = None) -> tuple[TokenArrays, dict]:
     """The conversations tokenised (chat template + loss mask), in id order,
     without the samples with fewer than data.min_loss_tokens loss tokens, as
     memory-mapped `TokenArrays`. Tokenised once per (conversations,
     tokenizer, data settings): the first process writes the arrays under a
     file lock, every other process (other ranks, other methods' jobs,
     resumes) waits for the lock and maps the same file. In the DAG the tokenize
-    rule (`cli_tokenize`, `workers` processes) writes them before any training job."""
+    rule (`cli_tokenize`, `workers` processes) writes them before any training job,
+    and its `record` names them without hashing the conversations again."""
     require_file(conversations, "conversations file")
+    if record is not None and (known := recorded_token_arrays(cfg, tokenizer, conversations, record)) is not None:
+        arrays = TokenArrays(known)
+        return arrays, arrays.stats
     final = token_arrays_path(cfg, tokenizer, conversations)
     if not (final / "meta.json").exists():
         with _file_lock(final.with_name(final.name + ".lock")):
@@ -356,9 +382,11 @@ def cli_tokenize(argv) -> int:
     cfg = config_from_args(args)
     paths = RunPaths.of(cfg)
     conversations = args.conversations or paths.conversations()
-    arrays, stats = tokenized_samples(cfg, load_tokenizer(cfg), conversations, workers=args.workers)
+    tokenizer = load_tokenizer(cfg)
+    arrays, stats = tokenized_samples(cfg, tokenizer, conversations, workers=args.workers)
     out = Path(args.out) if args.out else paths.tokens_record()
     write_json_atomic(out, {"arrays": str(arrays.dir), "samples": len(arrays), "tokens": int(arrays.offsets[-1]),
-                            "digest": arrays.digest, "stats": stats})
+                            "digest": arrays.digest, "stats": stats, "conversations": _file_stat(conversations),
+                            "settings": _settings_key(cfg, tokenizer)})
     log.info("%d samples, %d tokens in %s", len(arrays), int(arrays.offsets[-1]), arrays.dir)
     return 0

@@ -148,7 +148,9 @@ def make_train_dataset(
             from ..targets.loading import target_from_config
 
             target = target_from_config(cfg)
-        samples, _ = tokenized_samples(cfg, target.tokenizer, conversations or RunPaths.of(cfg).conversations())
+        paths = RunPaths.of(cfg)
+        samples, _ = tokenized_samples(cfg, target.tokenizer, conversations or paths.conversations(),
+                                       record=paths.tokens_record())
         return OnlineDataset(cfg, cache_target(cfg, target), samples)  # features as the offline cache computes them
     d = Path(cache_dir) if cache_dir else RunPaths.of(cfg).cache_dir()
     m = validate_cache(d, checksums=False)
