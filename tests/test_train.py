@@ -655,3 +655,18 @@ def test_training_lock_without_flock_trains_with_a_warning(tmp_path, monkeypatch
     with C.training_lock(tmp_path / "out"):
         with pytest.raises(DeepSpecError, match="another training run is writing"), C.training_lock(tmp_path / "out"):
             pass
+
+
+def test_a_launcher_that_ignores_the_shutdown_timeout_is_named(monkeypatch, caplog):
+    """NR13: the train rule's TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 needs a torch whose launcher
+    reads it (LaunchConfig.shutdown_timeout; torch 2.13 has it). With several processes on
+    one that does not, training says once that a SIGTERM checkpoint over 30 s is cut."""
+    from deepspec.training import stopping
+
+    assert stopping.launcher_honours_shutdown_timeout()  # the pinned torch
+    assert not stopping.warn_if_sigterm_checkpoint_may_be_cut(8)
+    monkeypatch.setattr(stopping, "launcher_honours_shutdown_timeout", lambda: False)
+    assert not stopping.warn_if_sigterm_checkpoint_may_be_cut(1)
+    with caplog.at_level("WARNING"):
+        assert stopping.warn_if_sigterm_checkpoint_may_be_cut(8)
+    assert "SIGKILL 30 s after SIGTERM" in caplog.text

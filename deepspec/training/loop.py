@@ -92,7 +92,7 @@ from .checkpoints import (
 )
 
 from .state import StepFn, TrainRun, TrainSettings
-from .stopping import StopOnSigterm, TrainingStopped, any_process
+from .stopping import StopOnSigterm, TrainingStopped, any_process, warn_if_sigterm_checkpoint_may_be_cut
 from .train_log import TB_DIR, TrainLog, finish_tensorboard, start_tensorboard, tensorboard_available
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,10 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
                   counters=None) -> TrainResult:
     from accelerate import PartialState
 
-    world = PartialState(cpu=_use_cpu(device)).num_processes
+    state = PartialState(cpu=_use_cpu(device))
+    world = state.num_processes
+    if state.is_main_process:
+        warn_if_sigterm_checkpoint_may_be_cut(world)
     acc = make_accelerator(device, accumulation_steps(train_cfg, world), train_cfg.get("precision", "auto"),
                            log_dir=out / TB_DIR)
     settings = TrainSettings.of(train_cfg)

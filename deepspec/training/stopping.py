@@ -16,6 +16,28 @@ class TrainingStopped(DeepSpecError):
     """SIGTERM arrived: a checkpoint of the last finished step was written."""
 
 
+def launcher_honours_shutdown_timeout() -> bool:
+    """Whether this torch's elastic launcher waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (the
+    train rule sets 600 s) between SIGTERM and SIGKILL; before torch's
+    `LaunchConfig.shutdown_timeout` it kills the workers after a fixed 30 s."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return any(f.name == "shutdown_timeout" for f in dataclasses.fields(LaunchConfig))
+
+
+def warn_if_sigterm_checkpoint_may_be_cut(world: int) -> bool:
+    """With several processes on a torch whose launcher ignores the shutdown timeout,
+    say once that a SIGTERM checkpoint longer than 30 s is cut. Returns whether it warned."""
+    if world <= 1 or launcher_honours_shutdown_timeout():
+        return False
+    log.warning("torch %s's launcher sends SIGKILL 30 s after SIGTERM (it ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT): a "
+                "SIGTERM checkpoint that takes longer is lost; a torch with LaunchConfig.shutdown_timeout waits, and "
+                "train.checkpoint_minutes keeps time checkpoints meanwhile", torch.__version__)
+    return True
+
+
 class StopOnSigterm:
     """While active, SIGTERM only sets `requested`: the loop checkpoints and stops
     after the current step. Repeats are ignored (SLURM signals every process of
