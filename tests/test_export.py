@@ -584,14 +584,65 @@ def test_cli_passes_engine_files_and_verifier(qwen3_target, qwen3_cfg, tmp_path,
     d.save_pretrained(str(tmp_path / "src"))
     monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
     alg1 = _alg1(tmp_path)
-    base = ["export-checkpoint", "--preset", "tiny", "--src", str(tmp_path / "src")]
+    base = ["export-checkpoint", "--preset", "tiny", "--set", f"results_dir={tmp_path / 'results'}",
+            "--src", str(tmp_path / "src")]
     assert cli_main(base + ["--format", "deepspec", "--engine", "sglang", "--sts", str(alg1), "--sps", str(alg1),
                             "--out", str(tmp_path / "sg")]) == 0
     assert {p.name for p in (tmp_path / "sg").iterdir()} == {"config.json", "model.safetensors", "sglang_sts.json",
-                                                             "sglang_sps.json", OUTPUT_MARKER}
+                                                             "sglang_sps.json", "README.md", OUTPUT_MARKER}
     assert cli_main(base + ["--format", "speculators", "--verifier", "Qwen/Qwen3-4B", "--out", str(tmp_path / "sp")]) == 0
     cfg = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen/Qwen3-4B"
+
+
+def test_an_export_carries_a_model_card_to_publish(qwen3_target, qwen3_cfg, tmp_path, monkeypatch):
+    """export-checkpoint writes README.md: the hub's metadata (base model, library, tags),
+    the serving command per engine, the acceptance this run measured (ours per benchmark,
+    vLLM's from serve-check), the training recipe and the provenance, which is copied in;
+    what the run has not measured is said to be missing."""
+    from deepspec.cli import main as cli_main
+    from deepspec.config import load_config
+    from deepspec.paths import RunPaths
+    from deepspec.targets import loading as target_mod
+
+    d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
+    src = tmp_path / "src"
+    d.save_pretrained(str(src))
+    (src / "train_summary.json").write_text(json.dumps({
+        "steps": 600, "elapsed_s": 415.0, "train": {"lr": {"dspark": 2.4e-3}, "global_batch": 4, "num_anchors": 16,
+                                                     "warmup_ratio": 0.04, "seed": 42},
+        "precision": {"mixed_precision": "bf16"}, "code": {"commit": "abc123", "dirty": False}}))
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    results = tmp_path / "results"
+    base = ["export-checkpoint", "--preset", "tiny", "--set", f"results_dir={results}", "--src", str(src)]
+    assert cli_main(base + ["--format", "deepspec", "--engine", "vllm", "--out", str(tmp_path / "bare")]) == 0
+    card = (tmp_path / "bare" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: vllm\n") and "base_model" not in card.split("---")[1]  # tiny-qwen3: no hub id
+    assert "Not measured yet" in card and "- steps: 600" in card and "- learning rate: 0.0024" in card
+    assert "vllm serve <target> --speculative-config" in card and '"model": "<this directory>"' in card
+
+    paths = RunPaths.of(load_config("tiny", {"results_dir": str(results)}))
+    summary = {"domain": "Math", "tau": 1.42, "tau_ci_low": 1.35, "tau_ci_high": 1.5, "temperature": 1.0,
+               "max_new_tokens": 64, "speedup_vs_plain": 0.93,
+               "positions": [{"position": k, "acceptance": 0.5, "acceptance_rb": [0.31, 0.35, 0.36][k - 1]}
+                             for k in (1, 2, 3)]}
+    paths.summary("dspark", "gsm8k").parent.mkdir(parents=True)
+    paths.summary("dspark", "gsm8k").write_text(json.dumps(summary))
+    paths.serve_check("dspark").parent.mkdir(parents=True)
+    paths.serve_check("dspark").write_text(json.dumps({"vllm_version": "0.32.0", "passed": True, "greedy": {
+        "lossless": True, "tau_vllm": 1.4, "tau_deepspec": 1.4}}))
+    paths.provenance().write_text(json.dumps({"packages": {"torch": "2.13.0"}, "target": {"spec": "tiny-qwen3"}}))
+    monkeypatch.setattr(qwen3_target, "target_id", "Qwen/Qwen3-4B")
+    d.config.deepspec_target_id = "Qwen/Qwen3-4B"
+    d.save_pretrained(str(src))
+    assert cli_main(base + ["--format", "speculators", "--out", str(tmp_path / "pub")]) == 0
+    card = (tmp_path / "pub" / "README.md").read_text()
+    meta = card.split("---")[1]
+    assert "base_model: Qwen/Qwen3-4B" in meta and "library_name: speculators" in meta and "- dspark" in meta
+    assert "| gsm8k | Math | 1.42 [1.35, 1.50] | 0.310 | 0.350 | 0.360 | 0.93x |" in card
+    assert "Served in vLLM 0.32.0 (serve-check, the same prompts): passed" in card
+    assert "vllm serve <this directory> --speculative-config" in card and "torch 2.13.0" in card
+    assert (tmp_path / "pub" / "provenance.json").exists() and "Not measured yet" not in card
 
 
 # --------------------------------------------------------------------------- DeepSeek's released Eagle3 layout

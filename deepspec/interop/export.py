@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -474,7 +475,7 @@ def eagle3_layout(d, target):
                eagle_aux_hidden_state_layer_ids=[x + 1 for x in layers],
                eagle_config={"eagle_aux_hidden_state_layer_ids": layers,  # SGLang adds the 1 itself
                              "use_aux_hidden_state": True},
-               deepspec_feature_layers=layers)
+               deepspec_feature_layers=layers, deepspec_ttt_length=int(c.deepspec_ttt_length))
     sd = {}
     for k, v in d.state_dict().items():
         if k in NOT_IN_CHECKPOINT:
@@ -526,12 +527,14 @@ def _check_eagle3(cfg: dict, sd: dict) -> None:
 
 
 def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_token_id=None, engine=None,
-                   sts=None, sps=None, verifier=None) -> Path:
+                   sts=None, sps=None, verifier=None, card=None, attach=()) -> Path:
     """Write drafter d (attached to target) in layout `fmt` at `out`, atomically;
     `engine` (vllm, sglang): refuse what that engine would load wrongly. `sts` / `sps`
     (SGLang only): a schedule rule's alg1.json whose STS temperatures / SPS(B) curve
     are written as SGLang's files (`sglang_files`); `verifier` (speculators): the
-    target's name or path recorded for `vllm serve` (default: the drafter's target id)."""
+    target's name or path recorded for `vllm serve` (default: the drafter's target id).
+    `card(config, out)`: the README.md written beside the weights (`model_card`);
+    `attach`: files copied in as they are (the run's provenance.json)."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -569,6 +572,10 @@ def export_drafter(d, target, fmt: str, out, *, overwrite: bool = False, mask_to
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+        for extra in attach:
+            shutil.copyfile(extra, tmp / Path(extra).name)
+        if card is not None:
+            (tmp / "README.md").write_text(card(cfg, out))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     log.info("exported %s drafter as %s (%d tensors) -> %s", d.method, fmt, len(sd), out)
     _log_serve(cfg, out)
@@ -613,24 +620,46 @@ def _sglang_serve(d, files: dict) -> dict:
     return serve
 
 
-def _log_serve(cfg: dict, out: Path) -> None:
-    serve = cfg.get("deepspec_serve_vllm", {})
-    if cfg.get("speculators_model_type") and "model" in serve:
-        log.warning("the verifier %s is local: vLLM >= 0.34 refuses `vllm serve %s`; serve the target with the "
-                    "drafter as its speculative model (vLLM 0.32 and 0.34 alike)", serve["model"], out)
-        log.info("serve with: vllm serve %s --speculative-config '%s'", serve["model"],
-                 json.dumps(dict(serve["speculative_config"], model=str(out))))
-    elif cfg.get("speculators_model_type"):
-        log.info("serve with: vllm serve %s --speculative-config '%s'", out, json.dumps(serve["speculative_config"]))
-    elif "deepspec_serve_vllm" in cfg:
-        log.info("serve with --speculative-config '%s'",
-                 json.dumps(dict(cfg["deepspec_serve_vllm"]["speculative_config"], model=str(out))))
-    elif "deepspec_serve_sglang" in cfg:
+def serve_commands(cfg: dict, out, target: str = "<target>") -> dict[str, str]:
+    """The command line that serves export `out` (its config `cfg`) per engine that
+    reads its layout: vLLM for every vLLM-bound layout, SGLang for `--engine sglang`
+    exports and Llama-layer EAGLE-3 ones. `target`: the served model (the export's
+    verifier where the format names one)."""
+    out, cmds = str(out), {}
+    vllm = cfg.get("deepspec_serve_vllm", {})
+    if cfg.get("speculators_model_type"):
+        if "model" in vllm:  # a local verifier: vLLM >= 0.34 refuses `vllm serve DIR`
+            cmds["vllm"] = f"vllm serve {vllm['model']} --speculative-config '{json.dumps(dict(vllm['speculative_config'], model=out))}'"
+        else:
+            cmds["vllm"] = f"vllm serve {out} --speculative-config '{json.dumps(vllm['speculative_config'])}'"
+    elif vllm:
+        cmds["vllm"] = f"vllm serve {target} --speculative-config '{json.dumps(dict(vllm['speculative_config'], model=out))}'"
+    elif cfg.get("architectures", [None])[0] in EAGLE3_ARCH.values():
+        spec = {"model": out, "method": "eagle3", "num_speculative_tokens": int(cfg.get("deepspec_ttt_length", 7)),
+                "draft_sample_method": "probabilistic"}
+        cmds["vllm"] = f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+        if cfg["architectures"] == [EAGLE3_ARCH["llama"]]:
+            k = spec["num_speculative_tokens"]
+            cmds["sglang"] = (f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+                              f"--speculative-draft-model-path {out} --speculative-num-steps {k} "
+                              f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+    if "deepspec_serve_sglang" in cfg:
         serve = dict(cfg["deepspec_serve_sglang"])
         env = " ".join(f"{k}={v}" for k, v in serve.pop("env", {}).items())
-        args = " ".join(f"--{k.replace('_', '-')} {out / v if str(v).endswith('.json') else v}" for k, v in serve.items())
-        log.info("serve with: %spython -m sglang.launch_server --model-path <target> "
-                 "--speculative-draft-model-path %s %s", env + " " if env else "", out, args)
+        args = " ".join(f"--{k.replace('_', '-')} {Path(out) / v if str(v).endswith('.json') else v}"
+                        for k, v in serve.items())
+        cmds["sglang"] = (f"{env + ' ' if env else ''}python -m sglang.launch_server --model-path {target} "
+                          f"--speculative-draft-model-path {out} {args}")
+    return cmds
+
+
+def _log_serve(cfg: dict, out: Path) -> None:
+    vllm = cfg.get("deepspec_serve_vllm", {})
+    if cfg.get("speculators_model_type") and "model" in vllm:
+        log.warning("the verifier %s is local: vLLM >= 0.34 refuses `vllm serve %s`; serve the target with the "
+                    "drafter as its speculative model (vLLM 0.32 and 0.34 alike)", vllm["model"], out)
+    for engine, cmd in serve_commands(cfg, out).items():
+        log.info("serve with (%s): %s", engine, cmd)
 
 
 def cli_export_checkpoint(argv) -> int:
@@ -662,10 +691,16 @@ def cli_export_checkpoint(argv) -> int:
     from ..drafters import load_drafter
     from ..targets.loading import target_from_config
 
+    from ..paths import RunPaths
+    from .model_card import model_card
+
     target = target_from_config(cfg)
     d = load_drafter(args.src, target)
+    prov = RunPaths.of(cfg).provenance()
     export_drafter(d, target, args.format, args.out, overwrite=args.overwrite, mask_token_id=args.mask_token_id,
-                   engine=args.engine, sts=args.sts, sps=args.sps, verifier=args.verifier)
+                   engine=args.engine, sts=args.sts, sps=args.sps, verifier=args.verifier,
+                   card=lambda ecfg, out: model_card(cfg, d, ecfg, out, args.format, args.engine, args.src),
+                   attach=[prov] if prov.exists() else [])
     return 0
 
 
