@@ -409,3 +409,74 @@ def test_an_export_for_vllm_records_the_vllm_beside_it_and_refuses_an_untested_o
     monkeypatch.setattr(engine_env.importlib.util, "find_spec", lambda name: None)
     out = export.export_drafter(d, tiny_target, "deepspec", tmp_path / "none", engine="vllm")
     assert json.loads((out / "config.json").read_text())["deepspec_exported_from"]["vllm_found"] is None
+
+
+def test_a_greedy_output_parted_at_a_target_near_tie_is_cut_there_not_failed():
+    """P3: in bf16 two engines' kernels may pick either of two tokens the target scores
+    within the near-tie bound; an output that first differs there is compared up to that
+    position (reported in near_tie_cuts), its later rounds not at all. A difference where
+    the target's margin is clear is a mismatch, with the margin."""
+    want = list(range(12))
+    theirs = want[:6] + [99, 98, 97, 96, 95, 94]  # vLLM's speculative output parts at token 6
+    ours = _ours(want, [1, 1, 1, 1, 1])
+    vs = {"requests": [_vllm(theirs, [1, 1, 3, 3])]}  # rounds past token 6 differ too
+    calls = []
+
+    def target_tie(margin):
+        return lambda i, p: calls.append((i, p)) or {"margin": margin, "tolerance": 0.03}
+
+    g = compare_greedy([_ours(want, [])], [ours], {"requests": [_vllm(want, [])]}, vs, target_tie=target_tie(0.01))
+    assert calls == [(0, 6)] and g["lossless"] and g["rounds_identical"]
+    assert g["near_tie_cuts"] == [{"prompt": 0, "who": "vllm speculative", "first_difference": 6, "margin": 0.01,
+                                   "tolerance": 0.03}]
+    g = compare_greedy([_ours(want, [])], [ours], {"requests": [_vllm(want, [])]}, vs, target_tie=target_tie(0.5))
+    assert not g["lossless"] and g["output_mismatches"][0]["margin"] == 0.5 and not g["near_tie_cuts"]
+    assert not g["rounds_identical"]
+
+
+def test_target_margins_read_the_targets_top_two_where_it_chose_each_token(tiny_target):
+    import torch
+
+    from deepspec.core.decode import plain_generate
+    from deepspec.evaluation.serve_check import target_margins
+
+    prompt = [1, 5, 9, 13]
+    out = plain_generate(tiny_target, prompt, max_new_tokens=5, temperature=0.0, generator=torch.Generator()).tokens
+    m = target_margins(tiny_target, [prompt], [out], tolerance=1e-3)
+    with torch.no_grad():
+        logits = tiny_target.model(input_ids=torch.tensor([prompt + out[:3]])).logits[0, -1].float()
+    top2 = logits.topk(2).values
+    got = m(0, 3)
+    assert got["margin"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4) and got["margin"] >= 0
+    assert got["tolerance"] == pytest.approx(1e-3 * max(1.0, abs(float(top2[0]))))
+
+
+def test_serve_check_runs_target_and_drafter_in_eval_dtype(tiny_cfg, tiny_target, tmp_path, monkeypatch):
+    """P3: serve-check decodes with the target and the drafter in eval.dtype, the dtype
+    it asks vLLM to run them in (bf16 on the paper presets), not target.dtype."""
+    import json
+
+    import torch
+
+    from deepspec.cli import main
+    from deepspec.evaluation import serve_check
+    from helpers import random_drafter
+
+    d, _ = random_drafter("eagle3", tiny_target, tiny_cfg)
+    d.save_pretrained(str(tmp_path / "eagle3"))
+    seen = {}
+
+    def fake(py, target, target_dir, drafter, export, **kw):
+        seen.update(target=target.model.dtype, drafter=next(drafter.parameters()).dtype, vllm=kw["dtype"])
+        return {"passed": True, "greedy": {"lossless": True, "rounds_identical": True, "rounds": 0, "eos_rounds": 0,
+                                           "near_ties": [], "near_tie_cuts": [], "tau_vllm": None}}
+
+    monkeypatch.setattr(serve_check, "serve_and_compare", fake)
+    monkeypatch.setattr(serve_check, "installed_vllm_version", lambda py: "0.32.0")
+    out = tmp_path / "serve" / "eagle3.json"
+    rc = main(["serve-check", "--preset", "tiny", "--set", f"resources_dir={tiny_cfg['resources_dir']}",
+               "--set", f"results_dir={tmp_path / 'results'}", "--set", f"data.root={tiny_cfg['data']['root']}",
+               "--set", "eval.dtype=bfloat16", "--method", "eagle3", "--drafter", str(tmp_path / "eagle3"),
+               "--out", str(out), "--no-sampled", "--vllm-python", sys.executable])
+    assert rc == 0 and json.loads(out.read_text())["passed"]
+    assert seen == {"target": torch.bfloat16, "drafter": torch.bfloat16, "vllm": "bfloat16"}

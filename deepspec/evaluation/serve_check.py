@@ -111,12 +111,15 @@ def _starts(emitted) -> list[int]:
     return out
 
 
-def _prompt_rounds(i: int, ours: list[dict], ours_emit: list[int], theirs: list[dict], near_tie) -> dict:
+def _prompt_rounds(i: int, ours: list[dict], ours_emit: list[int], theirs: list[dict], near_tie,
+                   cut: int | None = None) -> dict:
     """One prompt's rounds, compared where both sides start a round at the same output
     position. A round that differs is a mismatch unless `near_tie` explains it; after a
-    difference the two sides start rounds at different positions until they meet again."""
-    o_at = {p: j for j, p in enumerate(_starts(ours_emit))}
-    v_at = {p: k for k, p in enumerate(_starts([s["emitted"] for s in theirs]))}
+    difference the two sides start rounds at different positions until they meet again.
+    Rounds that reach output position `cut` (a target near-tie) are not compared."""
+    o_at = {p: j for j, p in enumerate(_starts(ours_emit)) if cut is None or p + ours_emit[j] <= cut}
+    v_at = {p: k for k, p in enumerate(_starts([s["emitted"] for s in theirs]))
+            if cut is None or p + theirs[k]["emitted"] <= cut}
     mism, ties, eos, apart = [], [], 0, False
     for pos in sorted(set(o_at) | set(v_at)):
         if pos not in o_at or pos not in v_at:  # one side only: after a difference, or one side has more rounds
@@ -145,34 +148,62 @@ def _prompt_rounds(i: int, ours: list[dict], ours_emit: list[int], theirs: list[
     return {"mismatches": mism, "near_ties": ties, "eos_rounds": eos}
 
 
-def compare_greedy(ours_plain, ours_spec, vllm_plain, vllm_spec, near_tie=None) -> dict:
+def compare_greedy(ours_plain, ours_spec, vllm_plain, vllm_spec, near_tie=None, target_tie=None) -> dict:
     """The lossless and round-by-round checks of greedy decoding (module docstring).
     `near_tie(prompt, round, ours_accepted, vllm_accepted)` (`near_tie_replay`) may
     explain a round whose acceptance differs: our drafter's logit margin at the draft
-    position where the two sides part, and the tolerance it is judged by."""
-    mism, round_mism, ties, eos_rounds, rounds = [], [], [], 0, 0
+    position where the two sides part, and the tolerance it is judged by.
+    `target_tie(prompt, position)` (`target_margins`): the target's own top-2 logit
+    margin where an output first differs from our plain decoding; within its tolerance
+    two engines' kernels may pick either token, so that prompt's comparison is cut
+    there (reported in `near_tie_cuts`, not a mismatch) and its later rounds are not compared."""
+    mism, round_mism, ties, cuts, eos_rounds, rounds = [], [], [], [], 0, 0
     n = {len(ours_plain), len(ours_spec), len(vllm_plain["requests"]), len(vllm_spec["requests"])}
     if len(n) != 1:
         raise DeepSpecError(f"vLLM answered {len(vllm_spec['requests'])} of {len(ours_spec)} requests")
     for i, (op, os_, vp, vs) in enumerate(zip(ours_plain, ours_spec, vllm_plain["requests"], vllm_spec["requests"])):
-        want = op.tokens
+        want, cut = op.tokens, None
         for who, got in (("vllm speculative", vs["tokens"]), ("vllm plain", vp["tokens"]),
                          ("deepspec speculative", os_.tokens)):
             if got != want:
                 at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-                mism.append({"prompt": i, "who": who, "first_difference": at})
+                tie = target_tie(i, at) if target_tie is not None and at < min(len(got), len(want)) else None
+                if tie is not None and tie["margin"] <= tie["tolerance"]:
+                    cuts.append({"prompt": i, "who": who, "first_difference": at, **tie})
+                    cut = at if cut is None else min(cut, at)
+                else:
+                    mism.append({"prompt": i, "who": who, "first_difference": at, **(tie or {})})
         rounds += len(os_.rounds)
         left, emit = len(os_.tokens) - 1, []  # the project's emitted tokens per round, cut at max_new_tokens
         for r in os_.rounds:
             emit.append(min(r["emitted"], left))
             left -= emit[-1]
-        c = _prompt_rounds(i, os_.rounds, emit, [s for s in vs["steps"] if s["drafts"] > 0], near_tie)
+        c = _prompt_rounds(i, os_.rounds, emit, [s for s in vs["steps"] if s["drafts"] > 0], near_tie, cut)
         round_mism += c["mismatches"]
         ties += c["near_ties"]
         eos_rounds += c["eos_rounds"]
     return {"prompts": len(ours_plain), "rounds": rounds, "lossless": not mism, "output_mismatches": mism,
             "rounds_identical": not round_mism, "round_mismatches": round_mism[:20], "eos_rounds": eos_rounds,
-            "near_ties": ties}
+            "near_ties": ties, "near_tie_cuts": cuts}
+
+
+@torch.no_grad()
+def target_margins(target, prompts: list, outputs: list, *, tolerance: float):
+    """A `compare_greedy` target-tie reader: for prompt i and output position p, the
+    target's top-2 logit gap where it chose our plain greedy output token p (one
+    forward over prompt + output, once per prompt), and the tolerance it is judged
+    by, `tolerance` x max(1, |top logit|)."""
+    cache = {}
+
+    def margin(i, p):
+        if i not in cache:
+            ids = torch.tensor([list(prompts[i]) + list(outputs[i])], device=target.device)
+            logits = target.model(input_ids=ids).logits[0, len(prompts[i]) - 1:].float()
+            cache[i] = logits.topk(2, dim=-1).values
+        top2 = cache[i][p]
+        return {"margin": float(top2[0] - top2[1]), "tolerance": tolerance * max(1.0, abs(float(top2[0])))}
+
+    return margin
 
 
 def near_tie_replay(target, drafter, prompts: list, *, feature_layers, max_new_tokens: int, tolerance: float):
@@ -324,9 +355,11 @@ def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, 
         ours_spec.append(speculative_generate(target, drafter, ids, feature_layers=feature_layers,
                                               max_new_tokens=max_new_tokens, temperature=0.0, generator=gen))
     log.info("deepspec greedy decoding of %d prompts: %.0f s", len(greedy), time.perf_counter() - t0)
+    tol = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
     tie = near_tie_replay(target, drafter, [ids for _, ids in greedy], feature_layers=feature_layers,
-                          max_new_tokens=max_new_tokens, tolerance=NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"]))
-    g = compare_greedy(ours_plain, ours_spec, v_plain, v_spec[0], near_tie=tie)
+                          max_new_tokens=max_new_tokens, tolerance=tol)
+    target_tie = target_margins(target, [ids for _, ids in greedy], [o.tokens for o in ours_plain], tolerance=tol)
+    g = compare_greedy(ours_plain, ours_spec, v_plain, v_spec[0], near_tie=tie, target_tie=target_tie)
     g["tau_deepspec"] = 1.0 + float(np.mean([r["accepted"] for o in ours_spec for r in o.rounds])) if g["rounds"] else None
     g["tau_vllm"] = _tau(v_spec[0])
     patches = sorted({x for a in [v_plain, *v_spec] for x in a.get("patches", [])})  # vllm_run.fix_cpu_expand
@@ -360,9 +393,7 @@ def cli_serve_check(argv) -> int:
     cfg = config_from_args(args)
     py = vllm_python(args.vllm_python or cfg["serve"]["vllm_python"])
     from ..data.prompts import benchmark_prompt_set
-    from ..drafters import load_drafter
-    from ..evaluation.evaluate import drafter_path, feature_layers
-    from ..targets.loading import target_from_config
+    from ..evaluation.evaluate import drafter_path, eval_drafter, eval_target, feature_layers
 
     paths = RunPaths.of(cfg)
     out = Path(args.out) if args.out else paths.serve_check(args.method)
@@ -373,8 +404,8 @@ def cli_serve_check(argv) -> int:
     tdir = paths.target_checkpoint()
     if not (tdir / "config.json").exists():
         raise DeepSpecError(f"no prepared target at {tdir}: run `python -m deepspec prepare-target` first")
-    target = target_from_config(cfg)
-    drafter = load_drafter(args.drafter or drafter_path(cfg, args.method), target, cfg["drafter"]).eval()
+    target = eval_target(cfg)  # target and drafter in eval.dtype, the dtype vLLM runs them in
+    drafter = eval_drafter(args.drafter or drafter_path(cfg, args.method), target, cfg)
     if drafter.method != args.method:
         raise DeepSpecError(f"{args.drafter} is a {drafter.method} drafter, not {args.method}")
     benches = list(cfg["data"]["benchmarks"])
@@ -392,13 +423,13 @@ def cli_serve_check(argv) -> int:
                             temperature=float(cfg["eval"]["temperature"]), seed=int(cfg["eval"]["seed"]),
                             n_boot=int(cfg["eval"]["n_boot"]), kv_cache_gb=cfg["serve"]["kv_cache_gb"],
                             max_model_len=int(cfg["data"]["max_prompt_tokens"]) + int(cfg["eval"]["max_new_tokens"]) + 16,
-                            dtype=cfg["target"]["dtype"])
+                            dtype=cfg["eval"]["dtype"])
     res["method"] = args.method
     g = res["greedy"]
     write_json_atomic(out, res)
-    log.info("serve-check %s: lossless %s, rounds identical %s (%d rounds, %d EOS rounds, %d near-ties), tau in vLLM %s",
-             args.method, g["lossless"], g["rounds_identical"], g["rounds"], g["eos_rounds"], len(g["near_ties"]),
-             res.get("sampled", res["greedy"])["tau_vllm"])
+    log.info("serve-check %s: lossless %s, rounds identical %s (%d rounds, %d EOS rounds, %d near-ties, %d outputs cut "
+             "at a target near-tie), tau in vLLM %s", args.method, g["lossless"], g["rounds_identical"], g["rounds"],
+             g["eos_rounds"], len(g["near_ties"]), len(g["near_tie_cuts"]), res.get("sampled", res["greedy"])["tau_vllm"])
     if not res["passed"] and not args.allow_fail:
         what = (g["output_mismatches"] + g["round_mismatches"])[:1] or "per-position acceptance at T = " \
             f"{res['sampled']['temperature']} differs beyond its simultaneous intervals"

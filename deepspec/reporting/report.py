@@ -468,6 +468,13 @@ def served_markdown(cfg) -> list[str]:
                      f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
                      f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
                      f"{yes[s['agree']] if s.get('agree') is not None else 'n/a'} |")
+    for m, r in recs.items():
+        cuts = r["greedy"].get("near_tie_cuts") or []
+        if cuts:
+            lines += ["", f"{m}: {len(cuts)} greedy output(s) first differ where the target's own top two logits are "
+                      "within the dtype's near-tie bound (two engines' kernels may pick either token there); those "
+                      "outputs are compared up to that position only: " + ", ".join(
+                          f"prompt {c['prompt']} ({c['who']}) at token {c['first_difference']}" for c in cuts[:5]) + "."]
     patches = sorted({x for r in recs.values() for x in r.get("vllm_patches", [])})
     if patches:
         lines += ["", "vLLM was patched in the checking process (deepspec/interop/vllm_run.py `fix_cpu_expand`): "
