@@ -136,6 +136,20 @@ def test_eagle3_chain_cache_equals_recompute(target, target_cfg, seq_batch):
     assert torch.allclose(prop.probs, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
+def test_kv_bytes_per_token_is_what_a_request_keeps(target, target_cfg, seq_batch, method):
+    """P4: the drafter's context K/V per position (what the engine's admission and `plan`
+    add to the target's KV cache) is what its state holds after a proposal."""
+    d = _drafter(method, target, target_cfg)
+    ids, f = seq_batch["input_ids"], seq_batch["features"]
+    st = d.init_state()
+    d.propose(st, f[:, :10], ids[:, :11], temperature=0.0)
+    tensors = [*st.cache.k.values(), *st.cache.v.values()] if method == "eagle3" else [*st.k, *st.v]
+    held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    assert held == 10 * d.kv_bytes_per_token()
+    assert d.kv_bytes_per_token(torch.bfloat16) * 2 == d.kv_bytes_per_token()
+
+
 def test_eagle3_chains_of_chosen_rows_equal_the_full_pass(target, target_cfg, seq_batch):
     """Steps > 0 run on a subset of rows (train.chain_rows): each kept row's
     states are those of the all-rows TTT pass."""

@@ -552,6 +552,19 @@ def test_kv_budget_arithmetic_and_measured_bytes_per_token(tiny_target, gemma4_t
         assert eng.row_bytes(Request(0, [5] * 30, 10)) == row_slots(40, 1) * eng.kv_per_token
 
 
+def test_admission_counts_the_drafters_context_kv(tiny_target, tiny_cfg):
+    """P4: a block drafter keeps K/V for every draft layer over each request's context;
+    the engine's bytes per position (its KV budget's unit) are the target's plus those."""
+    from helpers import random_drafter
+
+    plain = BatchedEngine(tiny_target, None, feature_layers=LAYERS, max_batch=2)
+    plain.generate([Request(0, [5] * 7, 2)])
+    d, _ = random_drafter("dflash", tiny_target, tiny_cfg)
+    eng = BatchedEngine(tiny_target, d, feature_layers=tiny_cfg["target"]["feature_layers"], max_batch=2)
+    eng.generate([Request(0, [5] * 7, 2)])
+    assert d.kv_bytes_per_token() > 0 and eng.kv_per_token == plain.kv_per_token + d.kv_bytes_per_token()
+
+
 def test_engine_keeps_the_batch_within_the_kv_budget(tiny_target, monkeypatch):
     """With eval.kv_budget_gb's bytes, a queued request joins only while every row padded to the
     longest request among them fits: short requests share 4 rows, the long ones run alone, the

@@ -261,8 +261,11 @@ def test_paper_presets_kv_budget_fits_their_gpu(name):
     drafter, _ = P.build_meta_drafter("dspark", target, cfg)
     own = P.param_counts(drafter, target)
     m = P.eval_memory(cfg, sum(p.numel() for p in target.model.parameters()), own["trainable"] + own["frozen_own"],
-                      P.kv_bytes_per_token(facts, cfg["eval"]["dtype"]))
+                      P.kv_bytes_per_token(facts, cfg["eval"]["dtype"]), drafter.kv_bytes_per_token(torch.bfloat16))
     assert m["fits"] and m["total"] <= cfg["plan"]["gpu_memory_gib"] <= 80, m
     assert m["kv_cache"] >= m["longest_row_gib"], m
+    # P4: the drafter's own context K/V (5 draft layers, the target's KV geometry) counts too
+    if name != "gemma4-12b":
+        assert m["drafter_kv_bytes_per_token"] == 5 * m["kv_bytes_per_token"] // target.num_layers
     unbounded = P.eval_memory(dict(cfg, eval=dict(cfg["eval"], kv_budget_gb=None)), 0, 0, m["kv_bytes_per_token"])
     assert unbounded["kv_cache"] > cfg["plan"]["gpu_memory_gib"]  # what NR9 was: 32 longest rows do not fit

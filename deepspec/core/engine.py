@@ -106,13 +106,15 @@ class BatchedEngine:
         self.policy = policy or FixedGamma()
         self.max_batch = int(max_batch)
         self.kv_budget = kv_budget_bytes
-        self.kv_per_token: Optional[float] = None  # the target's KV bytes per position, at the first prefill
+        # the KV bytes per position, at the first prefill: the target's cache and the drafter's context K/V
+        self.kv_per_token: Optional[float] = None
         self.width = 1 + int(getattr(drafter, "gamma", 0) or 0)  # the most tokens a row verifies per round
         self.eos = set(target.eos_token_ids)
         self.stats = {"rounds": 0, "verify_tokens": 0, "forward_tokens": 0, "max_rows": 0}
 
     def row_bytes(self, req: Request) -> Optional[float]:
-        """The most target KV bytes one row of the batch takes for `req` (None before the first prefill)."""
+        """The most KV bytes (the target's and the drafter's) one row of the batch takes
+        for `req` (None before the first prefill)."""
         if self.kv_per_token is None:
             return None
         return row_slots(len(req.prompt_ids) + req.max_new_tokens, self.width) * self.kv_per_token
@@ -186,7 +188,9 @@ class BatchedEngine:
         cache = engine_cache()
         logits, feats = target_forward(self.target, ids, cache, self.layers, last_only=True)
         if self.kv_per_token is None:
-            self.kv_per_token = cache_bytes_per_token(cache, ids.shape[1])
+            # the drafter's context K/V (a drafter without any, e.g. a test's, has no kv_bytes_per_token)
+            drafter = getattr(self.drafter, "kv_bytes_per_token", lambda: 0)()
+            self.kv_per_token = cache_bytes_per_token(cache, ids.shape[1]) + drafter
         first = int(sample(logits_to_probs(logits[:, -1], self.temperature), gen))
         state = None if self.drafter is None else self.drafter.init_state()
         return _Row(req, gen, state, [first], ids, feats, t0), cache

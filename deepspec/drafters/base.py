@@ -184,6 +184,18 @@ class DrafterBase(PreTrainedModel):
         """K: the size of the draft vocabulary (the target's when not reduced)."""
         return self.d2t.numel() if self.reduced_vocab else self.vocab_size
 
+    def kv_bytes_per_token(self, dtype: Optional[torch.dtype] = None) -> int:
+        """The K/V bytes the drafter keeps per context position of a request (every
+        draft layer's keys and values, in its dtype or `dtype`): what it adds to the target's KV
+        cache in the batched engine's admission and in `plan`. Gemma4 draft layers are
+        all full attention, with the global heads and width."""
+        c = self.config
+        heads = int(getattr(c, "num_global_key_value_heads", None) or c.num_key_value_heads or c.num_attention_heads)
+        width = int(getattr(c, "global_head_dim", None) or getattr(c, "head_dim", None)
+                    or c.hidden_size // c.num_attention_heads)
+        elem = (torch.empty(0, dtype=dtype) if dtype is not None else next(self.parameters())).element_size()
+        return int(c.num_hidden_layers) * heads * width * 2 * elem
+
     # -- shared frozen target modules
     def attach_target(self, target) -> "DrafterBase":
         check_target_match(self.config, target)

