@@ -12,7 +12,8 @@ import torch
 
 from .recipe import StepSampler
 
-StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
+# step_fn(model, batch, generator, log_step=..., step=...) -> (loss, metrics)
+StepFn = Callable[..., tuple[torch.Tensor, dict]]
 
 
 @dataclass(frozen=True)
