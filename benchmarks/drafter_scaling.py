@@ -190,7 +190,6 @@ def run_point(job: dict) -> dict:
     from deepspec.methods import resolve_method
     from deepspec.targets.loading import target_from_config
     from deepspec.training.loop import step_spec, train
-    from deepspec.training.recipe import plan_steps
 
     t0 = time.process_time()
     base, cfg = resolve_method(load_config(job["preset"], job["overrides"]), job["method"])
@@ -199,10 +198,10 @@ def run_point(job: dict) -> dict:
     counts = token_counts(pool, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
     torch.manual_seed(int(cfg["train"]["seed"]))
     drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
-    spec = step_spec(cfg, plan_steps(len(pool), cfg["train"])[1])
+    spec = step_spec(cfg)
 
-    def step_fn(model, batch, generator, log_step=True, step=0):
-        return model.training_step(batch, spec, generator, log_step=log_step, step=step)
+    def step_fn(model, batch, generator, log_step=True):
+        return model.training_step(batch, spec, generator, log_step=log_step)
 
     train(drafter, pool, step_fn, cfg["train"], job["out"], collate_fn=collate, resume=False)
     t1 = time.process_time()

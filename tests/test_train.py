@@ -72,7 +72,7 @@ def make_step_fn(use_rng: bool):
     positions are weighted by noise from the anchor generator and dropout
     (global torch RNG) is on, so resuming must restore both."""
 
-    def step_fn(model, batch, generator, log_step=True, step=0):
+    def step_fn(model, batch, generator, log_step=True):
         ids = batch["input_ids"]
         model.mlp[2].p = 0.1 if use_rng else 0.0
         logits = model(ids[:, :-1])

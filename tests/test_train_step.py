@@ -200,39 +200,3 @@ def test_dflash_skips_target_head_off_log_steps(tiny_target, tiny_cfg, batch, mo
     g1 = torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
     assert not calls and "c_star_1" not in m and m["n_anchors"] == m0["n_anchors"]
     assert torch.allclose(l0, loss.detach(), atol=1e-7) and torch.allclose(g0, g1, atol=1e-7)
-
-
-def test_soft_label_warm_up_trains_block_drafters_on_the_targets_distribution(tiny_target, tiny_cfg):
-    """train.soft_label_fraction: before spec.soft_label_steps a block drafter's loss is the
-    weighted soft CE to p_t (DSpark keeps its confidence BCE), after it the paper's; the
-    soft CE is bounded below by the target's entropy, reached where p_d = p_t."""
-    import dataclasses
-
-    from deepspec.core import losses
-    from deepspec.core.train_step import StepSpec
-    from helpers import random_drafter
-
-    pt = torch.tensor([[[0.5, 0.25, 0.25], [1.0, 0.0, 0.0]]])
-    logp = torch.log(torch.tensor([[[0.25, 0.5, 0.25], [0.5, 0.25, 0.25]]]))
-    sce = losses.soft_ce_terms(logp, pt)[0]
-    w = torch.tensor([1.0, 0.5])
-    loss, parts = losses.soft_block_loss(sce, torch.zeros(1, 2), None, torch.ones(1, 2, dtype=torch.bool), w,
-                                         losses.LossWeights())
-    want = (1.0 * (0.5 * math.log(4) + 0.25 * math.log(2) + 0.25 * math.log(4)) + 0.5 * math.log(2)) / 1.5
-    assert float(loss) == pytest.approx(want) and set(parts) == {"loss_soft_ce"}
-    ids = (torch.arange(2 * 24).view(2, 24) * 37 + 5) % tiny_target.vocab_size
-    feats, last = tiny_target.features(ids, tiny_cfg["target"]["feature_layers"])
-    lm = torch.ones_like(ids, dtype=torch.bool)
-    lm[:, :4] = False
-    batch = dict(input_ids=ids, loss_mask=lm, attention_mask=torch.ones_like(lm), features=feats, last_hidden=last)
-    spec = StepSpec(num_anchors=8, soft_label_steps=10)
-    for method, conf in (("dflash", False), ("dspark", True)):
-        d = random_drafter(method, tiny_target, tiny_cfg)[0]
-        _, warm = d.training_step(batch, spec, torch.Generator().manual_seed(0), step=9)
-        _, paper = d.training_step(batch, spec, torch.Generator().manual_seed(0), step=10)
-        assert "loss_soft_ce" in warm and ("loss_conf" in warm) == conf and "loss_ce" not in warm
-        assert "loss_soft_ce" not in paper and "loss_ce" in paper
-        assert warm["c_star_1"] == pytest.approx(paper["c_star_1"])  # the same forward: only the loss differs
-    _, e3 = random_drafter("eagle3", tiny_target, tiny_cfg)[0].training_step(
-        batch, dataclasses.replace(spec, soft_label_steps=0), torch.Generator().manual_seed(0), step=0)
-    assert "loss_soft_ce" not in e3  # Eagle3's loss is soft-label already

@@ -106,26 +106,6 @@ def block_loss(ce, l1, cstar, in_vocab, conf_logits: Optional[torch.Tensor], val
     return loss, parts
 
 
-def soft_block_loss(soft_ce, cstar, conf_logits: Optional[torch.Tensor], valid, weights: torch.Tensor,
-                    coef: LossWeights):
-    """A block drafter's soft-label warm-up (train.soft_label_fraction, CPU presets;
-    not the paper's): the weighted mean of the soft CE -sum_v p_t log p_d (forward KL
-    to the target's T = 1 distribution plus its entropy) in place of Eqs. 9-10, the
-    confidence BCE (Eq. 11) kept where the drafter has a confidence head. Every
-    position's whole target distribution is a label, where the hard CE has one
-    sampled token and the L1 term's gradient vanishes while p_d and p_t barely
-    overlap. Returns (loss, {term: float})."""
-    W = weights * valid.float()
-    loss = weighted_mean(soft_ce, W)
-    parts = {"loss_soft_ce": float(loss.detach())}
-    if conf_logits is not None:
-        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), cstar.detach(), reduction="none")
-        loss_conf = weighted_mean(bce, W)
-        loss = loss + coef.conf_alpha * loss_conf
-        parts["loss_conf"] = float(loss_conf.detach())
-    return loss, parts
-
-
 def soft_ce_terms(logp: torch.Tensor, pt: torch.Tensor):
     """Eagle3 per position: soft-label CE -sum_v p_t log p_d and c* (detached)."""
     return -(pt * logp).sum(-1), acceptance_rate(logp.exp().detach(), pt)

@@ -37,7 +37,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .losses import (LossWeights, block_loss, chain_loss, chain_normalizer, chain_row_mask, position_weights,
-                     soft_block_loss, soft_ce_terms, token_terms)
+                     soft_ce_terms, token_terms)
 from .verify import expected_tau
 
 
@@ -53,8 +53,6 @@ class StepSpec:
 
     num_anchors: int = 512  # anchors per sequence (block drafters)
     chain_rows: int = 0  # Eagle3: rows per sequence whose TTT chain runs past step 0 (0: every row)
-    # block drafters: the first steps train on the target's soft labels (`losses.soft_block_loss`)
-    soft_label_steps: int = 0
     coef: LossWeights = field(default_factory=LossWeights)
     chunk_positions: int = 512  # positions per checkpointed head chunk
     pt_table_bytes: int = 1 << 30  # the shared p_t table is built when it fits in this
@@ -197,10 +195,9 @@ def block_target_probs(drafter, last_hidden, src, keep, spec: StepSpec):
     return pt, out_mass, idx
 
 
-def _block_terms(drafter, h, prev, labels, last, src, keep, need_pt: bool, spec: StepSpec, soft: bool = False):
+def _block_terms(drafter, h, prev, labels, last, src, keep, need_pt: bool, spec: StepSpec):
     """(ce, l1, c*, in-vocab) [M, g] of the valid blocks (h, prev, labels: the
-    rows of keep), computed in checkpointed chunks; with `soft` also the soft-label
-    CE -sum_v p_t log p_d."""
+    rows of keep), computed in checkpointed chunks."""
     table = block_target_probs(drafter, last, src, keep, spec) if need_pt else None
     # per slot: a row of the p_t table, or (too large a table) the final hidden state itself
     extra = [] if not need_pt else [table[2]] if table is not None else [_gather_rows(last, src)[keep]]
@@ -211,18 +208,15 @@ def _block_terms(drafter, h, prev, labels, last, src, keep, need_pt: bool, spec:
         if not src_:
             return token_terms(logp, lab)
         if table is None:
-            pt, out_mass = drafter.restrict_to_draft_vocab(drafter.target_probs(src_[0]))
-        else:
-            pt, out_mass = table[0][src_[0]], None if table[1] is None else table[1][src_[0]]
-        out = token_terms(logp, lab, pt, out_mass)
-        return (*out, soft_ce_terms(logp, pt)[0]) if soft else out
+            return token_terms(logp, lab, *drafter.restrict_to_draft_vocab(drafter.target_probs(src_[0])))
+        pt, out_mass, _ = table
+        return token_terms(logp, lab, pt[src_[0]], None if out_mass is None else out_mass[src_[0]])
 
     return _chunked(terms, max(1, spec.chunk_positions // drafter.gamma), h, prev, labels, *extra)
 
 
-def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True, step: int = 0):
-    """DFlash / DSpark: one forward + loss (no backward) -> (loss, metrics). Before
-    optimiser step `spec.soft_label_steps` the loss is `soft_block_loss`."""
+def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
+    """DFlash / DSpark: one forward + loss (no backward) -> (loss, metrics)."""
     dev = drafter.device
     ids, lm = batch["input_ids"].to(dev), batch["loss_mask"].to(dev)
     am = batch.get("attention_mask")
@@ -236,17 +230,13 @@ def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True, st
     h = drafter(ids, batch["features"].to(dev), anchors, am)  # [B,N,g,d]
     labels, valid, src, prev = block_targets(ids, lm, am, anchors, avalid, g)
     # p_t feeds DSpark's L1 term and its confidence targets; DFlash's loss is CE only
-    soft = step < spec.soft_label_steps
-    need_pt = drafter.distills or log_step or soft
+    need_pt = drafter.distills or log_step
     h, labels, valid, prev = (x[avalid] for x in (h, labels, valid, prev))  # [M, g, ...]
-    ce, l1, cstar, inv, *sce = _block_terms(drafter, h, prev, labels, batch["last_hidden"].to(dev), src, avalid,
-                                            need_pt, spec, soft=soft)
+    ce, l1, cstar, inv = _block_terms(drafter, h, prev, labels, batch["last_hidden"].to(dev), src, avalid,
+                                      need_pt, spec)
     conf = drafter.confidence_logits(h, prev) if drafter.distills else None
     w = position_weights(g, spec.coef.decay_gamma, device=h.device)
-    if soft:
-        loss, parts = soft_block_loss(sce[0], cstar, conf, valid, w, spec.coef)
-    else:
-        loss, parts = block_loss(ce, l1, cstar, inv, conf, valid, w, spec.coef, distill=drafter.distills)
+    loss, parts = block_loss(ce, l1, cstar, inv, conf, valid, w, spec.coef, distill=drafter.distills)
     metrics.update(parts)
     metrics["loss"] = float(loss.detach())
     if need_pt:
@@ -274,9 +264,8 @@ def _chain_target_table(drafter, last, src, valids, spec: StepSpec):
     return _restricted_pt(drafter, last.reshape(B * L, -1)[uniq], spec.chunk_positions)[0], row
 
 
-def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True, step: int = 0):
-    """Eagle3 (TTT): one forward + loss (no backward) -> (loss, metrics); its loss is
-    soft-label throughout (`step` is not used)."""
+def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
+    """Eagle3 (TTT): one forward + loss (no backward) -> (loss, metrics)."""
     dev = drafter.device
     ids, lm = batch["input_ids"].to(dev), batch["loss_mask"].to(dev).bool()
     am = batch.get("attention_mask")

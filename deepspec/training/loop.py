@@ -3,8 +3,8 @@ CPU laptop to a multi-GPU node.
 
 The loop knows nothing about drafters; its arithmetic is
 `deepspec.training.recipe`. It takes a model (a ``PreTrainedModel`` whose
-frozen parts have ``requires_grad=False``), a map-style dataset of samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step, step) -> (loss,
-metrics)`` (``step``: the 0-based optimiser step), and implements the paper's recipe (paper Sec. 4.1; DeepSpec's deepspec/trainer/base_trainer.py):
+frozen parts have ``requires_grad=False``), a map-style dataset of samples, a ``collate_fn`` and ``step_fn(model, batch, generator, log_step) -> (loss,
+metrics)``, and implements the paper's recipe (paper Sec. 4.1; DeepSpec's deepspec/trainer/base_trainer.py):
 
 * AdamW (lr 6e-4, weight decay 0) over the trainable parameters only, linear
   warmup over ``ceil(warmup_ratio * total)`` updates then cosine to 0, gradient
@@ -388,7 +388,7 @@ def _accumulate(run: TrainRun, step: int, log_step: bool) -> tuple[dict, float]:
         batch = _to_device(run.collate_fn([run.dataset[i] for i in idx]), acc.device)
         run.gen.manual_seed(micro_seed(run.settings.seed, step, k))
         with acc.autocast():
-            loss, metrics = run.step_fn(run.model, batch, run.gen, log_step=log_step, step=step)
+            loss, metrics = run.step_fn(run.model, batch, run.gen, log_step=log_step)
         if not torch.isfinite(loss):
             raise DeepSpecError(f"non-finite training loss {loss.item()} at step {step + 1}")
         acc.backward(loss)  # divides by the accumulation steps
@@ -446,17 +446,14 @@ def _save_final(model, out: Path, result: TrainResult, train_cfg: dict, precisio
 # --------------------------------------------------------------------------- CLI
 
 
-def step_spec(cfg: dict, total_steps: int = 0) -> StepSpec:
-    """The training step's settings from a preset (train.num_anchors, the loss section);
-    train.soft_label_fraction of `total_steps` become the soft-label warm-up's steps."""
+def step_spec(cfg: dict) -> StepSpec:
+    """The training step's settings from a preset (train.num_anchors, the loss section)."""
     L = cfg["loss"]
     coef = LossWeights(ce_alpha=L["ce_alpha"], l1_alpha=L["l1_alpha"], conf_alpha=L["conf_alpha"],
                        decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"],
                        eagle3_row_mask=L["eagle3_row_mask"], eagle3_normalizer=L["eagle3_normalizer"])
-    t = cfg["train"]
-    return StepSpec(num_anchors=int(t["num_anchors"]), chain_rows=int(t["chain_rows"]), coef=coef,
-                    chunk_positions=int(t["chunk_positions"]),
-                    soft_label_steps=int(round(float(t["soft_label_fraction"]) * total_steps)))
+    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), chain_rows=int(cfg["train"]["chain_rows"]),
+                    coef=coef, chunk_positions=int(cfg["train"]["chunk_positions"]))
 
 
 def machine_memory(device: torch.device) -> tuple[int, str]:
@@ -533,10 +530,10 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
     drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
     check_step_memory(cfg, drafter, target, len(dataset), process_device(device))
-    spec = step_spec(cfg, plan_steps(len(dataset), cfg["train"])[1])
+    spec = step_spec(cfg)
 
-    def step_fn(model, batch, generator, log_step=True, step=0):
-        return model.training_step(batch, spec, generator, log_step=log_step, step=step)
+    def step_fn(model, batch, generator, log_step=True):
+        return model.training_step(batch, spec, generator, log_step=log_step)
 
     out = Path(out_dir) if out_dir else RunPaths.of(cfg).drafter_dir(method)
     # every setting that changes the result (the variant's, after resolve_method) and the data

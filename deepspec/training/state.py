@@ -12,8 +12,7 @@ import torch
 
 from .recipe import StepSampler
 
-# step_fn(model, batch, generator, log_step=..., step=...) -> (loss, metrics)
-StepFn = Callable[..., tuple[torch.Tensor, dict]]
+StepFn = Callable[[torch.nn.Module, dict, torch.Generator], tuple[torch.Tensor, dict]]
 
 
 @dataclass(frozen=True)
