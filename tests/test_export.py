@@ -717,3 +717,20 @@ def test_released_eagle3_for_another_target_is_refused(qwen3_target, qwen3_cfg, 
     with pytest.raises(DeepSpecError, match="lm_head.weight differs"):
         convert.convert_reference_checkpoint(src, qwen3_target, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma4_export_reads_per_layer_as_vllm_034_does(gemma4_target, gemma4_cfg, tmp_path):
+    """E7: vLLM 0.34's Gemma4 DSpark attention (model_executor/models/gemma4_dspark.py:55-57)
+    sizes each draft layer from `config.per_layer_config[i]` (head_dim, num_key_value_heads),
+    transformers' per-layer view of the config. On our export every layer's view matches the
+    exported q/k projections (the draft layers are full attention with the global geometry)."""
+    from transformers import AutoConfig
+
+    d, _ = _drafter("dspark", gemma4_target, gemma4_cfg, mask_token_id=4)
+    out = export.export_drafter(d, gemma4_target, "deepspec", tmp_path / "g4", engine="vllm")
+    sd = load_file(str(out / "model.safetensors"))
+    conf = AutoConfig.from_pretrained(str(out))
+    for i in range(conf.num_hidden_layers):
+        layer = conf.per_layer_config[i]
+        assert sd[f"layers.{i}.self_attn.k_proj.weight"].shape[0] == layer.num_key_value_heads * layer.head_dim
+        assert sd[f"layers.{i}.self_attn.q_proj.weight"].shape[0] == conf.num_attention_heads * layer.head_dim
