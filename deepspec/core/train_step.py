@@ -13,6 +13,10 @@ Chain drafter (Eagle3; `chain_step`): row t of TTT step s predicts token
 t+2+s, which the target predicted at t+1+s; the rows that count and each
 step's normaliser are `losses.chain_row_mask` / `losses.chain_normalizer`
 (DeepSeek's rules by default: loss mask at t+s, t+s < length-1, divided by B*T).
+With `chain_rows` (train.chain_rows) steps s > 0 run only on that many rows per
+sequence, drawn uniformly among those with a loss at some step s > 0 and weighted
+by the inverse of their sequence's sampling fraction, so each step's loss is an
+unbiased estimate of the all-rows loss at a fraction of its attention and head cost.
 
 p_t (the frozen full-vocabulary head on the cached final hidden states)
 dominates the cost of a small drafter, so it is computed once per distinct
