@@ -33,9 +33,14 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   as the transient term; GPU-hours =
   FLOPs / (tflops x mfu); the disk the training checkpoints take
   (`checkpoint_disk`: one checkpoint x the number kept);
+* **regeneration** - the server's hours for the data section's answer tokens (and
+  their upper bound) at plan.regenerate_mfu of the GPUs' peak (`regeneration_section`),
+  against ``resources.regenerate.runtime``;
 * **evaluation** - prompts per benchmark, rounds = prompts x expected new
   tokens / tau (the paper's Table 1 tau for the preset's `paper_name`, else
-  `DEFAULT_TAU`) and the time at ``plan.eval_rounds_per_s``; the memory of an
+  `DEFAULT_TAU`) and the time at batch 1 from the target's and the drafter's
+  weight bytes and layers (`round_rates`: bandwidth plus per-layer overhead;
+  ``plan.eval_rounds_per_s`` overrides it); the memory of an
   evaluation GPU (`eval_memory`: weights at ``eval.dtype``, the KV budget at the
   target's KV bytes per token, `kv_bytes_per_token`, and a reserve) against
   ``plan.gpu_memory_gib``.
@@ -269,6 +274,7 @@ def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
         "online_target_forwards": online_target_forwards(t, total),
         "draft_layers": {"count": int(drafter.config.num_hidden_layers), "model_type": drafter.config.model_type},
         "kv_bytes_per_token": drafter.kv_bytes_per_token(getattr(torch, cfg["eval"]["dtype"])),
+        "gamma": int(drafter.gamma), "markov_rank": int(getattr(drafter.config, "deepspec_markov_rank", 0) or 0),
         "params": params,
         "checkpoints": checkpoint_disk(t, drafter, params["trainable"], total),
         "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
@@ -357,8 +363,56 @@ def training_totals(methods: dict, online_flops_per_forward: int, hw: dict) -> d
     return out
 
 
-def eval_section(cfg: dict, data: dict, methods: list[str], rounds_per_s: float) -> dict:
-    """Prompts per benchmark and rounds / time per method at `rounds_per_s`."""
+def forward_seconds(weight_bytes: float, layers: int, hw: dict) -> float:
+    """One batch-1 forward on a GPU: its weights read at plan.decode_bandwidth_efficiency
+    of plan.gpu_memory_bandwidth_gbs, plus plan.decode_layer_overhead_ms per layer (kernel
+    launches and Python of an eager forward, which dominate a small model's step)."""
+    return weight_bytes / (hw["bandwidth_gbs"] * 1e9 * hw["decode_efficiency"]) + layers * hw["layer_overhead_ms"] / 1e3
+
+
+def round_rates(cfg: dict, target_params: int, target_layers: int, methods: dict, hw: dict) -> dict:
+    """Batch-1 rounds per second per method and plain decoding's forwards per second,
+    by `forward_seconds`: a round is one target forward (its weights once, whatever the
+    gamma + 1 tokens) plus the drafter's: Eagle3 gamma + 1 forwards of its layers (the
+    context step and the chain), DFlash/DSpark one forward of theirs plus, with a Markov
+    head, gamma sequential sampling steps (one layer's overhead each). plan.eval_rounds_per_s
+    (or --eval-rounds-per-s), when set, replaces the model for every method."""
+    if hw["eval_rounds_per_s"] is not None:
+        r = float(hw["eval_rounds_per_s"])
+        return {"methods": {m: r for m in methods}, "plain": r, "from": "plan.eval_rounds_per_s"}
+    elem = torch.empty(0, dtype=getattr(torch, cfg["eval"]["dtype"])).element_size()
+    t_target = forward_seconds(target_params * elem, target_layers, hw)
+    rates = {}
+    for m, r in methods.items():
+        own = (r["params"]["trainable"] + r["params"]["frozen_own"]) * elem
+        n, g = r["draft_layers"]["count"], r["gamma"]
+        if m.startswith("eagle3"):
+            t_draft = (g + 1) * forward_seconds(own, n, hw)
+        else:
+            t_draft = forward_seconds(own, n, hw) + (g * hw["layer_overhead_ms"] / 1e3 if r["markov_rank"] else 0.0)
+        rates[m] = 1.0 / (t_target + t_draft)
+    return {"methods": rates, "plain": 1.0 / t_target,
+            "from": "weights read + per-layer overhead, plan.decode_*"}
+
+
+def regeneration_section(cfg: dict, data: dict, target_params: int, hw: dict) -> dict:
+    """Hours the regeneration server needs for the data section's answer tokens (and its
+    upper bound): tokens/s = GPUs x plan.gpu_tflops x plan.regenerate_mfu / (2 x params), a
+    serving engine at full concurrency being compute-bound; against resources.regenerate.runtime."""
+    server = cfg["regenerate"].get("server")
+    runtime_h = float(cfg["resources"].get("regenerate", {}).get("runtime", 0) or 0) / 60.0
+    if cfg["regenerate"]["backend"] != "server" or not server:
+        return {"estimated": False, "why": "the local backend (CPU presets: docs/RESULTS.md has the measured times)"}
+    gpus = int(server.get("gpus") or 1)
+    tps = gpus * hw["gpu_tflops"] * 1e12 * hw["regenerate_mfu"] / (2.0 * target_params)
+    hours = data["regenerated_tokens"] / tps / 3600.0
+    upper = data["regenerated_tokens_upper_bound"] / tps / 3600.0
+    return {"estimated": True, "gpus": gpus, "tokens_per_s": tps, "hours": hours, "hours_upper_bound": upper,
+            "runtime_hours": runtime_h, "within_runtime": upper <= runtime_h if runtime_h else None}
+
+
+def eval_section(cfg: dict, data: dict, methods: list[str], rates: dict) -> dict:
+    """Prompts per benchmark and rounds / time per method at `rates` (`round_rates`)."""
     from ..data.prompts import data_root, read_turns_jsonl
     from ..reporting.paper import TABLE1
 
@@ -375,13 +429,15 @@ def eval_section(cfg: dict, data: dict, methods: list[str], rounds_per_s: float)
             per_method[m]["rounds"] += n * tokens / tau
     for m, r in per_method.items():
         r["rounds"] = int(round(r["rounds"]))
-        r["hours"] = r["rounds"] / rounds_per_s / 3600.0
+        r["rounds_per_s"] = rates["methods"][m]
+        r["hours"] = r["rounds"] / r["rounds_per_s"] / 3600.0
     plain = sum(b["prompts"] for b in benches.values()) * tokens
     return {
-        "benchmarks": benches, "new_tokens_per_prompt": tokens, "rounds_per_s": rounds_per_s,
+        "benchmarks": benches, "new_tokens_per_prompt": tokens, "rates_from": rates["from"],
         "tau_from": "paper Table 1" if cfg["target"].get("paper_name") else f"default tau {DEFAULT_TAU:g}",
         "methods": per_method,
-        "plain_decoding": {"forwards": plain, "hours": plain / rounds_per_s / 3600.0},
+        "plain_decoding": {"forwards": plain, "forwards_per_s": rates["plain"],
+                           "hours": plain / rates["plain"] / 3600.0},
     }
 
 
@@ -405,9 +461,12 @@ def hardware(cfg: dict, gpus=None, gpu_tflops=None, mfu=None, rounds_per_s=None)
         if value is not None:
             _check_positive(flag, float(value), top, whole)
     n = gpus if gpus is not None else (p["gpus"] or cfg["train"]["gpus"] or 1)
+    rps = rounds_per_s if rounds_per_s is not None else p["eval_rounds_per_s"]
     return {"gpus": int(n), "gpu_tflops": float(gpu_tflops if gpu_tflops is not None else p["gpu_tflops"]),
             "mfu": float(mfu if mfu is not None else p["mfu"]),
-            "eval_rounds_per_s": float(rounds_per_s if rounds_per_s is not None else p["eval_rounds_per_s"])}
+            "eval_rounds_per_s": None if rps is None else float(rps),
+            "bandwidth_gbs": float(p["gpu_memory_bandwidth_gbs"]), "decode_efficiency": float(p["decode_bandwidth_efficiency"]),
+            "layer_overhead_ms": float(p["decode_layer_overhead_ms"]), "regenerate_mfu": float(p["regenerate_mfu"])}
 
 
 def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[list[str]] = None) -> dict:
@@ -439,7 +498,9 @@ def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[lis
         "training": {"methods": per_method, "target_forward_flops_per_micro_batch": fwd,
                      "target_forward_flops_per_token": fwd / (mb * data["tokens_per_sample"]),
                      "totals": training_totals(per_method, fwd, hw)},
-        "evaluation": {**eval_section(cfg, data, names, hw["eval_rounds_per_s"]),
+        "regeneration": regeneration_section(cfg, data, sum(p.numel() for p in target.model.parameters()), hw),
+        "evaluation": {**eval_section(cfg, data, names, round_rates(cfg, sum(p.numel() for p in target.model.parameters()),
+                                                                    target.num_layers, per_method, hw)),
                        "memory_per_gpu": eval_memory(cfg, sum(p.numel() for p in target.model.parameters()),
                                                      max(r["params"]["trainable"] + r["params"]["frozen_own"]
                                                          for r in per_method.values()),
@@ -509,8 +570,8 @@ def format_plan(plan: dict) -> str:
         rows.append(("checkpoints: all methods", f"{human_bytes(sum(r['checkpoints']['bytes_kept'] for r in tr['methods'].values()))} "
                                                  "kept (each method's training keeps its own)"))
     for m, r in ev["methods"].items():
-        rows.append((f"eval: {m}", f"{r['rounds']:,} rounds, {_h(r['hours'])} h at {ev['rounds_per_s']:g} rounds/s "
-                                   f"({ev['tau_from']})"))
+        rows.append((f"eval: {m}", f"{r['rounds']:,} rounds, {_h(r['hours'])} h at {r['rounds_per_s']:.3g} rounds/s "
+                                   f"at batch 1 ({ev['tau_from']}; rate from {ev['rates_from']})"))
     em = ev["memory_per_gpu"]
     rows.append(("eval: memory per GPU", "{:.1f} GiB of {:g} ({}) = target {:.1f} + drafter {:.1f} + KV cache {:.1f} ({}; "
                                          "{:,} B per token for the target + {:,} for the drafter's context, {:.2f} GiB per "
@@ -519,7 +580,18 @@ def format_plan(plan: dict) -> str:
                                              em["target_weights"], em["drafter_weights"], em["kv_cache"], em["kv_from"],
                                              em["kv_bytes_per_token"], em["drafter_kv_bytes_per_token"],
                                              em["longest_row_gib"], em["reserve"])))
-    rows.append(("eval: plain decoding", f"{ev['plain_decoding']['forwards']:,} forwards, {_h(ev['plain_decoding']['hours'])} h"))
+    pd_ = ev["plain_decoding"]
+    rows.append(("eval: plain decoding", f"{pd_['forwards']:,} forwards, {_h(pd_['hours'])} h at {pd_['forwards_per_s']:.3g} "
+                                         "forwards/s (no job decodes every prompt plainly: the baselines time 2 per benchmark)"))
+    rg = plan["regeneration"]
+    if rg["estimated"]:
+        rows.append(("regeneration", f"{_h(rg['hours'])} h for the expected answer tokens, {_h(rg['hours_upper_bound'])} h "
+                                     f"at the upper bound, at {_n(rg['tokens_per_s'])} tokens/s on {rg['gpus']} GPUs "
+                                     f"(plan.regenerate_mfu {hw['regenerate_mfu']:g}); resources.regenerate.runtime "
+                                     f"{_h(rg['runtime_hours'])} h" + ("" if rg["within_runtime"] else
+                                                                    ": THE UPPER BOUND EXCEEDS IT")))
+    else:
+        rows.append(("regeneration", f"not estimated: {rg['why']}"))
     width = max(len(k) for k, _ in rows)
     head = (f"plan for preset {plan['preset']}: {hw['gpus']} GPUs x {hw['gpu_tflops']:g} TFLOP/s x MFU {hw['mfu']:g}")
     return "\n".join([head, "-" * len(head)] + [f"{k.ljust(width)}  {v}" for k, v in rows])
