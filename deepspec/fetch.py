@@ -39,6 +39,18 @@ REPO_TYPES = ("dataset", "model")
 RELEASED_FILES = ["*.json", "*.safetensors"]  # a released drafter: config + weights
 
 
+def not_a_hub_id(name: str) -> bool:
+    """Whether `name` is a local model rather than a hub id: a path that exists, or
+    not of the hub's `[owner/]name` form (what vLLM >= 0.34 refuses as a speculators
+    verifier, and what a model card cannot name as its base model)."""
+    import re
+
+    parts = name.split("/")
+    hub_id = (len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", x) for x in parts)
+              and ".." not in name and "--" not in name)
+    return not hub_id or Path(name).exists() or Path(name).is_symlink()
+
+
 def snapshot_name(repo_id: str, revision: str) -> str:
     """<owner>--<name>@<revision> (a '/' of a revision becomes '--')."""
     return f"{repo_id.replace('/', '--')}@{revision.replace('/', '--')}"

@@ -495,7 +495,9 @@ def test_a_local_verifier_is_served_explicitly(qwen3_target, qwen3_cfg, tmp_path
     assert f"vllm serve {local} --speculative-config" in caplog.text and "refuses" in caplog.text
     hub = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "hub", verifier="Qwen/Qwen3-4B")
     assert "model" not in json.loads((hub / "config.json").read_text())["deepspec_serve_vllm"]
-    assert [export.local_verifier(x) for x in ("Qwen/Qwen3-4B", "tiny-qwen3", "./t", "/abs/t", "a/b/c", "a--b")] == \
+    from deepspec.fetch import not_a_hub_id
+
+    assert [not_a_hub_id(x) for x in ("Qwen/Qwen3-4B", "tiny-qwen3", "./t", "/abs/t", "a/b/c", "a--b")] == \
         [False, False, True, True, True, True]
 
 

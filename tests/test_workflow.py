@@ -124,16 +124,17 @@ def _job_priorities(out: str) -> dict:
 
 
 def test_train_start_first_orders_training_jobs(tmp_path):
-    """The trainers come first (2, train.start_first's methods above the others in its
-    order), then the evaluations (1), then the baselines (0: only the report reads them);
-    a name that is no method of the preset stops the plan."""
+    """The trainers come first (10, train.start_first's methods above the others in its
+    order), then the evaluations (1, start_first's in its order: the longest training's
+    evaluation ends the run), then the baselines (0: only the report reads them); a name
+    that is no method of the preset stops the plan."""
     copy_workflow(tmp_path)
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
                    "train={start_first: [dspark, eagle3]}")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     prio = _job_priorities(r.stdout + r.stderr)
-    assert {k[1]: v for k, v in prio.items() if k[0] == "train"} == {"dspark": 4, "eagle3": 3, "dflash": 2}, prio
-    assert {v for k, v in prio.items() if k[0] == "evaluate"} == {1}, prio
+    assert {k[1]: v for k, v in prio.items() if k[0] == "train"} == {"dspark": 12, "eagle3": 11, "dflash": 10}, prio
+    assert {k[1]: v for k, v in prio.items() if k[0] == "evaluate"} == {"dspark": 3, "eagle3": 2, "dflash": 1}, prio
     assert {v for k, v in prio.items() if k[0] == "baseline"} == {0}, prio
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "2", "--config", "preset=tiny",
                    "train={start_first: [eagle]}")

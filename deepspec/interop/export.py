@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
+from ..fetch import not_a_hub_id
 from ..files import atomic_dir, check_overwrite
 from .convert import (MASK_APPENDED_FIELD, MASK_ROW_FIELD, NOT_IN_CHECKPOINT, NULL_MARKOV_FIELD, NULL_MARKOV_TENSORS,
                       check_out_apart, embed_scale, to_reference)
@@ -399,17 +400,6 @@ def sglang_files(d, sts=None, sps=None) -> dict[str, dict]:
 # the speculators format (vllm-project/speculators; vLLM transformers_utils/configs/speculators/)
 
 
-def local_verifier(name: str) -> bool:
-    """Whether vLLM >= 0.34 takes a speculators verifier name for a local one (a path
-    that exists, or no valid hub id), which it refuses in `vllm serve DIR`."""
-    import re
-
-    parts = name.split("/")
-    hub_id = (len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}", x) for x in parts)
-              and ".." not in name and "--" not in name)
-    return not hub_id or Path(name).exists() or Path(name).is_symlink()
-
-
 def speculators_layout(d, target, mask_token_id=None, verifier=None):
     """(config dict, tensors) of a DSpark / DFlash drafter in the speculators format
     vLLM 0.32 configures `vllm serve DIR` from (docs/FORMATS.md §3): the tensors of
@@ -441,7 +431,7 @@ def speculators_layout(d, target, mask_token_id=None, verifier=None):
            "sample_from_anchor": True,  # DeepSpec's block: the anchor predicts draft token 1 (vLLM's default: false)
            "deepspec_feature_layers": list(c.deepspec_feature_layers),
            "deepspec_serve_vllm": {"speculative_config": {"draft_sample_method": "probabilistic"}}}
-    if local_verifier(str(name)):
+    if not_a_hub_id(str(name)):
         # vLLM >= 0.34 refuses `vllm serve DIR` for a verifier on disk (maybe_override_with_speculators:
         # "must name a remote model repository"); both 0.32 and 0.34 serve the target explicitly
         cfg["deepspec_serve_vllm"] = {"model": str(name), "speculative_config": dict(
@@ -699,7 +689,8 @@ def cli_export_checkpoint(argv) -> int:
     prov = RunPaths.of(cfg).provenance()
     export_drafter(d, target, args.format, args.out, overwrite=args.overwrite, mask_token_id=args.mask_token_id,
                    engine=args.engine, sts=args.sts, sps=args.sps, verifier=args.verifier,
-                   card=lambda ecfg, out: model_card(cfg, d, ecfg, out, args.format, args.engine, args.src),
+                   card=lambda ecfg, out: model_card(cfg, d, ecfg, out, args.format, args.engine, args.src,
+                                                     serve_commands),
                    attach=[prov] if prov.exists() else [])
     return 0
 

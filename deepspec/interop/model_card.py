@@ -37,12 +37,12 @@ def _json(path: Path) -> Optional[dict]:
 def base_model(target_id: str) -> Optional[str]:
     """The hub id of the drafter's target, or None (a local path or a random test
     target: no hub metadata)."""
+    from ..fetch import not_a_hub_id
     from ..targets.loading import BUILTIN
-    from .export import local_verifier
 
     if target_id in BUILTIN:  # the offline SmolLM2 (a conversion of a hub model) or a random tiny target
         return HUB_MODEL.get(target_id)
-    return None if local_verifier(target_id) else target_id
+    return None if not_a_hub_id(target_id) else target_id
 
 
 def _front_matter(meta: dict) -> list[str]:
@@ -81,11 +81,11 @@ def acceptance_rows(cfg: dict, method: str) -> list[dict]:
     return rows
 
 
-def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Optional[str], src) -> str:
+def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Optional[str], src,
+               serve_commands) -> str:
     """README.md for the export at `out` of `drafter` (loaded from `src`, trained by the
-    run of preset `cfg`), whose written config is `export_cfg`."""
-    from .export import serve_commands
-
+    run of preset `cfg`), whose written config is `export_cfg`; `serve_commands(config,
+    out, target)` gives the command per engine (`export.serve_commands`)."""
     c, method = drafter.config, drafter.method
     target_id = str(c.deepspec_target_id)
     hub = base_model(target_id)

@@ -183,11 +183,23 @@ _data = train_data(None)
 BASELINE_AFTER = [ancient(f) for f in (_data if isinstance(_data, list) else [_data])] if _TRAINED else []
 
 
-def train_priority(wc):
-    """2 for every training job (above the evaluations' 1 and the baselines' 0: the
-    trainers are the critical path), more for train.start_first's methods (the first highest)."""
+def _first_rank(method) -> int:
+    """len(train.start_first) for its first method down to 1 for its last; 0 for the others."""
     first = CFG["train"]["start_first"]
-    return 2 + (len(first) - first.index(wc.method) if wc.method in first else 0)
+    return len(first) - first.index(method) if method in first else 0
+
+
+def train_priority(wc):
+    """10 for every training job (above the evaluations and the baselines' 0: the
+    trainers are the critical path), more for train.start_first's methods (the first highest)."""
+    return 10 + _first_rank(wc.method)
+
+
+def eval_priority(wc):
+    """1 for every evaluation (after the trainers, before the baselines), more for
+    train.start_first's methods in its order: the first starts with the longest training
+    and finishes last, so its evaluation ends the run and takes the first free core."""
+    return 1 + _first_rank(wc.method)
 
 
 def train_port(wc):

@@ -22,7 +22,7 @@ rule evaluate:
         settings=settings("evaluate"),
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
-    priority: 1  # after the trainers, before the baselines (common.smk: train_priority)
+    priority: eval_priority  # after the trainers, before the baselines (common.smk)
     resources:
         **EVAL_RESOURCES,
     shell:
