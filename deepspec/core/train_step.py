@@ -268,6 +268,21 @@ def _chain_target_table(drafter, last, src, valids, spec: StepSpec):
     return _restricted_pt(drafter, last.reshape(B * L, -1)[uniq], spec.chunk_positions)[0], row
 
 
+def _chain_rows(valids: list, n: int, generator):
+    """Steps > 0 on a uniform sample of n rows per sequence among those with a loss
+    there, each weighted by the inverse of its sequence's sampling fraction, so every
+    step's loss is an unbiased estimate of the all-rows loss (`StepSpec.chain_rows`).
+    Returns (rows [B, R] or None for every row, each step's valid rows, each step's
+    row weights or None)."""
+    S = len(valids)
+    if not n or S < 2:
+        return None, valids, [None] * S
+    elig = torch.stack(valids[1:]).any(0)
+    rows, kept = sample_rows(elig, n, generator)
+    w = (elig.sum(1) / kept.sum(1).clamp_min(1)).view(-1, 1).expand_as(rows)
+    return rows, valids[:1] + [v.gather(1, rows) & kept for v in valids[1:]], [None] + [w] * (S - 1)
+
+
 def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     """Eagle3 (TTT): one forward + loss (no backward) -> (loss, metrics)."""
     dev = drafter.device
@@ -282,16 +297,7 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     valids = [chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask) for s in range(S)]
     norms = [chain_normalizer(v, spec.coef.eagle3_normalizer) for v in valids]  # the all-rows pass's
     t = torch.arange(L, device=dev).expand(B, L)
-    rows, weights = None, [None] * S
-    if spec.chain_rows and S > 1:
-        # steps > 0 on a uniform sample of the rows with a loss there, each weighted by the
-        # inverse of its sequence's sampling fraction: every step's loss is an unbiased
-        # estimate of the all-rows loss (`StepSpec.chain_rows`)
-        elig = torch.stack(valids[1:]).any(0)
-        rows, kept = sample_rows(elig, spec.chain_rows, generator)
-        w = (elig.sum(1) / kept.sum(1).clamp_min(1)).view(B, 1).expand_as(rows)
-        valids = valids[:1] + [v.gather(1, rows) & kept for v in valids[1:]]
-        weights = [None] + [w] * (S - 1)
+    rows, valids, weights = _chain_rows(valids, spec.chain_rows, generator)
     outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev), rows=rows)
     # row t's target at step s: p_t at t+1+s
     srcs = [((t if rows is None or s == 0 else rows) + 1 + s).clamp(max=L - 1) for s in range(S)]

@@ -81,15 +81,11 @@ def acceptance_rows(cfg: dict, method: str) -> list[dict]:
     return rows
 
 
-def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Optional[str], src,
-               serve_commands) -> str:
-    """README.md for the export at `out` of `drafter` (loaded from `src`, trained by the
-    run of preset `cfg`), whose written config is `export_cfg`; `serve_commands(config,
-    out, target)` gives the command per engine (`export.serve_commands`)."""
+def _header(drafter, fmt: str, engine: Optional[str]) -> tuple[list[str], Optional[str]]:
+    """The hub metadata, the title and what the drafter is; and its base model's hub id."""
     c, method = drafter.config, drafter.method
     target_id = str(c.deepspec_target_id)
     hub = base_model(target_id)
-    served = hub or "<target>"
     meta = {"library_name": {"speculators": "speculators"}.get(fmt, engine or "transformers")}
     if hub:
         meta["base_model"] = hub
@@ -109,13 +105,14 @@ def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Opti
             "draft vocabulary": drafter.draft_vocab_size}
     if method == "dspark":
         arch["Markov rank"] = c.deepspec_markov_rank
-    lines += ["| " + " | ".join(arch) + " |", "|" + "---|" * len(arch), "| " + " | ".join(str(v) for v in arch.values()) + " |", ""]
+    lines += ["| " + " | ".join(arch) + " |", "|" + "---|" * len(arch),
+              "| " + " | ".join(str(v) for v in arch.values()) + " |", ""]
+    return lines, hub
 
-    lines += ["## Serving", ""]
-    for eng, cmd in serve_commands(export_cfg, out, served).items():
-        lines += [f"{eng}:", "", "```bash", cmd.replace(str(out), "<this directory>"), "```", ""]
 
-    lines += ["## Acceptance measured", ""]
+def _acceptance(cfg: dict, method: str) -> list[str]:
+    """Ours per benchmark (the evaluation's summaries) and vLLM's (serve-check's record)."""
+    lines = ["## Acceptance measured", ""]
     rows = acceptance_rows(cfg, method)
     if rows:
         r0 = rows[0]
@@ -140,9 +137,10 @@ def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Opti
             line += (f"; at T = {smp.get('temperature')} tau {_fmt(smp.get('tau_vllm'), 2)} in vLLM against "
                      f"{_fmt(smp.get('tau_deepspec'), 2)} here over {smp.get('prompts')} prompts")
         lines += [line + ".", ""]
+    return lines
 
-    lines += ["## Training", ""]
-    summ = _json(Path(src) / "train_summary.json") or {}
+
+def _training(cfg: dict, method: str, summ: dict) -> list[str]:
     t = summ.get("train", {})
     lr = t.get("lr")
     recipe = [("steps", summ.get("steps")), ("learning rate", lr.get(method) if isinstance(lr, dict) else lr),
@@ -158,9 +156,11 @@ def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Opti
                                         "target's own regenerated answers"))
     if summ.get("elapsed_s") is not None:
         recipe.append(("training time", f"{summ['elapsed_s'] / 60:.1f} min"))
-    lines += [f"- {k}: {v}" for k, v in recipe if v is not None] + [""]
+    return ["## Training", ""] + [f"- {k}: {v}" for k, v in recipe if v is not None] + [""]
 
-    lines += ["## Provenance", ""]
+
+def _provenance(cfg: dict, summ: dict, export_cfg: dict, fmt: str, engine: Optional[str]) -> list[str]:
+    lines = ["## Provenance", ""]
     code = summ.get("code") or {}
     if code:
         lines.append(f"- deepspec commit {code.get('commit')}{' (uncommitted changes)' if code.get('dirty') else ''}")
@@ -177,4 +177,19 @@ def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Opti
     lines.append(f"- exported as `{fmt}`" + (f" for {engine}" if engine else "")
                  + (f"; vLLM tested {exp['vllm_tested']}" if exp.get("vllm_tested") else "")
                  + (f", found {exp['vllm_found']}" if exp.get("vllm_found") else ""))
+    return lines
+
+
+def model_card(cfg: dict, drafter, export_cfg: dict, out, fmt: str, engine: Optional[str], src,
+               serve_commands) -> str:
+    """README.md for the export at `out` of `drafter` (loaded from `src`, trained by the
+    run of preset `cfg`), whose written config is `export_cfg`; `serve_commands(config,
+    out, target)` gives the command per engine (`export.serve_commands`)."""
+    lines, hub = _header(drafter, fmt, engine)
+    lines += ["## Serving", ""]
+    for eng, cmd in serve_commands(export_cfg, out, hub or "<target>").items():
+        lines += [f"{eng}:", "", "```bash", cmd.replace(str(out), "<this directory>"), "```", ""]
+    summ = _json(Path(src) / "train_summary.json") or {}
+    lines += _acceptance(cfg, drafter.method) + _training(cfg, drafter.method, summ)
+    lines += _provenance(cfg, summ, export_cfg, fmt, engine)
     return "\n".join(lines) + "\n"

@@ -356,6 +356,22 @@ def served_version(host: str, port: int, timeout: float = 5.0) -> Optional[str]:
         return None
 
 
+def _untested_engine(engine: Optional[str], host: str, port: int, command: str, sup) -> Optional[str]:
+    """engine="vllm": the served version (GET /version) recorded in the status; the
+    one-line refusal of an untested series (`engine_env.check_vllm_version`), or None."""
+    if engine != "vllm":
+        return None
+    from .engine_env import check_vllm_version
+
+    version = served_version(host, port)
+    try:
+        check_vllm_version(version or "unknown", f"the regeneration server, {command.split()[0]}")
+    except DeepSpecError as e:
+        return str(e)
+    sup.write(engine_version=version)
+    return None
+
+
 def run_server(command: str, *, status: str | os.PathLike, token: str, host: str = "127.0.0.1",
                port: Optional[int] = None, gpus: int = 0, log_path: Optional[str] = None,
                grace_s: float = GRACE_S, poll_s: float = 0.2, claim_timeout_s: Optional[float] = None,
@@ -411,16 +427,9 @@ def run_server(command: str, *, status: str | os.PathLike, token: str, host: str
                 if not ready:
                     mine = group_listens(pgid, port)
                     if mine is not False and _answers(server_url(host, port) + "/models"):
-                        if engine == "vllm":
-                            from .engine_env import check_vllm_version
-
-                            version = served_version(host, port)
-                            try:
-                                check_vllm_version(version or "unknown", f"the regeneration server, {command.split()[0]}")
-                            except DeepSpecError as e:
-                                failure = str(e)
-                                break
-                            sup.write(engine_version=version)
+                        failure = _untested_engine(engine, host, port, command, sup)
+                        if failure:
+                            break
                         ready = True
                         sup.write(state="ready")
                         log.info("the regeneration server is ready at %s%s", server_url(host, port),
