@@ -227,6 +227,83 @@ def test_greedy_real_drafters_equal_plain(tiny_target, tiny_cfg, real_drafter):
     assert gen.rounds and max(r["proposal_len"] for r in gen.rounds) == 7  # block 7 / TTT 7 proposals
 
 
+def test_algorithm1_in_the_batch1_loop_is_lossless(tiny_target, tiny_cfg, exact):
+    """eval.speed_alg1: Algorithm 1 picks each round's verified length from the
+    DSpark drafter's confidences and an SPS curve (here one where a verified token
+    costs 30 % of a step, so it verifies short, varying prefixes); the output keeps
+    the target's distribution at T = 1 and equals plain decoding when greedy."""
+    import numpy as np
+
+    from deepspec import drafters
+    from deepspec.core.policies import LiveAlgorithm1
+    from deepspec.core.scheduler import SPSCurve
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        d = drafters.build_drafter("dspark", tiny_target, tiny_cfg).eval()
+    B = np.arange(1, 9)
+    pol = LiveAlgorithm1(SPSCurve(B, 1.0 / (1.0 + 0.3 * (B - 1))))
+    layers = tiny_cfg["target"]["feature_layers"]
+    samples = [tuple(speculative_generate(tiny_target, d, PROMPT, feature_layers=layers, max_new_tokens=3,
+                                          temperature=1.0, generator=torch.Generator().manual_seed(980406 + i),
+                                          policy=pol).tokens[:2]) for i in range(N_GEN_REAL)]
+    assert chi2_pvalue(samples, exact[2], min_cells=2) > P_MIN
+    plain = plain_generate(tiny_target, PROMPT, max_new_tokens=20, temperature=0.0).tokens
+    gen = speculative_generate(tiny_target, d, PROMPT, feature_layers=layers, max_new_tokens=20, temperature=0.0,
+                               policy=pol)
+    assert gen.tokens == plain
+    lengths = {r["proposal_len"] for r in gen.rounds}
+    assert max(lengths) < 7 and len(lengths) >= 1  # short prefixes, not the full block
+
+
+def test_algorithm1_ends_the_dspark_block_where_no_verification_reaches(tiny_target, tiny_cfg, monkeypatch):
+    """`LiveAlgorithm1.stop_after`: the first position at which it fires is one past
+    the length Algorithm 1 picks from the whole block, so a block drafted only that
+    far is verified exactly as the whole one would be; the Markov loop stops there."""
+    import numpy as np
+
+    from deepspec import drafters
+    from deepspec.core.decode import Proposal
+    from deepspec.core.policies import LiveAlgorithm1
+    from deepspec.core.scheduler import SPSCurve
+
+    B = np.arange(1, 9)
+    pol = LiveAlgorithm1(SPSCurve(B, 1.0 / (1.0 + 0.1 * (B - 1))))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        c = torch.randn(1, 7, generator=g) * 3
+        full = pol.lengths([Proposal(tokens=torch.zeros(1, 7, dtype=torch.long), probs=None, conf_logits=c)])[0]
+        first = next((k for k in range(1, 8) if pol.stop_after(c[:, :k])), None)
+        assert (first is None and full == 7) or first == full + 1
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        d = drafters.build_drafter("dspark", tiny_target, tiny_cfg).eval()
+    drafted, real = [], d.propose
+    monkeypatch.setattr(d, "propose", lambda *a, **kw: drafted.append(real(*a, **kw)) or drafted[-1])
+    gen = speculative_generate(tiny_target, d, PROMPT, feature_layers=tiny_cfg["target"]["feature_layers"],
+                               max_new_tokens=20, temperature=0.0, policy=pol)
+    assert gen.tokens == plain_generate(tiny_target, PROMPT, max_new_tokens=20, temperature=0.0).tokens
+    for prop, r in zip(drafted, gen.rounds):
+        n = prop.tokens.shape[1]
+        assert r["proposal_len"] == n - 1 or (n == 7 and r["proposal_len"] >= 6)
+    assert min(p.tokens.shape[1] for p in drafted) < 7  # some blocks ended early
+
+
+def test_profile_target_sps_times_a_batch1_round(tiny_target, tiny_cfg, monkeypatch):
+    """SPS(B) for Algorithm 1 at batch size 1: each size timed as the loop's
+    verification forward (target_forward with the features), the median of the
+    repeats after a warm-up pass, visited in alternating order."""
+    seen = []
+    real = decode.target_forward
+    monkeypatch.setattr(decode, "target_forward", lambda t, ids, c, layers, **kw: seen.append(
+        (ids.shape[1], layers)) or real(t, ids, c, layers, **kw))
+    sps = decode.profile_target_sps(tiny_target, [1, 2, 4], context_len=8, feature_layers=[1], repeats=3)
+    assert list(sps.batch_tokens) == [1, 2, 4] and (sps.steps_per_s > 0).all()
+    assert seen[0] == (8, None)  # the context prefill
+    assert [b for b, _ in seen[1:]] == [4, 2, 1] + [1, 2, 4, 4, 2, 1, 1, 2, 4]
+    assert all(layers == [1] for _, layers in seen[1:])
+
+
 def test_lm_head_in_chunks_same_logits(tiny_target, monkeypatch):
     """The chunked LM head of multi-row forwards (core/target.py) gives the same logits
     bit for bit, in slices (counted), and leaves one-row forwards to the plain head."""
@@ -367,6 +444,7 @@ def test_a_drafters_packs_go_with_it(tiny_target, tiny_cfg, monkeypatch):
     from helpers import random_drafter
 
     monkeypatch.setattr(tiny_target, "packed_matmuls", True)
+    gc.collect()  # the drafters of earlier tests that only the cycle collector frees
     d, _ = random_drafter("eagle3", tiny_target, tiny_cfg, draft_vocab_size=300)
     with torch.no_grad(), target_mod.prepacked_linears(tiny_target, d):
         pass

@@ -74,6 +74,12 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     inter = s["speedup_interleaved"]
     assert inter["n_samples"] == SPEED and s["speedup_vs_plain"] == inter["speedup"]
     assert inter["ci_low"] <= inter["speedup"] <= inter["ci_high"]
+    # DSpark (a confidence head) also decoded each timed prompt with Algorithm 1 (eval.speed_alg1): timed only
+    assert all(smp["alg1_time_s"] > 0 and 1 <= smp["alg1_new_tokens"] <= 12 for smp in timed)
+    assert all(0 <= smp["alg1_verified"] <= 7 * smp["alg1_rounds"] for smp in timed)
+    alg1 = s["speedup_alg1"]
+    assert alg1["n_samples"] == SPEED and alg1["ci_low"] <= alg1["speedup"] <= alg1["ci_high"]
+    assert 0 <= alg1["mean_verified"] <= 7
     # the summaries record the settings they were made with, which the report checks (W3)
     from deepspec.config import load_config, parse_set
     from deepspec.reporting.report import check_settings
@@ -149,9 +155,11 @@ def test_disk_full_is_one_line(monkeypatch, capsys):
 
 
 def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
-    """The DAG's evaluate job: every benchmark of the method, records per benchmark."""
+    """The DAG's evaluate job: every benchmark of the method, records per benchmark
+    (eval.speed_alg1 off: no Algorithm 1 decoding of the timed prompts)."""
     ev, args = setup
-    assert cli_evaluate(args + ["--method", "dspark", "--out-dir", str(tmp_path), "--set", "eval.batch_size=3"]) == 0
+    assert cli_evaluate(args + ["--method", "dspark", "--out-dir", str(tmp_path), "--set", "eval.batch_size=3",
+                                "--set", "eval.speed_alg1=false"]) == 0
     for bench in ("gsm8k", "humaneval", "mt-bench"):
         df = pd.read_csv(tmp_path / f"{bench}.csv")
         s = json.loads((tmp_path / f"{bench}.json").read_text())
@@ -161,6 +169,7 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         assert s["engine"]["requests"] == (N_PROMPTS - SPEED) + (2 - SPEED) + 2 and df["batch_size"].max() <= 3
         timed = [x["sample_id"] for x in s["samples"] if x.get("batch1", True)]
         assert len(timed) == (0 if bench == "humaneval" else SPEED) and len(s["samples"]) == s["n_samples"]
+        assert s["speedup_alg1"] is None and not any("alg1_time_s" in x for x in s["samples"])
         if bench == "humaneval":  # nothing timed: no tokens/s, no speedup
             assert s["speedup_vs_plain"] is None and s["tokens_per_s"] is None
         # what the run used, measured (the provenance record's): tiny preset in float32 on the CPU
@@ -327,3 +336,37 @@ def test_interleaved_speedup_is_the_ratio_of_pooled_rates_with_a_paired_interval
     sp = interleaved_speedup(noisy, 500, 0)
     assert sp["ci_low"] < sp["speedup"] < sp["ci_high"] and sp["ci_low"] < 1.5 < sp["ci_high"] * 1.3
     assert interleaved_speedup([{"new_tokens": 9, "time_s": 1.0}], 500, 0) is None
+
+
+def test_algorithm1_timing_needs_a_confidence_head(tiny_cfg, tiny_target):
+    """eval.speed_alg1 applies to drafters with a confidence head (DSpark): the
+    others get no policy and no profile; DSpark gets SPS(1..gamma+1)."""
+    from deepspec import drafters
+    from deepspec.evaluation.evaluate import alg1_policy
+
+    for method in ("eagle3", "dflash"):
+        assert alg1_policy(tiny_cfg, tiny_target, drafters.build_drafter(method, tiny_target, tiny_cfg)) is None
+    pol = alg1_policy(tiny_cfg, tiny_target, drafters.build_drafter("dspark", tiny_target, tiny_cfg))
+    assert list(pol.sps.batch_tokens) == list(range(1, 9)) and (pol.sps.steps_per_s > 0).all()
+
+
+def test_the_pooled_speedup_bootstrap_is_stratified_by_benchmark():
+    """Prompts from fixed strata (eval.speed_prompts per benchmark): with strata
+    the interval holds only the within-benchmark spread (here none: degenerate),
+    without them the between-benchmark spread widens it; a stratum of one sample
+    falls back to the plain bootstrap."""
+    from deepspec.evaluation.evaluate import interleaved_speedup
+
+    def smp(r):
+        return {"new_tokens": 90, "time_s": 1.0, "plain_new_tokens": 90, "plain_time_s": r}
+
+    samples = [smp(1.3)] * 4 + [smp(0.8)] * 4
+    strata = ["gsm8k"] * 4 + ["mt-bench"] * 4
+    st = interleaved_speedup(samples, 500, 0, strata=strata)
+    plain = interleaved_speedup(samples, 500, 0)
+    assert st["speedup"] == plain["speedup"] == pytest.approx(1.05)
+    assert st["ci_low"] == pytest.approx(1.05) and st["ci_high"] == pytest.approx(1.05)
+    assert st["bootstrap"] == "stratified over 2 strata" and plain["bootstrap"] == "plain"
+    assert plain["ci_low"] < 1.0 < 1.1 < plain["ci_high"]
+    one = interleaved_speedup(samples[:5], 500, 0, strata=strata[:5])
+    assert one["bootstrap"] == "plain" and one["ci_low"] < one["ci_high"]

@@ -292,7 +292,8 @@ def test_claims_are_not_judged_without_attempts():
 def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
     """Each drafter's speedup over the plain decoding timed beside it, pooled over
     the timed benchmarks with a paired interval: faster holds only when the whole
-    interval is above 1; table1.csv carries each benchmark's interval."""
+    interval is above 1; DSpark's Algorithm 1 decoding of the same prompts gets its
+    own line and table1.csv columns; table1.csv carries each benchmark's interval."""
     from deepspec.data.prompts import speed_benchmarks
     from deepspec.paths import RunPaths
 
@@ -308,22 +309,33 @@ def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
             s["samples"] = [{"sample_id": f"{bench}-{i}", "new_tokens": 64, "time_s": float(x),
                              "plain_new_tokens": 64, "plain_time_s": float(x * r * rng.uniform(0.97, 1.03))}
                             for i, x in enumerate(t)]
+            if m == "dspark":  # Algorithm 1 at 1.1x the fixed-gamma rate, 3 drafts verified per round
+                for x in s["samples"]:
+                    x.update(alg1_new_tokens=64, alg1_time_s=x["time_s"] / 1.1, alg1_rounds=20, alg1_verified=60)
             from deepspec.evaluation.evaluate import interleaved_speedup
 
             s["speedup_interleaved"] = interleaved_speedup(s["samples"], 200, 0)
+            s["speedup_alg1"] = interleaved_speedup(s["samples"], 200, 0, "alg1")
             path.write_text(json.dumps(s))
     monkeypatch.chdir(tmp)
     assert cli_report(["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}",
                        "--set", f"figures_dir={tmp / 'figures'}"]) == 0
     report = (tmp / "results" / "REPORT.md").read_text()
     speed = report.split("## Speed at batch size 1", 1)[1]
-    assert "**DSpark faster than plain decoding: holds.** 1.4" in speed
-    assert "**DFlash faster than plain decoding: does not hold.** 0.8" in speed
-    assert "**Eagle3 faster than plain decoding: does not hold.**" in speed
+    assert "**DSpark (all 7 drafts verified) faster than plain decoding: holds.** 1.4" in speed
+    assert "**DSpark (Algorithm 1 choosing the verified length) faster than plain decoding: holds.** 1.5" in speed
+    assert "3.00 drafts verified per round" in speed
+    assert "**DFlash (all 7 drafts verified) faster than plain decoding: does not hold.** 0.8" in speed
+    assert "**Eagle3 (all 7 drafts verified) faster than plain decoding: does not hold.**" in speed
+    assert "DFlash (Algorithm 1" not in speed and "Eagle3 (Algorithm 1" not in speed
     assert f"over {6 * len(timed)} prompts" in speed
     t1 = pd.read_csv(tmp / "results" / "tables" / "table1.csv")
     row = t1[(t1.method == "dspark") & (t1.benchmark == timed[0])].iloc[0]
     assert row.speedup_ci_low <= row.speedup <= row.speedup_ci_high and row.speedup == pytest.approx(1.4, rel=0.05)
+    assert row.speedup_alg1_ci_low <= row.speedup_alg1 <= row.speedup_alg1_ci_high
+    assert row.speedup_alg1 == pytest.approx(1.54, rel=0.05)
+    assert t1[t1.method == "dflash"].speedup_alg1.isna().all()
+    assert "(Algorithm 1: 1.5" in report.split("## Table 1", 1)[1].split("Macro means", 1)[0]
 
 
 def test_compare_runs_pairs_two_runs_over_the_same_prompts():

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import DeepSpecError
 from .batch_cache import engine_cache, grouped_query_sdpa
-from .scheduler import profile_sps, truncate_by_threshold
+from .scheduler import SPSCurve, truncate_by_threshold
 from .target import Target, cache_kwarg, crop_cache, lm_head_in_chunks, new_cache, prepacked_linears, select_features
 from .verify import (cut_at_eos, greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
                      sample, verify_chain)
@@ -118,22 +119,27 @@ class Round:
 
 
 def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor, *, feature_layers, temperature,
-                      generator, confidence_threshold) -> Round:
+                      generator, confidence_threshold, policy=None) -> Round:
     """One round of Sec. 2.1: the drafter proposes a block from the context it
     has not seen yet (`ctx`, `feats`) and the anchor; the target scores anchor +
-    block in one KV-cached forward; chain verification accepts a prefix and
-    emits a correction or bonus token; the target's KV cache is cropped back to
-    the verified tokens."""
+    the first n drafts in one KV-cached forward; chain verification accepts a
+    prefix and emits a correction or bonus token; the target's KV cache is cropped
+    back to the verified tokens. n: every draft, or cut by the confidence threshold,
+    or what `policy` (core/policies.py, e.g. Algorithm 1) picks from the proposal."""
     device = target.device
     t_draft = time.perf_counter()
+    # Algorithm 1 (`policies.LiveAlgorithm1`) may end a DSpark block where no verification will reach
+    early = {"stop": policy.stop_after} if getattr(policy, "stop_after", None) and getattr(
+        drafter, "confidence", None) is not None else {}
     with prepacked_linears(target, drafter):  # the drafter's matmuls through the same kernels as the target's
-        prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator)
+        prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator,
+                               **early)
     _check_proposal(prop, target.vocab_size)
     sync_device(device)
     t_verify = time.perf_counter()
     # Full proposals even near the end (as the reference evaluator does), so the
     # last round's acceptance is measured like any other; the caller trims the output.
-    n = proposal_length(prop, confidence_threshold)
+    n = proposal_length(prop, confidence_threshold) if policy is None else int(policy.lengths([prop])[0])
     draft = prop.tokens[:, :n].to(device)
     n_cached = cache.get_seq_length()
     logits, feats = target_forward(target, torch.cat([anchor, draft], 1), cache, feature_layers)
@@ -143,7 +149,7 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     sync_device(device)
     conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
     return Round(tokens=v.tokens, accepted=v.accepted, proposal_len=v.proposal_len, accept_prob=v.accept_prob,
-                 alpha=v.alpha, conf_logits=conf, gamma=prop.tokens.shape[1], draft_time_s=t_verify - t_draft,
+                 alpha=v.alpha, conf_logits=conf, gamma=getattr(drafter, "gamma", prop.tokens.shape[1]), draft_time_s=t_verify - t_draft,
                  verify_time_s=time.perf_counter() - t_verify, ctx=torch.cat([anchor, draft[:, :v.accepted]], 1),
                  feats=feats[:, : v.accepted + 1], width=1 + n)
 
@@ -242,10 +248,12 @@ def speculative_generate(
     temperature: float = 1.0,
     generator: Optional[torch.Generator] = None,
     confidence_threshold: float = 0.0,
+    policy=None,
 ) -> Generation:
     """Speculative decoding of one prompt (chain verification, lossless): prefill,
     first token, then `speculative_round`s until max_new_tokens or EOS; one
-    record per round (`round_record`)."""
+    record per round (`round_record`). `policy` (core/policies.py) picks how many
+    drafts each round verifies; None: all, or those the confidence threshold keeps."""
     device = target.device
     cache, rounds, out = engine_cache(), [], []  # in place: no copy of the whole cache per forward (batch_cache.py)
     sync_device(device)
@@ -257,7 +265,8 @@ def speculative_generate(
     while len(out) < max_new_tokens and out[-1] not in target.eos_token_ids:
         anchor = torch.tensor([[out[-1]]], dtype=torch.long, device=device)
         r = speculative_round(target, drafter, state, cache, ctx, feats, anchor, feature_layers=feature_layers,
-                              temperature=temperature, generator=generator, confidence_threshold=confidence_threshold)
+                              temperature=temperature, generator=generator, confidence_threshold=confidence_threshold,
+                              policy=policy)
         ctx, feats = r.ctx, r.feats
         out.extend(r.tokens[: max_new_tokens - len(out)])
         rounds.append({**round_record(len(rounds), r), "batch_size": 1, "verify_tokens": r.width})
@@ -323,20 +332,32 @@ def prompt_lookup_generate(
 
 
 @torch.no_grad()
-def profile_target_sps(target: Target, batch_sizes, context_len: int = 256, seed: int = 0):
-    """SPS(B) of this target on this machine (Algorithm 1's hardware curve):
-    KV-cached target forwards per second over B new tokens after a context of
-    `context_len` random tokens (`scheduler.profile_sps`)."""
+def profile_target_sps(target: Target, batch_sizes, context_len: int = 256, seed: int = 0, *,
+                       feature_layers: Optional[Sequence[int]] = None, repeats: int = 5) -> SPSCurve:
+    """SPS(B) of this target on this machine (Algorithm 1's hardware curve for one
+    request): target forwards per second over B new tokens after a KV-cached context
+    of `context_len` random tokens, each made as a batch-1 round makes it
+    (`target_forward`, with the features of `feature_layers`). After one warm-up
+    pass the sizes are visited `repeats` times, in alternating order, and each keeps
+    its median: a drift of the machine's speed falls on all sizes alike, and one
+    slow forward cannot make verifying a second token look dear (Algorithm 1's early
+    stop would then verify nothing)."""
     g = torch.Generator().manual_seed(seed)
-    dev = target.device
-    ctx = torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev)
+    dev, sizes = target.device, [int(b) for b in batch_sizes]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cache = new_cache()
-    kw = cache_kwarg(target.model)
-    target.model(input_ids=ctx, use_cache=True, logits_to_keep=1, **{kw: cache})
-
-    def forward(B):
-        ids = torch.randint(0, target.vocab_size, (1, B), generator=g).to(dev)
-        target.model(input_ids=ids, use_cache=True, **{kw: cache})
-        crop_cache(cache, context_len)
-
-    return profile_sps(forward, batch_sizes, sync=torch.cuda.synchronize if dev.type == "cuda" else None)
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    with torch.no_grad():
+        target_forward(target, torch.randint(0, target.vocab_size, (1, context_len), generator=g).to(dev), cache,
+                       None, last_only=True)
+        for rep in range(repeats + 1):
+            for b in (sizes if rep % 2 else sizes[::-1]):
+                ids = torch.randint(0, target.vocab_size, (1, b), generator=g).to(dev)
+                sync()
+                t0 = time.perf_counter()
+                target_forward(target, ids, cache, feature_layers)
+                sync()
+                if rep:  # the first pass warms every size up
+                    times[b].append(time.perf_counter() - t0)
+                crop_cache(cache, context_len)
+    return SPSCurve(np.asarray(sizes), np.asarray([1.0 / float(np.median(times[b])) for b in sizes]))

@@ -85,6 +85,18 @@ class LiveAlgorithm1:
         ell, _ = schedule_prefix(self.confidences(props), self.sps, early_stop=self.early_stop)
         return [int(x) for x in ell]
 
+    def stop_after(self, conf_logits: torch.Tensor) -> bool:
+        """One request's drafting may end at position k (conf_logits [1, k], the
+        confidence logits so far): with the early stop its scan visits positions in
+        order and never looks past the first it rejects, so when it does not verify
+        all k, the length it picks from these k is the one it would pick from the
+        whole block, and the rest need not be drafted."""
+        from .decode import Proposal
+
+        k = conf_logits.shape[1]
+        prop = Proposal(tokens=conf_logits.new_zeros(1, k, dtype=torch.long), probs=None, conf_logits=conf_logits)
+        return self.early_stop and self.lengths([prop])[0] < k
+
 
 class PaddedAlgorithm1(LiveAlgorithm1):
     """Algorithm 1's objective for the padded engine (core/engine.py): a round costs

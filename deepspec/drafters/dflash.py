@@ -265,8 +265,9 @@ class DFlashDrafter(DrafterBase):
     def confidence_logits(self, h: torch.Tensor, prev: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
-    def _sample_block(self, h, anchor, temperature, generator):
-        """DFlash: positions are independent given the block pass (h [R,g,d])."""
+    def _sample_block(self, h, anchor, temperature, generator, stop=None):
+        """DFlash: positions are independent given the block pass (h [R,g,d]);
+        without confidences there is nothing for `stop` to read."""
         probs = verify.logits_to_probs(self.draft_logits(h), temperature)  # [R,g,K]
         return self.to_target_ids(verify.draw(probs, temperature, generator)), probs, None
 
@@ -275,13 +276,16 @@ class DFlashDrafter(DrafterBase):
         return BlockState(k=[None] * len(self.layers), v=[None] * len(self.layers), n=0)
 
     @torch.no_grad()
-    def propose(self, state: BlockState, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
+    def propose(self, state: BlockState, feats, tokens, temperature: float = 1.0, generator=None,
+                stop=None) -> Proposal:
         """feats [1, n, m*d] of the newly verified positions, tokens [1, n+1] (their
-        tokens then the anchor). Appends context K/V, drafts gamma tokens."""
-        return self.propose_batch([state], [feats], [tokens], temperature=temperature, generator=generator)
+        tokens then the anchor). Appends context K/V, drafts gamma tokens, or fewer
+        where `stop` (given the confidence logits [1, k] so far) says the k-th is the
+        last any verification will reach (`policies.LiveAlgorithm1.stop_after`)."""
+        return self.propose_batch([state], [feats], [tokens], temperature=temperature, generator=generator, stop=stop)
 
     @torch.no_grad()
-    def propose_batch(self, states, feats, tokens, temperature: float = 1.0, generator=None) -> Proposal:
+    def propose_batch(self, states, feats, tokens, temperature: float = 1.0, generator=None, stop=None) -> Proposal:
         """One drafter call for R requests (the batched engine, core/engine.py):
         states, feats [1, n_r, m*d] and tokens [1, n_r+1] per request; `generator`
         is one torch.Generator or a list with one per request (each row then draws
@@ -290,7 +294,7 @@ class DFlashDrafter(DrafterBase):
         self._extend_context(states, feats)
         anchor = torch.cat([t[:, -1] for t in tokens]).to(self.device)  # [R]
         h = self._grouped_block_hidden(states, anchor)
-        toks, probs, conf = self._sample_block(h, anchor, temperature, generator)
+        toks, probs, conf = self._sample_block(h, anchor, temperature, generator, stop)
         return Proposal(tokens=toks, probs=self.to_full_vocab(probs).float(), conf_logits=conf)
 
     def _extend_context(self, states, feats) -> None:

@@ -109,7 +109,10 @@ class DSparkDrafter(DFlashDrafter):
             return None
         return self.confidence(h, self.markov.embed(prev) if self.confidence.with_markov else None)
 
-    def _sample_block(self, h, anchor, temperature, generator):
+    def _sample_block(self, h, anchor, temperature, generator, stop=None):
+        """The serial Markov loop over the block (Eq. 5), with each position's
+        confidence logit (Eq. 7); it ends early where `stop` says no verification
+        will reach past the position just drafted."""
         if self.markov is None and self.confidence is None:
             return super()._sample_block(h, anchor, temperature, generator)
         base = self.draft_logits(h)  # [R,g,K]; the backbone is not run again below
@@ -128,5 +131,7 @@ class DSparkDrafter(DFlashDrafter):
             toks.append(tok)
             probs.append(p)
             prev = tok
+            if stop is not None and confs and stop(torch.stack(confs, 1)):
+                break
         conf = torch.stack(confs, 1).float() if confs else None
         return torch.stack(toks, 1), torch.stack(probs, 1), conf

@@ -186,9 +186,31 @@ def feature_layers(cfg: dict, drafter) -> list:
     return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
 
 
+def alg1_policy(cfg: dict, target, drafter):
+    """Algorithm 1 for the timed prompts at batch size 1 (eval.speed_alg1), or None:
+    this drafter's confidences (raw sigma(c)) against SPS(1 + l), this machine's
+    cost of verifying l drafts in a batch-1 round, profiled here once
+    (`decode.profile_target_sps`, a few seconds). Drafters without a confidence
+    head get None."""
+    from ..core.decode import profile_target_sps
+    from ..core.policies import LiveAlgorithm1
+
+    if not cfg["eval"]["speed_alg1"] or getattr(drafter, "confidence", None) is None:
+        return None
+    sps = profile_target_sps(target, range(1, drafter.gamma + 2), context_len=min(256, cfg["data"]["max_length"]),
+                             feature_layers=feature_layers(cfg, drafter), seed=cfg["eval"]["seed"])
+    log.info("SPS(1..%d) of a batch-1 round for Algorithm 1: %s steps/s", drafter.gamma + 1,
+             " ".join(f"{x:.1f}" for x in sps.steps_per_s))
+    return LiveAlgorithm1(sps)
+
+
 def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
-              progress: Progress | None = None):
+              progress: Progress | None = None, alg1=None):
     """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list).
+    Each prompt is also decoded plainly right before or after it (the speedup's pair)
+    and, with `alg1` (`alg1_policy`), a third time between the two with Algorithm 1
+    choosing each round's verified length: timed only, its rounds are not records
+    (Table 1 and Figure 2 verify full proposals, as the paper's).
     Requests already in `progress` are read from it, the others appended to it."""
     from tqdm import tqdm
 
@@ -199,10 +221,10 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
     layers = feature_layers(cfg, drafter)
     rows, samples = [], []
 
-    def spec(idx, ids, max_new):
+    def spec(idx, ids, max_new, policy=None):
         return speculative_generate(target, drafter, ids, feature_layers=layers, max_new_tokens=max_new,
                                     temperature=ev["temperature"], generator=_generator(cfg, target, idx),
-                                    confidence_threshold=ev["confidence_threshold"])
+                                    confidence_threshold=ev["confidence_threshold"], policy=policy)
 
     def plain(idx, ids, max_new):
         return plain_generate(target, ids, max_new_tokens=max_new, temperature=ev["temperature"],
@@ -212,6 +234,8 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
         # one short untimed run of each (kernel selection, allocator, lazy init) before timing
         spec(0, prompts[0][1], 4)
         plain(0, prompts[0][1], 4)
+        if alg1 is not None:
+            spec(0, prompts[0][1], 4, alg1)
     for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"{method}/{benchmark}", unit="prompt")):
         if (rec := progress.get(benchmark, idx, p.id)) is not None:
             rows += rec["rows"]
@@ -222,42 +246,72 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
         if idx % 2:
             base = plain(idx, ids, ev["max_new_tokens"])
         gen = spec(idx, ids, ev["max_new_tokens"])
+        sched = None if alg1 is None else spec(idx, ids, ev["max_new_tokens"], alg1)
         if not idx % 2:
             base = plain(idx, ids, ev["max_new_tokens"])
         mine = [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
         sample = {"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
                   "rounds": len(gen.rounds), "time_s": gen.time_s,
                   "plain_new_tokens": len(base.tokens), "plain_time_s": base.time_s}
+        if sched is not None:
+            sample.update(alg1_new_tokens=len(sched.tokens), alg1_time_s=sched.time_s, alg1_rounds=len(sched.rounds),
+                          alg1_verified=sum(r["proposal_len"] for r in sched.rounds))
         progress.add(benchmark, idx, mine, sample)
         rows += mine
         samples.append(sample)
-        log.info("%s: %d tokens in %d rounds, %.2f s", p.id, len(gen.tokens), len(gen.rounds), gen.time_s)
+        log.info("%s: %d tokens in %d rounds, %.2f s%s", p.id, len(gen.tokens), len(gen.rounds), gen.time_s,
+                 "" if sched is None else f"; Algorithm 1: {len(sched.tokens)} tokens in {len(sched.rounds)} rounds, "
+                                          f"{sched.time_s:.2f} s")
     if not rows:
         raise DeepSpecError(f"{method}/{benchmark}: no speculative rounds: every sample ended on its first token "
                             "(an EOS, or eval.max_new_tokens < 2)")
     return pd.DataFrame(rows), samples
 
 
-def interleaved_speedup(samples: list[dict], n_boot: int, seed: int) -> dict | None:
+def interleaved_speedup(samples: list[dict], n_boot: int, seed: int, policy: str = "fixed",
+                        strata: list | None = None) -> dict | None:
     """Speculative over plain decoding tokens/s on the batch-1 samples that were
     decoded both ways back to back (`run_timed`): the ratio of the pooled rates,
     sum(tokens) / sum(time) each, and its 95 % interval from a paired bootstrap
-    over the samples (both sides of a sample resampled together). None without
-    such samples."""
+    over the samples (both sides of a sample resampled together). policy "alg1":
+    the same for the samples' Algorithm 1 decoding. `strata` (one label per sample,
+    e.g. its benchmark: a fixed number of prompts from each) makes the bootstrap
+    stratified, n_h - 1 draws from each stratum's n_h samples (Rao and Wu's
+    rescaling, which gives the design's variance: n_h draws would understate it by
+    (n_h - 1) / n_h); with a stratum of one sample it is the plain bootstrap.
+    None without such samples."""
     import numpy as np
 
-    pairs = [s for s in samples if s.get("batch1", True) and s.get("plain_time_s")]
-    if not pairs:
+    pre = "" if policy == "fixed" else f"{policy}_"
+    keep = [i for i, s in enumerate(samples)
+            if s.get("batch1", True) and s.get("plain_time_s") and s.get(f"{pre}time_s")]
+    if not keep:
         return None
-    x = np.array([[s["new_tokens"], s["time_s"], s["plain_new_tokens"], s["plain_time_s"]] for s in pairs], dtype=float)
+    pairs = [samples[i] for i in keep]
+    x = np.array([[s[f"{pre}new_tokens"], s[f"{pre}time_s"], s["plain_new_tokens"], s["plain_time_s"]] for s in pairs],
+                 dtype=float)
 
     def ratio(a):
         return (a[..., 0].sum(-1) / a[..., 1].sum(-1)) / (a[..., 2].sum(-1) / a[..., 3].sum(-1))
 
-    boot = ratio(x[np.random.default_rng(seed).integers(0, len(x), (n_boot, len(x)))])
-    return {"speedup": float(ratio(x)), "ci_low": float(np.quantile(boot, 0.025)),
-            "ci_high": float(np.quantile(boot, 0.975)), "n_samples": len(x),
-            "plain_tokens_per_s": float(x[:, 2].sum() / x[:, 3].sum())}
+    rng = np.random.default_rng(seed)
+    groups = None
+    if strata is not None:
+        labels = [strata[i] for i in keep]
+        groups = [np.flatnonzero([lb == g for lb in labels]) for g in dict.fromkeys(labels)]
+        groups = groups if min(map(len, groups)) >= 2 else None
+    if groups is None:
+        idx = rng.integers(0, len(x), (n_boot, len(x)))
+    else:
+        idx = np.concatenate([g[rng.integers(0, len(g), (n_boot, len(g) - 1))] for g in groups], axis=1)
+    boot = ratio(x[idx])
+    out = {"speedup": float(ratio(x)), "ci_low": float(np.quantile(boot, 0.025)),
+           "ci_high": float(np.quantile(boot, 0.975)), "n_samples": len(x),
+           "plain_tokens_per_s": float(x[:, 2].sum() / x[:, 3].sum()),
+           "bootstrap": "plain" if groups is None else f"stratified over {len(groups)} strata"}
+    if policy == "alg1":  # drafts verified per round: the lengths Algorithm 1 chose
+        out["mean_verified"] = sum(s["alg1_verified"] for s in pairs) / max(1, sum(s["alg1_rounds"] for s in pairs))
+    return out
 
 
 def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int) -> dict:
@@ -277,6 +331,7 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int) -
     inter = interleaved_speedup(samples, n_boot, seed)
     out["speedup_interleaved"] = inter
     out["speedup_vs_plain"] = None if inter is None else inter["speedup"]
+    out["speedup_alg1"] = interleaved_speedup(samples, n_boot, seed, "alg1")  # None unless eval.speed_alg1 ran
     out["confidence_selfcheck"] = confidence_selfcheck(df)
     out["positions"] = position_table(df, gamma=gamma, n_boot=n_boot, seed=seed).to_dict("records")
     out["samples"] = samples
@@ -348,12 +403,14 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, 
     (`run_timed`), the rest batched (`run_batched`, with `engine` = (target,
     drafter) in the engine's dtype when it differs). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
-    out = {}
-    for b, prompts in bench_prompts.items():
+    out, alg1 = {}, None
+    speeds = {b: speed_sample(cfg, prompts, b) for b, prompts in bench_prompts.items()}
+    if any(speeds.values()):
+        alg1 = alg1_policy(cfg, target, drafter)
+    for b, speed in speeds.items():
         domain = cfg["data"]["benchmarks"][b]["domain"]
-        speed = speed_sample(cfg, prompts, b)
         out[b] = run_timed(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
-                           progress=progress) if speed else (pd.DataFrame(), [])
+                           progress=progress, alg1=alg1) if speed else (pd.DataFrame(), [])
     batched, info = run_batched(cfg, *(engine or (target, drafter)), bench_prompts, method=method,
                                 skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
