@@ -128,8 +128,9 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     or what `policy` (core/policies.py, e.g. Algorithm 1) picks from the proposal."""
     device = target.device
     t_draft = time.perf_counter()
-    # Algorithm 1 (`policies.LiveAlgorithm1`) may end a DSpark block where no verification will reach
-    early = {"stop": policy.stop_after} if getattr(policy, "stop_after", None) and getattr(
+    # Algorithm 1 (`policies.LiveAlgorithm1`) may end a block with confidences (DSpark) where no
+    # verification will reach
+    early = {"stop": policy.stop_after} if hasattr(policy, "stop_after") and getattr(
         drafter, "confidence", None) is not None else {}
     with prepacked_linears(target, drafter):  # the drafter's matmuls through the same kernels as the target's
         prop = drafter.propose(state, feats, torch.cat([ctx, anchor], 1), temperature=temperature, generator=generator,
@@ -149,7 +150,8 @@ def speculative_round(target: Target, drafter, state, cache, ctx, feats, anchor,
     sync_device(device)
     conf = None if prop.conf_logits is None else prop.conf_logits[0].float().tolist()
     return Round(tokens=v.tokens, accepted=v.accepted, proposal_len=v.proposal_len, accept_prob=v.accept_prob,
-                 alpha=v.alpha, conf_logits=conf, gamma=getattr(drafter, "gamma", prop.tokens.shape[1]), draft_time_s=t_verify - t_draft,
+                 alpha=v.alpha, conf_logits=conf, gamma=getattr(drafter, "gamma", prop.tokens.shape[1]),
+                 draft_time_s=t_verify - t_draft,
                  verify_time_s=time.perf_counter() - t_verify, ctx=torch.cat([anchor, draft[:, :v.accepted]], 1),
                  feats=feats[:, : v.accepted + 1], width=1 + n)
 
