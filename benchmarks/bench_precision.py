@@ -17,7 +17,8 @@ median seconds of each and the ratio fp32 / bf16 (above 1: bf16 is faster).
   preset's cache at train.num_anchors and 4x that, 1 thread;
 - engine: a round of evaluation's batched engine (eval.batch_size requests, an
   untrained DSpark, fixed 7-token proposals), seconds per round, 1 thread;
-- decode: one batch-1 one-token target forward (evaluation's timed decoding), 1 thread.
+- decode: a batch-1 target forward of 1 and of 8 tokens as evaluation's timed decoding makes it
+  (`decode.target_forward`: oneDNN-packed weights with target.cpu_matmul onednn), 1 thread.
 
 Needs the preset's target cache (results/<target>/cache, built by the DAG) for train.
 """
@@ -151,20 +152,27 @@ def main():
               engine(t16, torch.bfloat16), args.repeats)
 
     if "decode" in args.stages:
+        from deepspec.core.batch_cache import engine_cache
+        from deepspec.core.decode import target_forward
+        from deepspec.core.target import crop_cache
+
         torch.set_num_threads(1)
         ids = torch.randint(0, V, (1, 200), generator=g)
+        for k in (1, 8):  # a plain decoding step; a verification of anchor + 7 drafts with features
+            def one(t, k=k):
+                def run():
+                    c = engine_cache()
+                    with torch.no_grad():
+                        target_forward(t, ids, c, None, last_only=True)
 
-        def one(t):
-            from transformers import DynamicCache
+                        def fwd():
+                            target_forward(t, ids[:, :k], c, layers if k > 1 else None, last_only=k == 1)
+                            crop_cache(c, ids.shape[1])
+                        return timed(fwd, 8)
+                return run
 
-            def run():
-                c = DynamicCache(config=t.model.config)
-                with torch.no_grad():
-                    t.model(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=1)
-                    return timed(lambda: t.model(input_ids=ids[:, :1], past_key_values=c, use_cache=True), 8)
-            return run
-
-        pairs("decode batch 1, one token (unpacked), 1 thread", one(t32), one(t16), args.repeats)
+            pairs(f"decode batch 1, {k} token(s) (evaluation's target_forward, target.cpu_matmul "
+                  f"{cfg['target']['cpu_matmul']}), 1 thread", one(t32), one(t16), args.repeats)
 
 
 if __name__ == "__main__":

@@ -88,10 +88,10 @@ def bf16_matmul_support(device: str = "cpu") -> tuple[bool, str]:
 
 # Stages whose CPU work bf16 does not speed up even with AMX-BF16, measured by
 # benchmarks/bench_precision.py (docs/PERFORMANCE.md): regeneration's batched
-# decoding (52 one-token rows a step, 1 thread: bf16 0.85x the speed of fp32) and
-# evaluation's batch-1 decoding (one-token forwards, where fp32 on oneDNN-packed
-# weights is the fast path). auto keeps fp32 for them on a CPU; on a GPU it is bf16.
-CPU_FP32_STAGES = ("regenerate", "evaluate")
+# decoding (52 one-token rows a step, 1 thread: bf16 0.85x the speed of fp32).
+# auto keeps fp32 for them on a CPU; on a GPU it is bf16. (Evaluation's batch-1
+# decoding gains from bf16 on oneDNN-packed weights, core/target.py:prepacked_linears.)
+CPU_FP32_STAGES = ("regenerate",)
 
 
 def resolve_precision(setting: str, device: str = "cpu", *, stage: str = "") -> str:

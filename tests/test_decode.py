@@ -383,8 +383,27 @@ def test_prepacked_linears_give_the_targets_logits(tiny_target, monkeypatch):
 
 
 def test_prepacked_linears_skip_a_target_with_nothing_to_pack(tiny_target):
-    """P6: a bf16 (or GPU) target has no fp32 CPU weight to pack: its linear layers are not
+    """P6: an fp16 (or GPU) target has no CPU weight oneDNN packs: its linear layers are not
     walked on each entry (twice per verification round), nothing is patched."""
+    import copy as _copy
+
+    from deepspec.core import target as target_mod
+
+    t = _copy.copy(tiny_target)
+    t.__dict__.pop("_linear_modules", None)
+    t.__dict__.pop("_packed_linears", None)
+    t.model = _copy.deepcopy(tiny_target.model).to(torch.float16)
+    t.packed_matmuls = True
+    with torch.no_grad(), target_mod.prepacked_linears(t):
+        assert not any("forward" in vars(m) for m in t.model.modules() if isinstance(m, torch.nn.Linear))
+    assert "_linear_modules" not in t.__dict__ and "_packed_linears" not in t.__dict__
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU")
+def test_prepacked_linears_pack_a_bf16_target(tiny_target):
+    """Where oneDNN multiplies bf16, a bf16 target's linear layers are packed too (every
+    one, counted) and give its unpacked bf16 logits up to bf16 rounding; an 8-token and a
+    1-token forward alike."""
     import copy as _copy
 
     from deepspec.core import target as target_mod
@@ -394,9 +413,23 @@ def test_prepacked_linears_skip_a_target_with_nothing_to_pack(tiny_target):
     t.__dict__.pop("_packed_linears", None)
     t.model = _copy.deepcopy(tiny_target.model).to(torch.bfloat16)
     t.packed_matmuls = True
-    with torch.no_grad(), target_mod.prepacked_linears(t):
-        assert not any("forward" in vars(m) for m in t.model.modules() if isinstance(m, torch.nn.Linear))
-    assert "_linear_modules" not in t.__dict__ and "_packed_linears" not in t.__dict__
+    linears = [m for m in t.model.modules() if isinstance(m, torch.nn.Linear)]
+    calls, real = [], torch.ops.mkldnn._linear_pointwise
+    for ids in (torch.tensor([PROMPT[:8]]), torch.tensor([PROMPT[:1]])):
+        with torch.no_grad():
+            ref = t.model(input_ids=ids).logits.float()
+            with target_mod.prepacked_linears(t):
+                assert all("forward" in vars(m) for m in linears)
+                torch.ops.mkldnn._linear_pointwise = lambda *a: calls.append(1) or real(*a)
+                try:
+                    got = t.model(input_ids=ids).logits.float()
+                finally:
+                    torch.ops.mkldnn._linear_pointwise = real
+        assert got.dtype == ref.dtype and torch.isfinite(got).all()
+        assert (got - ref).abs().max() <= 0.05 * ref.abs().max(), (got - ref).abs().max()
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+    assert len(calls) == 2 * len(linears) and all(w.dtype == torch.bfloat16 for w in t._packed_linears)
+
 
 @pytest.mark.parametrize("method,extra", [("eagle3", {"draft_vocab_size": 300}), ("dspark", {})])
 def test_the_drafters_matmuls_are_packed_with_the_targets(tiny_target, tiny_cfg, monkeypatch, method, extra):

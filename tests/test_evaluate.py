@@ -11,6 +11,8 @@ import torch
 
 from deepspec.cli import main
 from deepspec.errors import DeepSpecError
+from deepspec.config import load_config
+from deepspec.evaluation import evaluate as E
 from deepspec.evaluation.evaluate import cli_baseline, cli_evaluate
 from deepspec.evaluation.schedule import cli_schedule
 
@@ -172,9 +174,9 @@ def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):
         assert s["speedup_alg1"] is None and not any("alg1_time_s" in x for x in s["samples"])
         if bench == "humaneval":  # nothing timed: no tokens/s, no speedup
             assert s["speedup_vs_plain"] is None and s["tokens_per_s"] is None
-        # what the run used, measured (the provenance record's): tiny preset in float32 on the CPU
-        env = s["environment"]
-        assert (env["device"], env["target_dtype"], env["drafter_dtype"]) == ("cpu", "float32", "float32")
+        # what the run used, measured (the provenance record's): the tiny preset in eval.precision auto on the CPU
+        env, want = s["environment"], E.eval_dtype(load_config("tiny"))
+        assert (env["device"], env["target_dtype"], env["drafter_dtype"]) == ("cpu", want, want)
         assert env["hardware"]["cpu_count"] and "commit" in env["code"]
 
 
@@ -219,7 +221,6 @@ def test_interrupted_evaluate_resumes_to_the_same_records(setup, shared_data, tm
     """Every finished request is appended (fsync'd) to a partial file as it finishes; an evaluate job
     killed after k requests, rerun, decodes only the others and writes the same records as a run that was
     never interrupted; the partial file is gone at the end."""
-    from deepspec.evaluation import evaluate as E
 
     ev, args = setup
     run = args + ["--method", "dspark", "--set", "eval.batch_size=2", "--set", "data.benchmarks.mt-bench.cap=3"]
@@ -261,7 +262,7 @@ def test_kv_budget_caps_the_engine_rows(setup, shared_data, tmp_path):
     with the records of the unbudgeted run; the summary says how many rows ran at once."""
     ev, args = setup
     # fp32 engine: the comparison across batch compositions is at float noise (bf16 would round them apart)
-    run = args + ["--method", "dspark", "--benchmark", "gsm8k", "--set", "eval.engine_precision=float32"]
+    run = args + ["--method", "dspark", "--benchmark", "gsm8k", "--set", "eval.precision=float32"]
     for name, extra in (("free", []), ("capped", ["--set", "eval.kv_budget_gb=1e-6"])):
         assert cli_evaluate(run + extra + ["--out-dir", str(tmp_path / name)]) == 0
     free, capped = (json.loads((tmp_path / d / "gsm8k.json").read_text())["engine"] for d in ("free", "capped"))
@@ -277,7 +278,6 @@ def test_progress_survives_a_change_of_rows_and_keeps_each_prompts_own_record(ti
     eval.kv_budget_gb: its partial file still applies (a request's records do not depend on how many
     rows decode at once); any other evaluate setting starts afresh. A kept record is used only for the
     prompt it was made from."""
-    from deepspec.evaluation import evaluate as E
 
     def header(**ev):
         return E.progress_header({**tiny_cfg, "eval": {**tiny_cfg["eval"], **ev}}, "dspark", "d", ["gsm8k"])
@@ -293,32 +293,29 @@ def test_progress_survives_a_change_of_rows_and_keeps_each_prompts_own_record(ti
     assert again.get("gsm8k", 0, "gsm8k-b") is None and again.get("gsm8k", 1, "gsm8k-a") is None
 
 
-def test_eval_dtype_reaches_the_target_and_the_drafter(setup, shared_data, tmp_path):
-    """eval.dtype (the paper presets: bfloat16, as DeepSeek's reference evaluates its
-    released bf16 checkpoints) is the dtype evaluate runs the target and the fp32-saved
-    drafter in: bfloat16 on CPU decodes end to end and the summary's environment
-    (measured from the loaded models' parameters) says so; the default stays float32."""
+def test_eval_precision_reaches_the_target_and_the_drafter(setup, shared_data, tmp_path):
+    """eval.precision is the dtype evaluate runs the target and the fp32-saved drafter
+    in, for the timed batch-1 prompts and the batched engine alike: each decodes end to
+    end and the summary's environment (measured from the loaded models' parameters)
+    says so; auto is bf16 where the CPU multiplies it natively, else eval.dtype (the
+    paper presets: bfloat16, as DeepSeek's reference evaluates its bf16 checkpoints)."""
+    from deepspec import runtime
     from deepspec.config import load_config
+    from deepspec.evaluation.evaluate import eval_dtype
 
     ev, args = setup
     run = args + ["--method", "dspark", "--benchmark", "gsm8k"]
-    assert cli_evaluate(run + ["--set", "eval.dtype=bfloat16", "--out-dir", str(tmp_path)]) == 0
-    s = json.loads((tmp_path / "gsm8k.json").read_text())
-    assert s["environment"]["target_dtype"] == s["environment"]["drafter_dtype"] == "bfloat16"
-    assert s["rounds"] > 0 and 1 <= s["tau"] <= 8
-    assert load_config("tiny")["eval"]["dtype"] == "float32" and load_config("qwen3-14b")["eval"]["dtype"] == "bfloat16"
-    # eval.engine_precision: the batched engine's dtype, the timed batch-1 prompts staying in eval.dtype
     for prec in ("bfloat16", "float32"):
         out = tmp_path / prec
-        assert cli_evaluate(run + ["--set", f"eval.engine_precision={prec}", "--out-dir", str(out)]) == 0
+        assert cli_evaluate(run + ["--set", f"eval.precision={prec}", "--out-dir", str(out)]) == 0
         s = json.loads((out / "gsm8k.json").read_text())
-        assert s["environment"]["target_dtype"] == "float32" and s["environment"]["engine_dtype"] == prec
-        assert s["engine"]["requests"] == N_PROMPTS - SPEED and s["rounds"] > 0
-    from deepspec.evaluation.evaluate import engine_dtype
-    from deepspec import runtime
-
-    auto = load_config("tiny")
-    assert engine_dtype(auto) == ("bfloat16" if runtime.bf16_matmul_support("cpu")[0] else "float32")
+        assert s["environment"]["target_dtype"] == s["environment"]["drafter_dtype"] == prec
+        assert s["engine"]["requests"] == N_PROMPTS - SPEED and s["rounds"] > 0 and 1 <= s["tau"] <= 8
+        assert s["tokens_per_s"] > 0  # the timed batch-1 prompts ran in it too
+    assert load_config("tiny")["eval"]["dtype"] == "float32" and load_config("qwen3-14b")["eval"]["dtype"] == "bfloat16"
+    native = runtime.bf16_matmul_support("cpu")[0]
+    assert eval_dtype(load_config("tiny")) == ("bfloat16" if native else "float32")
+    assert eval_dtype(load_config("tiny", {"eval": {"dtype": "bfloat16"}})) == "bfloat16"
 
 
 def test_interleaved_speedup_is_the_ratio_of_pooled_rates_with_a_paired_interval():

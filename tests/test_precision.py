@@ -27,9 +27,10 @@ def test_auto_follows_the_hardware_and_explicit_values_are_taken(monkeypatch, su
     want = "bfloat16" if supported else "float32"
     assert resolve_precision("auto", "cpu", stage="train") == want
     assert resolve_precision("auto", "cpu", stage="build-cache") == want
-    # regeneration's small decode batches and evaluation's batch-1 decoding measured faster in fp32 on a CPU
+    # regeneration's small decode batches measured faster in fp32 on a CPU; evaluation's decoding (on
+    # oneDNN-packed weights) faster in bf16
     assert resolve_precision("auto", "cpu", stage="regenerate") == "float32"
-    assert resolve_precision("auto", "cpu", stage="evaluate") == "float32"
+    assert resolve_precision("auto", "cpu", stage="evaluate") == want
     assert resolve_precision("auto", "cuda", stage="regenerate") == want
     for explicit in ("float32", "bfloat16"):
         assert resolve_precision(explicit, "cpu", stage="train") == explicit
@@ -115,12 +116,13 @@ def test_training_records_the_precision_it_ran_in(tmp_path, tiny_cfg, tiny_targe
 
 
 @pytest.mark.parametrize("supported", [True, False])
-def test_the_evaluation_engine_takes_bf16_where_supported_else_eval_dtype(monkeypatch, supported):
+def test_evaluation_takes_bf16_where_supported_else_eval_dtype(monkeypatch, supported):
     from deepspec.config import load_config
-    from deepspec.evaluation.evaluate import engine_dtype
+    from deepspec.evaluation.evaluate import eval_dtype
 
     monkeypatch.setattr(runtime, "bf16_matmul_support", lambda device="cpu": (supported, "test"))
     cpu = load_config("smollm2-135m")
-    assert engine_dtype(cpu) == ("bfloat16" if supported else "float32")
-    assert engine_dtype(load_config("smollm2-135m", {"eval": {"engine_precision": "float32"}})) == "float32"
-    assert engine_dtype(load_config("smollm2-135m", {"eval": {"dtype": "bfloat16"}})) == "bfloat16"
+    assert eval_dtype(cpu) == ("bfloat16" if supported else "float32")
+    assert eval_dtype(load_config("smollm2-135m", {"eval": {"precision": "float32"}})) == "float32"
+    assert eval_dtype(load_config("smollm2-135m", {"eval": {"precision": "bfloat16"}})) == "bfloat16"
+    assert eval_dtype(load_config("smollm2-135m", {"eval": {"dtype": "bfloat16"}})) == "bfloat16"

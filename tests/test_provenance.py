@@ -222,11 +222,13 @@ def test_report_writes_the_record_and_its_section(run_dir, monkeypatch):
     assert pr["cache"] == {"setting": "auto", "here": resolve_precision("auto", "cpu", stage="cache"),
                            "recorded": ["bfloat16"]}
     assert pr["regenerate"]["recorded"] == ["float32"] and pr["train"]["recorded"] == ["float32"]
-    assert pr["evaluate"]["setting"] == cfg["eval"]["dtype"]
+    assert pr["evaluate"] == {"setting": "auto", "here": resolve_precision("auto", "cpu", stage="evaluate"),
+                              "recorded": ["float32"]}  # what the summaries measured
     report = (tmp / "results" / "REPORT.md").read_text()
     section = report.split("## Provenance", 1)[1]
     assert "Compute precision per stage" in section and "cache bfloat16 (auto)" in section
     assert "regenerate float32 (auto)" in section and "train float32 (auto)" in section
+    assert "evaluate float32 (auto)" in section
     assert git["commit"] in section and ("**dirty**" in section) == git["dirty"]
     assert f"torch {pk['torch']}" in section and "| eval/gsm8k.jsonl |" in section and "| dspark | trained here |" in section
     assert "Target `tiny`: random llama weights" in section

@@ -204,8 +204,8 @@ def test_tiny_preset_end_to_end(tmp_path, shared_data):
     for method, d in prov["drafters"].items():
         assert d["training"]["mixed_precision"] == ("bf16" if bf16 else "no"), method
         assert d["training"]["code"]["commit"] == head, method
-        assert [(e["device"], e["target_dtype"], e["engine_dtype"]) for e in d["evaluation"]] == [
-            ("cpu", "float32", "bfloat16" if bf16 else "float32")], method
+        assert [(e["device"], e["target_dtype"], e["drafter_dtype"]) for e in d["evaluation"]] == [
+            ("cpu", *2 * ["bfloat16" if bf16 else "float32"])], method
     assert prov["precision"]["cache"]["recorded"] == ["bfloat16" if bf16 else "float32"]
     assert "## Provenance" in (tmp_path / "results" / "REPORT.md").read_text()
     # A rerun has nothing to do.

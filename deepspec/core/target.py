@@ -167,10 +167,15 @@ def crop_cache(cache, length: int) -> None:
 PACK_ROWS = 8
 
 
+def _packable_dtype(dtype: torch.dtype) -> bool:
+    """fp32, or bf16 where oneDNN multiplies it (AVX-512 bf16 or AMX on the CPU)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _packable(w: Optional[torch.Tensor]) -> bool:
     # (oneDNN crashes with SIGFPE on a zero-width weight, such as DFlash's empty Markov factor)
     return (w is not None and w.dim() == 2 and w.numel() > 0 and w.device.type == "cpu"
-            and w.dtype == torch.float32)
+            and _packable_dtype(w.dtype))
 
 
 # The packs of the `prepacked_linears` context in force ({weight: (version, pack)}, weakly keyed), or None.
@@ -200,7 +205,7 @@ def packed_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = 
 
 @contextlib.contextmanager
 def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None):
-    """Within this context (no gradients, CPU, fp32) every linear layer of `module`
+    """Within this context (no gradients, CPU, fp32 or bf16) every linear layer of `module`
     (default: the target, its LM head included) and every `packed_linear` call
     multiplies through oneDNN with its weight packed once for the CPU's kernels
     (torch.ops.mkldnn, the path vLLM's CPU backend takes), instead of MKL's sgemm,
@@ -212,12 +217,15 @@ def prepacked_linears(target: "Target", module: Optional[torch.nn.Module] = None
     logits differ from MKL's in rounding (~1e-4 absolute), so greedy rounds may
     differ from an engine's at near-ties; every forward of the decoding loops and
     the engine goes through here, so plain and speculative decoding see the same kernels.
+    bf16 weights are packed too where oneDNN multiplies bf16 (`_packable_dtype`): on
+    AMX-BF16 a one-token forward of SmolLM2-135M takes 0.66x the time of packed fp32
+    and an 8-token verification 0.58x, where unpacked bf16 gains little at batch 1.
     Only for a target with `packed_matmuls` (target.cpu_matmul: onednn); elsewhere
     (gradients, GPU, other dtypes, no oneDNN) it changes nothing."""
     head = getattr(target.lm_head, "weight", None)
     if (not target.packed_matmuls or torch.is_grad_enabled() or not torch.backends.mkldnn.is_available()
-            or head is None or head.device.type != "cpu" or head.dtype != torch.float32):
-        yield  # a GPU or bf16 target has nothing to pack: its linear layers are not even listed
+            or head is None or head.device.type != "cpu" or not _packable_dtype(head.dtype)):
+        yield  # a GPU target has nothing to pack: its linear layers are not even listed
         return
     module = target.model if module is None else module
     packs = target.__dict__.setdefault("_packed_linears", WeakIdKeyDictionary())

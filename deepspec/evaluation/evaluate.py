@@ -39,31 +39,33 @@ from ..data.prompts import benchmark_prompt_set, speed_benchmarks
 log = logging.getLogger(__name__)
 
 
+def eval_dtype(cfg: dict) -> str:
+    """The dtype evaluation decodes in on this machine: eval.precision, whose auto
+    takes bf16 where the hardware multiplies it natively (`runtime.resolve_precision`)
+    and eval.dtype elsewhere."""
+    from ..runtime import resolve_precision
+
+    ev = cfg["eval"]
+    got = resolve_precision(ev["precision"], cfg["target"]["device"], stage="evaluate")
+    return ev["dtype"] if ev["precision"] == "auto" and got == "float32" else got
+
+
 def eval_target(cfg: dict, dtype: str | None = None):
-    """The target as evaluation runs it: in eval.dtype (the paper presets bf16, as
-    DeepSeek's reference evaluates its bf16 checkpoints; docs/FIDELITY.md), or `dtype`."""
+    """The target as evaluation runs it: in `eval_dtype` (bf16 on a GPU or an
+    AMX-BF16 CPU; the paper presets' eval.dtype is bf16 too, as DeepSeek's reference
+    evaluates its bf16 checkpoints, docs/FIDELITY.md), or `dtype`."""
     from ..targets.loading import target_from_config
 
-    return target_from_config(cfg, dtype=dtype or cfg["eval"]["dtype"])
+    return target_from_config(cfg, dtype=dtype or eval_dtype(cfg))
 
 
 def eval_drafter(path, target, cfg: dict, dtype: str | None = None):
     """A saved drafter (fp32, as trained or converted) loaded for `target` and cast
-    to eval.dtype (or `dtype`), in eval mode."""
+    to the target's dtype (or `dtype`), in eval mode."""
     from ..drafters import load_drafter
 
-    return load_drafter(path, target, cfg["drafter"]).to(getattr(torch, dtype or cfg["eval"]["dtype"])).eval()
-
-
-def engine_dtype(cfg: dict) -> str:
-    """The batched engine's dtype: eval.engine_precision, whose auto takes bf16
-    where the hardware multiplies it natively (`runtime.resolve_precision`) and
-    eval.dtype elsewhere."""
-    from ..runtime import resolve_precision
-
-    ev = cfg["eval"]
-    got = resolve_precision(ev["engine_precision"], cfg["target"]["device"], stage="evaluate-engine")
-    return ev["dtype"] if ev["engine_precision"] == "auto" and got == "float32" else got
+    dt = getattr(torch, dtype) if dtype else next(target.model.parameters()).dtype
+    return load_drafter(path, target, cfg["drafter"]).to(dt).eval()
 
 
 def _generator(cfg: dict, target, idx: int) -> torch.Generator:
@@ -397,11 +399,9 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     return res, info
 
 
-def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None,
-               engine: tuple | None = None):
+def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
     """All benchmarks of a method: the speed sample of each at batch size 1
-    (`run_timed`), the rest batched (`run_batched`, with `engine` = (target,
-    drafter) in the engine's dtype when it differs). Returns
+    (`run_timed`), the rest batched (`run_batched`). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
     out, alg1 = {}, None
     speeds = {b: speed_sample(cfg, prompts, b) for b, prompts in bench_prompts.items()}
@@ -411,7 +411,7 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, 
         domain = cfg["data"]["benchmarks"][b]["domain"]
         out[b] = run_timed(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
                            progress=progress, alg1=alg1) if speed else (pd.DataFrame(), [])
-    batched, info = run_batched(cfg, *(engine or (target, drafter)), bench_prompts, method=method,
+    batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
                                 skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
         df0, s0 = out[b]
@@ -468,30 +468,22 @@ def cli_evaluate(argv) -> int:
         raise DeepSpecError("--out names one records file: give one --benchmark, or use --out-dir")
     outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
                                                  else paths.records(args.method, b)) for b in benches}
-    target = eval_target(cfg)  # in eval.dtype
+    target = eval_target(cfg)  # eval.precision (bf16 where native), else eval.dtype
     sets = {b: benchmark_prompt_set(cfg, target, b) for b in benches}
     bench_prompts = {b: kept for b, (kept, _) in sets.items()}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
     path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
-    drafter = eval_drafter(path, target, cfg)  # its layers as drafter.layer_arch builds them, in eval.dtype
+    drafter = eval_drafter(path, target, cfg)  # its layers as drafter.layer_arch builds them, in the target's dtype
     base, _ = resolve_method(cfg, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
-    # the batched engine in eval.engine_precision (bf16 where it pays), the timed batch-1 prompts in eval.dtype
-    e_dtype = engine_dtype(cfg)
-    pair = None
-    if e_dtype != cfg["eval"]["dtype"]:
-        e_target = eval_target(cfg, e_dtype)
-        pair = (e_target, eval_drafter(path, e_target, cfg, e_dtype))
     # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
     progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
                         progress_header(cfg, args.method, path, benches))
-    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress,
-                                 engine=pair)
+    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
     environment = evaluation_environment(target, drafter)  # dtypes, device, machine (the provenance record's)
-    environment["engine_dtype"] = e_dtype
     for b, (df, samples) in results.items():
         _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1], environment)
     progress.finish()
@@ -540,7 +532,7 @@ def cli_baseline(argv) -> int:
             raise DeepSpecError(f"--benchmark {b}: not a timed benchmark of this preset ({', '.join(timed)}; "
                                 "eval.speed_benchmarks)")
     paths = RunPaths.of(cfg)
-    target = eval_target(cfg)  # in eval.dtype, as evaluate's
+    target = eval_target(cfg)  # in evaluate's dtype
     # one process for every benchmark: the start-up (~7 s) and the warm-up are paid once
     for i, bench in enumerate(benches):
         out_json = Path(args.out_dir) / f"{bench}.json" if args.out_dir else paths.baseline(bench)

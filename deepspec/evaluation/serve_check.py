@@ -404,7 +404,7 @@ def cli_serve_check(argv) -> int:
     tdir = paths.target_checkpoint()
     if not (tdir / "config.json").exists():
         raise DeepSpecError(f"no prepared target at {tdir}: run `python -m deepspec prepare-target` first")
-    target = eval_target(cfg)  # target and drafter in eval.dtype, the dtype vLLM runs them in
+    target = eval_target(cfg, cfg["eval"]["dtype"])  # target and drafter in eval.dtype, the dtype vLLM runs them in
     drafter = eval_drafter(args.drafter or drafter_path(cfg, args.method), target, cfg)
     if drafter.method != args.method:
         raise DeepSpecError(f"{args.drafter} is a {drafter.method} drafter, not {args.method}")

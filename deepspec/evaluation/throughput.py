@@ -143,7 +143,7 @@ def cli_throughput(argv) -> int:
 
     method = args.method or cfg["throughput"]["method"]
     out = Path(args.out) if args.out else RunPaths.of(cfg).table("throughput.csv")
-    target = eval_target(cfg)  # eval.dtype
+    target = eval_target(cfg)  # evaluate's dtype (eval.precision)
     drafter = eval_drafter(drafter_path(cfg, method, args.drafter), target, cfg)
     temps = read_json(Path(args.sts))["sts_temperatures"] if args.sts else None
     names = policy_names(cfg)

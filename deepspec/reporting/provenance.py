@@ -124,7 +124,7 @@ def precision(cfg: dict) -> dict:
     this machine resolves it to with the reason (`runtime.resolve_precision`) and
     what the stage's outputs recorded they computed in: the regeneration shards'
     settings files, the cache manifest's compute_dtype, each drafter's
-    train_summary.json (accelerate's mixed precision); evaluation runs in eval.dtype."""
+    train_summary.json (accelerate's mixed precision), each evaluation summary's target dtype."""
     import json
 
     from ..paths import RunPaths
@@ -156,13 +156,11 @@ def precision(cfg: dict) -> dict:
              lambda r: mixed.get(r["precision"]["mixed_precision"], r["precision"]["mixed_precision"]))):
         out[stage] = {"setting": setting, "here": resolve_precision(setting, dev, stage=stage),
                       "recorded": recorded(files, read)}
-    from ..evaluation.evaluate import engine_dtype
+    from ..evaluation.evaluate import eval_dtype
 
     evals = [paths.summary(m, b) for m in cfg["train"]["methods"] for b in cfg["data"]["benchmarks"]]
-    out["evaluate"] = {"setting": cfg["eval"]["dtype"], "here": cfg["eval"]["dtype"], "recorded": recorded(
+    out["evaluate"] = {"setting": cfg["eval"]["precision"], "here": eval_dtype(cfg), "recorded": recorded(
         evals, lambda r: r["environment"]["target_dtype"])}
-    out["evaluate-engine"] = {"setting": cfg["eval"]["engine_precision"], "here": engine_dtype(cfg),
-                              "recorded": recorded(evals, lambda r: r["environment"].get("engine_dtype"))}
     return out
 
 
@@ -225,7 +223,6 @@ def _drafter_rows(drafters: dict) -> list[str]:
                        f"{_job_code(tr.get('code'))}") if tr else "not recorded"
         evaluated = "; ".join(
             f"{e['device']}, {e['target_dtype']} / {e['drafter_dtype']}"
-            + (f" (batched engine {e['engine_dtype']})" if e.get("engine_dtype") not in (None, e["target_dtype"]) else "")
             + f"; {_job_code(e.get('code'))}; "
             + (", ".join(sorted({g["name"] for g in e["hardware"]["gpus"]})) or e["hardware"]["cpu"])
             for e in d["evaluation"]) or "not recorded"
@@ -239,12 +236,11 @@ def _precision_lines(prec) -> list[str]:
         return []
     ok, why = prec.get("bf16_matmul_support", (None, "not recorded"))
     cells = []
-    names = {"evaluate": "evaluate (batch 1)", "evaluate-engine": "evaluate (batched engine)"}
-    for stage in ("regenerate", "cache", "train", "evaluate", "evaluate-engine"):
+    for stage in ("regenerate", "cache", "train", "evaluate"):
         p = prec.get(stage)
         if p:
             used = ", ".join(p["recorded"]) if p["recorded"] else p["here"]
-            cells.append(f"{names.get(stage, stage)} {used}" + (f" ({p['setting']})" if p["setting"] == "auto" else ""))
+            cells.append(f"{stage} {used}" + (f" ({p['setting']})" if p["setting"] == "auto" else ""))
     return [f"- Compute precision per stage (setting `auto` resolves by the hardware: {why}): " + "; ".join(cells) + "."]
 
 

@@ -156,7 +156,7 @@ def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
 # the CPU default's drafter, evaluated and served on 4 prompts per benchmark (36; the preset's
 # own 90 would take this tier ~2.5x as long in vLLM): the same Eagle3, fewer prompts to compare;
 # our records from an fp32 engine, as vLLM runs the fp32 target (target.dtype), like with like
-ENGINE_FP32 = "eval={engine_precision: float32}"
+ENGINE_FP32 = "eval={precision: float32}"
 FOUR_PER_BENCHMARK = "data={benchmarks: {" + ", ".join(
     f"{b}: {{cap: 4}}" for b in ("gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench",
                                  "alpaca", "arena-hard")) + "}}"
