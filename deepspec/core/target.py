@@ -167,8 +167,10 @@ def crop_cache(cache, length: int) -> None:
 PACK_ROWS = 8
 
 
+@functools.lru_cache(maxsize=None)
 def _packable_dtype(dtype: torch.dtype) -> bool:
-    """fp32, or bf16 where oneDNN multiplies it (AVX-512 bf16 or AMX on the CPU)."""
+    """fp32, or bf16 where oneDNN multiplies it (AVX-512 bf16 or AMX on the CPU); asked once
+    per dtype, as every decoding round asks it."""
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
