@@ -86,20 +86,12 @@ def bf16_matmul_support(device: str = "cpu") -> tuple[bool, str]:
     return ok, f"CPU with AMX-BF16 ({cap})" if ok else f"CPU without AMX-BF16 ({cap})"
 
 
-# Stages whose CPU work bf16 does not speed up even with AMX-BF16, measured by
-# benchmarks/bench_precision.py (docs/PERFORMANCE.md): regeneration's batched
-# decoding (52 one-token rows a step, 1 thread: bf16 0.85x the speed of fp32).
-# auto keeps fp32 for them on a CPU; on a GPU it is bf16. (Evaluation's batch-1
-# decoding gains from bf16 on oneDNN-packed weights, core/target.py:prepacked_linears.)
-CPU_FP32_STAGES = ("regenerate",)
-
-
 def resolve_precision(setting: str, device: str = "cpu", *, stage: str = "") -> str:
     """The compute dtype a stage runs in: 'bfloat16' or 'float32'.
 
     setting: auto | float32 | bfloat16 (the stage's `precision` key). auto takes
-    bf16 where the device multiplies bf16 matrices natively (`bf16_matmul_support`)
-    and the stage gains from it there (not `CPU_FP32_STAGES` on a CPU), else fp32;
+    bf16 where the device multiplies bf16 matrices natively (`bf16_matmul_support`),
+    else fp32 (every stage measured faster in bf16 there: docs/PERFORMANCE.md);
     an explicit value is taken as it is (bfloat16 on a CPU without AMX is slow, and
     said so in the log)."""
     import logging
@@ -107,8 +99,6 @@ def resolve_precision(setting: str, device: str = "cpu", *, stage: str = "") -> 
     if setting not in PRECISIONS:
         raise ValueError(f"precision {setting!r}: expected one of {', '.join(PRECISIONS)}")
     ok, why = bf16_matmul_support(device)
-    if ok and not str(device).startswith("cuda") and stage in CPU_FP32_STAGES:
-        ok, why = False, f"{why}, but {stage} runs faster in fp32 on a CPU"
     resolved = setting if setting != "auto" else ("bfloat16" if ok else "float32")
     log = logging.getLogger("deepspec")
     if setting == "bfloat16" and not ok:
