@@ -12,7 +12,8 @@ median seconds of each and the ratio fp32 / bf16 (above 1: bf16 is faster).
 - cache: the target's forward with hidden states over cache.batch_size
   training sequences (build_cache's shape), cache.batch_size x 2 threads;
 - regenerate: batched sampling of regenerate.batch_size prompts, 32 new tokens,
-  1 thread (one shard's job), on oneDNN-packed weights as the stage decodes;
+  1 thread (one shard's job), fp32 on torch's kernels and bf16 on oneDNN-packed
+  weights, as the stage decodes;
 - train: a DFlash, DSpark and Eagle3 training step (forward + backward) on the
   preset's cache at train.num_anchors and 4x that, 1 thread;
 - engine: a round of evaluation's batched engine (eval.batch_size requests, an
@@ -23,6 +24,7 @@ median seconds of each and the ratio fp32 / bf16 (above 1: bf16 is faster).
 Needs the preset's target cache (results/<target>/cache, built by the DAG) for train.
 """
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -85,15 +87,15 @@ def main():
         regen = {**cfg["regenerate"], "max_new_tokens": 32}
         prompts = [torch.randint(0, V, (40 + (i * 7) % 60,), generator=g).tolist() for i in range(B)]
 
-        def gen(t):
+        def gen(t, packed):
             def run():
                 gens = [torch.Generator().manual_seed(i) for i in range(B)]
-                with torch.no_grad(), prepacked_linears(t):  # as the regenerate stage decodes
+                with torch.no_grad(), (prepacked_linears(t) if packed else contextlib.nullcontext()):
                     generate_batch(t.model, prompts, gens, regen, eos_ids=[], pad_id=0)
             return lambda: timed(run)
 
-        pairs(f"regenerate {B} prompts x 32 tokens (target.cpu_matmul {cfg['target']['cpu_matmul']}), 1 thread",
-              gen(t32), gen(t16), args.repeats)
+        # as the regenerate stage decodes: fp32 on torch's kernels, bf16 on oneDNN-packed weights
+        pairs(f"regenerate {B} prompts x 32 tokens, 1 thread", gen(t32, False), gen(t16, True), args.repeats)
 
     if "train" in args.stages:
         import dataclasses

@@ -147,6 +147,11 @@ def test_bf16_regeneration_decodes_on_packed_weights_within_tolerance(tmp_path, 
     assert stats["done"] == 3 and stats["new_tokens"] > 0
     packs = bf16_target.__dict__.get("_packed_linears", {})
     assert (len(packs) > 0) == _packable_dtype(torch.bfloat16)  # packed exactly where oneDNN multiplies bf16
+    # fp32 samples on torch's own kernels (the default preset's data, unchanged by packing's rounding)
+    cfg["regenerate"]["precision"] = "float32"
+    tiny_target.__dict__.pop("_packed_linears", None)
+    regenerate(cfg, tmp_path / "conv32.jsonl", prompts=prompts, target=tiny_target)
+    assert not tiny_target.__dict__.get("_packed_linears")
 
     ids = torch.tensor([bf16_target.chat_ids([{"role": "user", "content": "Count to 5."}])])
     with torch.no_grad():
