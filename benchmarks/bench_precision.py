@@ -24,7 +24,6 @@ median seconds of each and the ratio fp32 / bf16 (above 1: bf16 is faster).
 Needs the preset's target cache (results/<target>/cache, built by the DAG) for train.
 """
 import argparse
-import contextlib
 import statistics
 import time
 
@@ -79,7 +78,7 @@ def main():
                   lambda: timed(lambda: t16.features(ids, layers, attention_mask=am)), args.repeats)
 
     if "regenerate" in args.stages:
-        from deepspec.core.target import prepacked_linears
+        from deepspec.data.regenerate import sampling_kernels
         from deepspec.data.sampling import generate_batch
 
         torch.set_num_threads(1)
@@ -87,15 +86,14 @@ def main():
         regen = {**cfg["regenerate"], "max_new_tokens": 32}
         prompts = [torch.randint(0, V, (40 + (i * 7) % 60,), generator=g).tolist() for i in range(B)]
 
-        def gen(t, packed):
+        def gen(t):
             def run():
                 gens = [torch.Generator().manual_seed(i) for i in range(B)]
-                with torch.no_grad(), (prepacked_linears(t) if packed else contextlib.nullcontext()):
+                with sampling_kernels(t):  # as the stage samples: fp32 on torch's kernels, bf16 packed
                     generate_batch(t.model, prompts, gens, regen, eos_ids=[], pad_id=0)
             return lambda: timed(run)
 
-        # as the regenerate stage decodes: fp32 on torch's kernels, bf16 on oneDNN-packed weights
-        pairs(f"regenerate {B} prompts x 32 tokens, 1 thread", gen(t32, False), gen(t16, True), args.repeats)
+        pairs(f"regenerate {B} prompts x 32 tokens, 1 thread", gen(t32), gen(t16), args.repeats)
 
     if "train" in args.stages:
         import dataclasses

@@ -10,8 +10,7 @@ regenerated history.
 Back ends
   * ``local`` (CPU default): in-process batched sampling with a KV cache, in
     regenerate.precision (auto: bf16 where the CPU has AMX-BF16), bf16 on
-    oneDNN-packed weights (`core.target.prepacked_linears`, as evaluation decodes:
-    2.6x the tokens/s of fp32 at batches of 40 on AMX-BF16, docs/PERFORMANCE.md).
+    oneDNN-packed weights as evaluation decodes (`sampling_kernels`, docs/PERFORMANCE.md).
     Prompts are sorted by length and batched to minimise (left) padding; rows
     leave the batch at EOS. Each record samples from its own
     ``torch.Generator`` seeded from (regenerate.seed, record id, turn), so a
@@ -111,17 +110,26 @@ def regenerate_precision(cfg: dict) -> str:
     return resolve_precision(cfg["regenerate"]["precision"], cfg["target"]["device"], stage="regenerate")
 
 
-def _regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=None) -> int:
+def sampling_kernels(target) -> contextlib.AbstractContextManager:
+    """The context regeneration samples in: a bf16 target on oneDNN-packed weights
+    (`core.target.prepacked_linears`: 2.6-2.8x fp32's tokens/s at batches of 40 on AMX-BF16),
+    gradients off; an fp32 one on torch's own kernels (packing it measured no gain, 15.0
+    against 15.6 s for 40 prompts x 32 tokens, and would change its rounding, so its samples)."""
     from ..core.target import prepacked_linears
+
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(torch.no_grad())
+    if target.lm_head.weight.dtype == torch.bfloat16:
+        ctx.enter_context(prepacked_linears(target))
+    return ctx
+
+
+def _regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=None) -> int:
     from ..targets.loading import target_from_config
 
     regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
     target = target or target_from_config(cfg, dtype=regenerate_precision(cfg))
     tok, limit = target.tokenizer, cfg["data"]["max_prompt_tokens"]
-    # bf16 samples on oneDNN-packed weights (2.6x fp32's tokens/s at batches of 40 on AMX-BF16); fp32
-    # stays on torch's own kernels: packing it measured no gain (15.0 against 15.6 s for 40 prompts x 32
-    # tokens) and would change its rounding, so its samples
-    packed = target.lm_head.weight.dtype == torch.bfloat16
     first = {p.id: len(target.chat_ids(with_system_prompt([{"role": "user", "content": p.turns[0]}], system))) for p in prompts}
     order = sorted(prompts, key=lambda p: (first[p.id], p.id))
     n_tokens, shown = 0, time.perf_counter()
@@ -152,7 +160,7 @@ def _regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=N
             if not rows:
                 continue
             gens = [torch.Generator().manual_seed(record_seed(regen["seed"], p.id, turn)) for p in rows]
-            with torch.no_grad(), (prepacked_linears(target) if packed else contextlib.nullcontext()):
+            with sampling_kernels(target):
                 outs = generate_batch(target.model, ids, gens, regen, eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
             for p, o in zip(rows, outs):
                 truncated = not (o and o[-1] in target.eos_token_ids)
