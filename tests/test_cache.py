@@ -211,7 +211,7 @@ _FINGERPRINTS = {
 
 @pytest.mark.parametrize("preset", sorted(_FINGERPRINTS))
 def test_cache_fingerprint_is_unchanged(preset, monkeypatch):
-    """Computed in target.dtype (a CPU without AMX-BF16: cache.precision auto is
+    """Computed in target.dtype (a CPU without native bf16: cache.precision auto is
     fp32 there), a preset's cache keeps its fingerprint; computed in another dtype
     (bf16 on an AMX machine, for an fp32 target), it is another cache."""
     from types import SimpleNamespace

@@ -38,14 +38,31 @@ def test_auto_follows_the_hardware_and_explicit_values_are_taken(monkeypatch, su
         resolve_precision("fp16", "cpu")
 
 
-def test_the_capability_check_reads_the_cpu(monkeypatch):
-    """Without torch's AMX probe, the amx_bf16 flag of /proc/cpuinfo decides."""
+@pytest.mark.parametrize("flags, engine", [
+    ({"avx2", "fma"}, None),
+    ({"avx512f", "avx512bw"}, None),  # AVX-512 without BF16: emulated
+    ({"avx512f", "avx512_bf16"}, "AVX512-BF16"),
+    ({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "AMX-BF16"),
+])
+def test_the_capability_check_reads_the_cpu(monkeypatch, flags, engine):
+    """Without torch's probes, the amx_bf16 and avx512_bf16 flags of /proc/cpuinfo decide."""
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    monkeypatch.setattr(runtime, "_cpu_flags", lambda: {"avx2", "fma"})
-    assert runtime.bf16_matmul_support("cpu")[0] is False
-    monkeypatch.setattr(runtime, "_cpu_flags", lambda: {"avx512f", "amx_tile", "amx_bf16"})
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: flags)
     ok, why = runtime.bf16_matmul_support("cpu")
-    assert ok and "AMX-BF16" in why
+    assert ok is (engine is not None)
+    assert (f"with {engine}" in why) if engine else ("without AMX-BF16 or AVX512-BF16" in why)
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, engine", [
+    (False, False, None), (False, True, "AVX512-BF16"), (True, True, "AMX-BF16"), (True, False, "AMX-BF16")])
+def test_the_capability_check_takes_torchs_probes(monkeypatch, amx, avx512_bf16, engine):
+    """torch's probes win over the flags (which are not read when they exist)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: {"amx_bf16", "avx512_bf16"})
+    ok, why = runtime.bf16_matmul_support("cpu")
+    assert ok is (engine is not None) and (engine is None or f"with {engine}" in why)
 
 
 @pytest.fixture(scope="module")

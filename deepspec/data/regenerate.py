@@ -9,7 +9,7 @@ regenerated history.
 
 Back ends
   * ``local`` (CPU default): in-process batched sampling with a KV cache, in
-    regenerate.precision (auto: bf16 where the CPU has AMX-BF16), bf16 on
+    regenerate.precision (auto: bf16 where the CPU multiplies bf16 natively), bf16 on
     oneDNN-packed weights as evaluation decodes (`sampling_kernels`, docs/PERFORMANCE.md).
     Prompts are sorted by length and batched to minimise (left) padding; rows
     leave the batch at EOS. Each record samples from its own

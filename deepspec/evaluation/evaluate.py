@@ -51,8 +51,8 @@ def eval_dtype(cfg: dict) -> str:
 
 
 def eval_target(cfg: dict, dtype: str | None = None):
-    """The target as evaluation runs it: in `eval_dtype` (bf16 on a GPU or an
-    AMX-BF16 CPU; the paper presets' eval.dtype is bf16 too, as DeepSeek's reference
+    """The target as evaluation runs it: in `eval_dtype` (bf16 on a GPU or a
+    bf16-capable CPU (AMX-BF16 or AVX512-BF16); the paper presets' eval.dtype is bf16 too, as DeepSeek's reference
     evaluates its bf16 checkpoints, docs/FIDELITY.md), or `dtype`."""
     from ..targets.loading import target_from_config
 

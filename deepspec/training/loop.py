@@ -137,7 +137,7 @@ def _use_cpu(device: str) -> bool:
 def make_accelerator(device: str, accum: int, precision: str = "auto", log_dir: Optional[Path] = None):
     """An Accelerator on `device` ('cpu' forces CPU) with bf16 autocast where
     train.precision resolves to bfloat16 (`runtime.resolve_precision`: auto takes
-    it on a GPU with bf16 and on a CPU with AMX-BF16); master weights, optimiser
+    it on a GPU with bf16 and on a CPU with AMX-BF16 or AVX512-BF16); master weights, optimiser
     state and the losses' softmax / L1 terms stay fp32 either way. log_dir: the
     project directory of accelerate's TensorBoard tracker (`train_log.start_tensorboard`);
     without the tensorboard package, one warning and no tracker."""
