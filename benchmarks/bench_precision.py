@@ -78,8 +78,8 @@ def main():
                   lambda: timed(lambda: t16.features(ids, layers, attention_mask=am)), args.repeats)
 
     if "regenerate" in args.stages:
-        from deepspec.data.regenerate import sampling_kernels
-        from deepspec.data.sampling import generate_batch
+        from deepspec.regeneration.local import sampling_kernels
+        from deepspec.regeneration.sampling import generate_batch
 
         torch.set_num_threads(1)
         B = int(cfg["regenerate"]["batch_size"])
@@ -101,7 +101,7 @@ def main():
         from deepspec.data.datasets import make_train_dataset, token_counts, train_collate
         from deepspec.drafters import build_drafter
         from deepspec.methods import resolve_method
-        from deepspec.training.loop import step_spec
+        from deepspec.training.run import step_spec
 
         torch.set_num_threads(1)
         data = make_train_dataset(cfg, target=t32)

@@ -21,7 +21,7 @@ import torch
 from deepspec.config import load_config
 from deepspec.drafters import build_drafter
 from deepspec.targets.loading import target_from_config
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 from deepspec.data.datasets import make_train_dataset, token_counts, train_collate
 
 

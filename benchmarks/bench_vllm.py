@@ -196,7 +196,7 @@ def main():
     drafter = load_drafter(src, target).eval()
     engines = {}
     if not args.skip_vllm:
-        from deepspec.interop.export import export_drafter
+        from deepspec.formats.export import export_drafter
 
         export = Path(str(src).rstrip("/") + "-vllm")
         export_drafter(drafter, target, "eagle3", export, overwrite=True, engine="vllm")

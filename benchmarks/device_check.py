@@ -51,7 +51,7 @@ from deepspec.core.target import Target, eos_ids_of  # noqa: E402
 from deepspec.core.verify import sample, verify_chain  # noqa: E402
 from deepspec.drafters import build_drafter  # noqa: E402
 from deepspec.files import write_text_atomic  # noqa: E402
-from deepspec.training.loop import step_spec  # noqa: E402
+from deepspec.training.run import step_spec  # noqa: E402
 
 METHODS = ("eagle3", "dflash", "dspark")
 

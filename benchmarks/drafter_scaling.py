@@ -189,7 +189,8 @@ def run_point(job: dict) -> dict:
     from deepspec.data.datasets import CacheDataset, collate, token_counts
     from deepspec.methods import resolve_method
     from deepspec.targets.loading import target_from_config
-    from deepspec.training.loop import step_spec, train
+    from deepspec.training.loop import train
+    from deepspec.training.run import step_spec
 
     t0 = time.process_time()
     base, cfg = resolve_method(load_config(job["preset"], job["overrides"]), job["method"])

@@ -26,7 +26,7 @@ from drafter_scaling import heldout_acceptance, markdown, summarize  # noqa: E40
 
 def run_points(name: str, results: Path, cfg: dict, target, held) -> list[dict]:
     from deepspec.drafters import load_drafter
-    from deepspec.training.loop import step_spec
+    from deepspec.training.run import step_spec
 
     points = []
     for drafters in sorted(results.glob("*/drafters")):

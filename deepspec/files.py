@@ -16,14 +16,13 @@ import fcntl
 import hashlib
 import json
 import logging
-import errno
 import math
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from .errors import DeepSpecError
 
@@ -335,28 +334,116 @@ class JsonlAppender:
         self.f.close()
 
 
+class ResumableLog:
+    """The finished work of a job that may be killed: one JSON record per line,
+    keyed by its "id", appended and fsync'd as each piece finishes, so that a rerun
+    resumes where the last one stopped (a torn last line, a kill mid-write, is cut
+    off). The log belongs to one settings `fingerprint` (any JSON value), kept in
+    its first line, or, for a log that becomes an output of its own (regeneration's
+    conversations), in the JSON file `sidecar` with the fields of `record`. Opened
+    under other settings, the log and the files in `stale` are discarded."""
+
+    HEADER_ID = "#settings"
+
+    def __init__(self, path: str | os.PathLike, fingerprint, *, sidecar: Optional[Path] = None,
+                 record: Optional[dict] = None, stale: tuple = ()):
+        self.path, self.sidecar, self.fingerprint = Path(path), sidecar, fingerprint
+        self._out: Optional[JsonlAppender] = None
+        old = self._recorded()
+        if old != fingerprint:
+            gone = [f for f in (self.path, *map(Path, stale)) if f.exists()]
+            if gone:
+                logging.getLogger(__name__).warning("%s: made with other settings: discarding %s", self.path,
+                                                    ", ".join(map(str, gone)))
+            for f in gone:
+                f.unlink()
+        if sidecar is not None:
+            write_json_atomic(sidecar, {"fingerprint": fingerprint, **(record or {})})
+        elif not self.path.exists():
+            self.append([{"id": self.HEADER_ID, "fingerprint": fingerprint}])
+
+    def _recorded(self):
+        """The fingerprint the log was made under (None: none recorded)."""
+        if self.sidecar is not None:
+            try:
+                return read_json(self.sidecar, default={}).get("fingerprint")
+            except (DeepSpecError, AttributeError):
+                return None
+        if not self.path.exists():
+            return None
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+        try:
+            head = json.loads(first)
+        except ValueError:
+            return None
+        return head.get("fingerprint") if isinstance(head, dict) and head.get("id") == self.HEADER_ID else None
+
+    def ids(self) -> set[str]:
+        """The ids of the finished records (a torn last line cut off)."""
+        return recover_jsonl(self.path) - {self.HEADER_ID}
+
+    def records(self, what: str = "progress") -> dict[str, dict]:
+        """id -> finished record (a torn last line cut off)."""
+        recover_jsonl(self.path)
+        if not self.path.exists():
+            return {}
+        return {r["id"]: r for _, _, r in iter_jsonl(self.path, what) if r.get("id") != self.HEADER_ID}
+
+    def open(self) -> "ResumableLog":
+        """Open the log for appending (created if missing)."""
+        if self._out is None:
+            self._out = JsonlAppender(self.path)
+        return self
+
+    def append(self, recs: list[dict]) -> None:
+        self.open()._out.write(recs)
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def finish(self, final: Optional[Path] = None) -> None:
+        """Close; the log becomes `final` (its output) or, without one, is removed."""
+        self.close()
+        if final is not None:
+            os.replace(self.path, final)
+        else:
+            self.path.unlink(missing_ok=True)
+
+
+# flock's errors on a filesystem without file locks (Lustre mounted without flock, some NFS)
+NO_FILE_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+
+
 @contextlib.contextmanager
-def exclusive_lock(path: str | os.PathLike, busy: str) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (created, and removed again on the way
-    out) or stop at once with the one-line DeepSpecError `busy` when another
-    process holds it. Where the filesystem has no file locks: no lock, a warning."""
+def file_lock(path: str | os.PathLike, *, busy: Optional[str] = None, remove: bool = False,
+              unlocked: str = "going on without one") -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created with its folder). `busy` None:
+    wait for it; else stop at once with the one-line DeepSpecError `busy` when
+    another process holds it. `remove`: delete the lock file on the way out, while
+    still holding it (a process that opened the removed file takes the new one).
+    Where the filesystem has no file locks: no lock, a warning ending in `unlocked`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         f = open(path, "a")
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_EX | (fcntl.LOCK_NB if busy is not None else 0))
         except BlockingIOError:
             f.close()
             raise DeepSpecError(f"{busy} (lock {path})") from None
         except OSError as e:
             f.close()
-            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+            if e.errno not in NO_FILE_LOCKS:
                 raise
-            logging.getLogger(__name__).warning("%s: no file locks on this filesystem (%s); going on without one",
-                                                path, e.strerror)
+            logging.getLogger(__name__).warning("%s: no file locks on this filesystem (%s); %s",
+                                                path, e.strerror, unlocked)
             yield
             return
+        if not remove:
+            break
         try:
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
                 break  # else the holder removed it as we opened it: take the new one
@@ -366,6 +453,15 @@ def exclusive_lock(path: str | os.PathLike, busy: str) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            path.unlink()  # while still holding it (see the inode check above)
+        if remove:
+            with contextlib.suppress(OSError):
+                path.unlink()  # while still holding it (see the inode check above)
         f.close()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

@@ -86,7 +86,7 @@ class RunPaths:
         return self.run / "regen" / "server.service"
 
     def server_status(self) -> Path:
-        """The regeneration server's status (deepspec/interop/server_run.py: this run's
+        """The regeneration server's status (deepspec/regeneration/supervisor.py: this run's
         token, host, supervisor pid, port, state), which the shards and the merge read."""
         return self.run / "regen" / "server.json"
 

@@ -1,5 +1,5 @@
 """Provenance, recorded where it is cheap: each preparation step writes what
-its input resolved to, once, so the report's record (deepspec.reporting.provenance,
+its input resolved to, once, so the report's record (deepspec.reporting.run_record,
 results/provenance.json) never hashes a large file or asks the network.
 
 - `prepare_target` writes `SOURCE_FILE` (``deepspec_source.json``) into the

@@ -16,7 +16,7 @@ from scipy import stats
 
 from deepspec.core.decode import Proposal
 from deepspec.core.verify import logits_to_probs, sample
-from deepspec.interop import convert
+from deepspec.formats import convert
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Loading released DeepSpec DFlash/DSpark checkpoints (Eagle3: test_export.py) (deepspec/interop/convert.py):
+"""Loading released DeepSpec DFlash/DSpark checkpoints (Eagle3: test_export.py) (deepspec/formats/convert.py):
 synthetic reference-layout checkpoints made from random tiny drafters convert
 into drafters with bit-identical outputs; malformed ones fail with one line and
 leave nothing behind."""
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from deepspec.interop import convert
+from deepspec.formats import convert
 from deepspec.cli import main as cli_main
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.base import DrafterBase

@@ -15,7 +15,7 @@ from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.dflash import block_attention_mask
 from deepspec.drafters.eagle3 import ttt_mask
 from deepspec.errors import DeepSpecError
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]
 

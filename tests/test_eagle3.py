@@ -19,7 +19,7 @@ import torch
 from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.losses import chain_normalizer, chain_row_mask
 from deepspec.drafters import build_drafter
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 from helpers import plain_ttt, randomize
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12]

@@ -25,7 +25,7 @@ from deepspec.core import train_step
 from deepspec.core.train_step import sample_anchors
 from deepspec.drafters import build_drafter
 from deepspec.drafters.dflash import block_attention_mask, block_flex_mask, block_mask_mod
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 
 QWEN3_VOCAB = 151_936
 

@@ -1,12 +1,12 @@
-"""export-checkpoint (deepspec/interop/export.py) and converting DeepSeek's
-released Eagle3 layout (deepspec/interop/convert.py), on the tiny Qwen3 and
+"""export-checkpoint (deepspec/formats/export.py) and converting DeepSeek's
+released Eagle3 layout (deepspec/formats/convert.py), on the tiny Qwen3 and
 Gemma4 targets; the engines themselves are not run (docs/FORMATS.md).
 
 * deepspec layout: export, then convert back, gives a drafter with bit-identical
   outputs, for every drafter family (Eagle3, DFlash, DSpark; reserved mask token
   and learned mask embedding).
 * eagle3 layout: config fields and tensor names/shapes against the schema of
-  docs/FORMATS.md (`export.expected_tensors`), d2t/t2d conventions, and the
+  docs/FORMATS.md (`eagle3.expected_tensors`), d2t/t2d conventions, and the
   exported tensors compute the drafter's function (plain-torch equations).
 * A synthetic checkpoint in DeepSeek's released Eagle3 layout, built from the
   documented names and shapes, converts and computes the plain-torch equations.
@@ -22,8 +22,7 @@ from safetensors.torch import load_file, save_file
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.errors import DeepSpecError
 from deepspec.files import OUTPUT_MARKER
-from deepspec.interop import convert
-from deepspec.interop import export
+from deepspec.formats import common, convert, deepspec_layout, eagle3, export, sglang
 from helpers import plain_ttt, random_drafter
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]
@@ -107,7 +106,7 @@ def test_eagle3_export_schema_and_function(qwen3_target, qwen3_cfg, tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]  # SGLang adds the 1 itself
     assert cfg["tie_word_embeddings"] is False
     sd = load_file(str(out / "model.safetensors"))
-    want = export.expected_tensors("eagle3", cfg)
+    want = eagle3.expected_tensors("eagle3", cfg)
     assert {k: tuple(v.shape) for k, v in sd.items()} == want
     assert "embed_tokens.weight" not in sd
     draft = torch.arange(300)
@@ -203,7 +202,7 @@ def test_vllm_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
         assert sd["markov_head.markov_w2.weight"].shape == (300, r) and sd["markov_head.markov_w1.weight"].shape == (512, r)
         assert convert.NULL_MARKOV_FIELD not in cfg
     else:  # vLLM serves DeepSpec's DFlash block as dspark only: a null Markov head, no zero-width layer
-        assert cfg["markov_rank"] == export.NULL_MARKOV_RANK == 1 and cfg["markov_head_type"] == "vanilla"
+        assert cfg["markov_rank"] == common.NULL_MARKOV_RANK == 1 and cfg["markov_head_type"] == "vanilla"
         assert cfg[convert.NULL_MARKOV_FIELD] is True and cfg["enable_confidence_head"] is False
         assert sd["markov_head.markov_w1.weight"].shape == (512, 1) and sd["markov_head.markov_w2.weight"].shape == (300, 1)
         assert not sd["markov_head.markov_w1.weight"].any() and not sd["markov_head.markov_w2.weight"].any()
@@ -300,10 +299,10 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
     assert set(sd) == want
     lacking = {k: v for k, v in sd.items() if k != "layers.1.layer_scalar"}
     with pytest.raises(DeepSpecError, match="lacks layers.1.layer_scalar, which vLLM's Gemma4 DSpark loader would"):
-        export.check_vllm_gemma4_names(cfg, lacking)
+        deepspec_layout.check_vllm_gemma4_names(cfg, lacking)
     extra = dict(sd, **{"layers.0.self_attn.v_proj.weight": sd["layers.0.self_attn.k_proj.weight"]})
     with pytest.raises(DeepSpecError, match="has layers.0.self_attn.v_proj.weight, which vLLM's Gemma4 DSpark loader skips"):
-        export.check_vllm_gemma4_names(cfg, extra)
+        deepspec_layout.check_vllm_gemma4_names(cfg, extra)
 
 
 # --------------------------------------------------------------------------- SGLang's DSPARK (Qwen3DSparkModel)
@@ -344,7 +343,7 @@ def test_sglang_export_holds_exactly_sglangs_names(qwen3_target, qwen3_cfg, kind
     want.update(SGLANG_RNN if kind == "rnn" else {})
     want.update(SGLANG_CONFIDENCE[with_markov] if confidence else {})
     assert {k: tuple(v.shape) for k, v in sd.items()} == want
-    assert {k: v for k, v in export.sglang_dspark_tensors(cfg).items()} == {
+    assert {k: v for k, v in sglang.sglang_dspark_tensors(cfg).items()} == {
         k: v for k, v in want.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     # the config fields SGLang's parse_dspark_draft_config / build_* read (dspark_config.py, dspark.py)
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == _R and cfg["markov_head_type"] == kind
@@ -384,8 +383,8 @@ def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
     d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
     alg1 = _alg1(tmp_path)
     out = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s", engine="sglang", sts=alg1, sps=alg1)
-    sts = json.loads((out / export.SGLANG_STS_FILE).read_text())
-    sps = json.loads((out / export.SGLANG_SPS_FILE).read_text())
+    sts = json.loads((out / sglang.SGLANG_STS_FILE).read_text())
+    sps = json.loads((out / sglang.SGLANG_SPS_FILE).read_text())
     assert sts == {"temperatures": [0.5 + 0.25 * k for k in range(7)], "dataset": "gsm8k", "num_samples": 40,
                    "ece_before": [0.1 + k / 100 for k in range(1, 8)], "ece_after": [0.05 + k / 200 for k in range(1, 8)]}
     assert sps == {"sample_batch_tokens": [1, 2, 3, 4, 8], "sample_steps_per_sec": [50.0, 49.0, 47.5, 46.0, 40.0],
@@ -408,8 +407,8 @@ def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     out2 = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s2", engine="sglang", sts=_alg1(bare, ece=False))
-    assert set(json.loads((out2 / export.SGLANG_STS_FILE).read_text())) == {"temperatures", "dataset", "num_samples"}
-    assert not (out2 / export.SGLANG_SPS_FILE).exists()
+    assert set(json.loads((out2 / sglang.SGLANG_STS_FILE).read_text())) == {"temperatures", "dataset", "num_samples"}
+    assert not (out2 / sglang.SGLANG_SPS_FILE).exists()
     wrong = tmp_path / "wrong"
     wrong.mkdir()
     _fails_with(d, qwen3_target, tmp_path / "g", "must be 7 positive numbers", engine="sglang", sts=_alg1(wrong, gamma=5))
@@ -444,11 +443,11 @@ def test_sglang_refusals(qwen3_target, qwen3_cfg, gemma4_target, gemma4_cfg, tmp
     emb, _ = _drafter("dspark", qwen3_target, c, mask_token_id=3)
     _fails_with(emb, qwen3_target, tmp_path / "e", "feature layer -1", engine="sglang")
     d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
-    cfg, sd = export.deepspec_layout(d, qwen3_target, engine="sglang")
+    cfg, sd = deepspec_layout.deepspec_layout(d, qwen3_target, engine="sglang")
     with pytest.raises(DeepSpecError, match="tensor layers.0.self_attn.v_proj.weight: SGLang's Qwen3DSparkModel expects"):
-        export._check_sglang(cfg, {k: v for k, v in sd.items() if k != "layers.0.self_attn.v_proj.weight"})
+        sglang.check_sglang(cfg, {k: v for k, v in sd.items() if k != "layers.0.self_attn.v_proj.weight"})
     with pytest.raises(DeepSpecError, match="tensor markov.embed.weight"):
-        export._check_sglang(cfg, dict(sd, **{"markov.embed.weight": sd["markov_head.markov_w1.weight"]}))
+        sglang.check_sglang(cfg, dict(sd, **{"markov.embed.weight": sd["markov_head.markov_w1.weight"]}))
 
 
 # --------------------------------------------------------------------------- the speculators format
@@ -473,7 +472,7 @@ def test_speculators_export_fields(qwen3_target, qwen3_cfg, method, tmp_path):
     assert cfg["mask_token_id"] == 3 and cfg["block_size"] == 7 and cfg["draft_vocab_size"] == 512
     assert cfg["markov_rank"] == (1 if method == "dflash" else 32) and cfg["markov_head_type"] == "vanilla"
     assert cfg["enable_confidence_head"] is (method == "dspark")
-    ref = export.deepspec_layout(d, qwen3_target, engine="vllm")[1]
+    ref = deepspec_layout.deepspec_layout(d, qwen3_target, engine="vllm")[1]
     assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in sd)
     default = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp2")
     assert json.loads((default / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == "tiny-qwen3"
@@ -487,7 +486,7 @@ def test_a_local_verifier_is_served_explicitly(qwen3_target, qwen3_cfg, tmp_path
     d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3)
     local = tmp_path / "target"
     local.mkdir()
-    with caplog.at_level("INFO", logger="deepspec.interop.export"):
+    with caplog.at_level("INFO", logger="deepspec.formats.export"):
         out = export.export_drafter(d, qwen3_target, "speculators", tmp_path / "sp", verifier=str(local))
     serve = json.loads((out / "config.json").read_text())["deepspec_serve_vllm"]
     assert serve == {"model": str(local), "speculative_config": {"method": "dspark", "num_speculative_tokens": 7,

@@ -30,7 +30,7 @@ from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for, gemma4_draft_config
 from deepspec.drafters.dflash import Gemma4KVInjectionLayer
 from deepspec.drafters.eagle3 import Gemma4Eagle3Layer
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 from deepspec.targets.tiny import tiny_config
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]

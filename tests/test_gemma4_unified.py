@@ -13,12 +13,12 @@ from deepspec.config import load_config
 from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for
 from deepspec.errors import DeepSpecError
-from deepspec.interop import convert
+from deepspec.formats import convert
 from deepspec.planning import preflight as pf
 from deepspec.targets import specs as target_facts
 from deepspec.core.target import Target, eos_ids_of
 from deepspec.targets.tiny import build_tiny
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]
 
@@ -111,7 +111,7 @@ def test_tiny_unified_spec_prepares_and_loads(tmp_path):
 
 def test_export_for_vllm_and_convert_back(unified_target, unified_cfg, tmp_path):
     from deepspec.drafters import load_drafter
-    from deepspec.interop import export
+    from deepspec.formats import export
 
     c = copy.deepcopy(unified_cfg)
     c["drafter"]["mask_token_id"] = 4

@@ -16,9 +16,9 @@ from deepspec.core.decode import plain_generate
 from deepspec.core.engine import BatchedEngine, Request
 from deepspec.drafters import build_drafter, draft_config, load_drafter
 from deepspec.errors import DeepSpecError
-from deepspec.interop import convert, export
+from deepspec.formats import convert, export
 from deepspec.planning.preflight import preflight
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 from helpers import PROMPT
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]

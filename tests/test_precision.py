@@ -18,7 +18,7 @@ import torch
 from deepspec import runtime
 from deepspec.drafters import build_drafter
 from deepspec.runtime import resolve_precision
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 
 
 @pytest.mark.parametrize("supported", [True, False])
@@ -153,7 +153,7 @@ def test_bf16_regeneration_decodes_on_packed_weights_within_tolerance(tmp_path, 
 
     from deepspec.core.target import _packable_dtype, prepacked_linears
     from deepspec.data.prompts import Prompt
-    from deepspec.data.regenerate import regenerate
+    from deepspec.regeneration.regenerate import regenerate
 
     cfg = copy.deepcopy(tiny_cfg)
     cfg["results_dir"] = str(tmp_path / "results")

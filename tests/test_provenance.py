@@ -1,5 +1,5 @@
 """Provenance: the record of what results were made with (deepspec/provenance.py,
-deepspec/reporting/provenance.py): the checkout's commit and dirty state, the
+deepspec/reporting/run_record.py): the checkout's commit and dirty state, the
 hub commits the preparation steps resolved, the report's provenance.json and
 REPORT.md section."""
 import json
@@ -114,8 +114,8 @@ def test_released_drafter_keeps_its_commit(tmp_path, tiny_target, tiny_cfg, monk
     import huggingface_hub
 
     from deepspec.drafters import build_drafter
-    from deepspec.interop.convert import resolve_drafter
-    from deepspec.reporting.provenance import _drafters
+    from deepspec.formats.convert import resolve_drafter
+    from deepspec.reporting.run_record import _drafters
 
     snap = tmp_path / "hub" / "models--org--dspark" / "snapshots" / SHA
     torch.manual_seed(0)

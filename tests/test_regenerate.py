@@ -8,10 +8,10 @@ import torch
 
 from deepspec.data.prompts import Prompt
 from deepspec.errors import DeepSpecError
-from deepspec.data.shards import merge_shards, shard_of
-from deepspec.data.regenerate import regenerate
+from deepspec.regeneration.shards import merge_shards, shard_of
+from deepspec.regeneration.regenerate import regenerate
 from deepspec.paths import errors_path, settings_path
-from deepspec.data.sampling import filter_logits, sample_next
+from deepspec.regeneration.sampling import filter_logits, sample_next
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),

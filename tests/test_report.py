@@ -84,7 +84,7 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
     assert "Estimator: the Rao-Blackwellised estimate" in report and "Rao-Blackwellised estimate (every" in report
     md = (tmp / "results" / "tables" / "table1.md").read_text()
     assert "| DSpark |" in md
-    # the paper's macro gains, computed from its Table 1 (reporting/paper.py), not typed in
+    # the paper's macro gains, computed from its Table 1 (paper.py), not typed in
     assert "paper, Qwen3-4B: +16.3 %)" in report and "paper, Qwen3-4B: +30.9 %)" in report
 
 
@@ -207,7 +207,7 @@ def test_report_refuses_records_cut_short(fake_results, monkeypatch):
 
 
 def test_paper_macro_gains_come_from_table1():
-    from deepspec.reporting import paper
+    from deepspec import paper
 
     assert paper.macro_gain("Qwen3-4B", "dspark", "dflash") == pytest.approx(42.54 / 36.58 - 1)
     assert round(100 * paper.macro_gain("Qwen3-4B", "dspark", "eagle3"), 1) == 30.9

@@ -1,4 +1,4 @@
-"""`deepspec serve` (deepspec/data/serve.py) and the server side of
+"""`deepspec serve` (deepspec/regeneration/chat_server.py) and the server side of
 regeneration: the consumers' health wait, a refused URL failing in one line,
 and the wait for the server's exit before the GPU jobs."""
 import json
@@ -17,10 +17,9 @@ import torch
 
 from deepspec.errors import DeepSpecError
 from deepspec.data.prompts import Prompt
-from deepspec.data.regenerate import (_answer_with_server, _chat_url, record_seed, server_urls,
-                                          wait_for_exit, wait_for_servers)
-from deepspec.data.sampling import generate_batch
-from deepspec.data.serve import serve
+from deepspec.regeneration.client import _answer_with_server, _chat_url, server_urls, wait_for_exit, wait_for_servers
+from deepspec.regeneration.sampling import generate_batch, record_seed
+from deepspec.regeneration.chat_server import serve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,7 +171,7 @@ def test_a_server_that_goes_away_stops_the_job_in_one_line(tiny_cfg, tiny_target
     what was done, instead of failing every record after its retries."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from deepspec.data.regenerate import regenerate
+    from deepspec.regeneration.regenerate import regenerate
 
     class Dying(BaseHTTPRequestHandler):
         def do_GET(self):

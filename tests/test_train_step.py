@@ -10,7 +10,7 @@ import torch
 from deepspec.core import losses, train_step
 from deepspec.core.train_step import StepSpec, block_targets, sample_anchors
 from deepspec.drafters import build_drafter
-from deepspec.training.loop import step_spec
+from deepspec.training.run import step_spec
 
 
 def test_token_terms_hand_computed():

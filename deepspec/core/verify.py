@@ -28,7 +28,7 @@ _RECORDED: contextvars.ContextVar = contextvars.ContextVar("deepspec_recorded_lo
 def recording_logits():
     """Within this context every `logits_to_probs` call also appends its logits (a
     float copy) to the list it yields: the logits a drafter's draws came from, greedy
-    included (evaluation/serve_check.py replays a round to tell a near-tie)."""
+    included (serving/serve_check.py replays a round to tell a near-tie)."""
     rec: list = []
     token = _RECORDED.set(rec)
     try:

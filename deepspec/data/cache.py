@@ -48,7 +48,7 @@ import torch
 
 from ..config import CACHE_BYTES_SETTINGS, pick
 from ..errors import DeepSpecError
-from ..files import atomic_path, read_json, sha256_file, write_json_atomic
+from ..files import atomic_path, human_bytes, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
 from ..runtime import resolve_precision
 from ..targets.specs import text_dims
@@ -149,14 +149,6 @@ def bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
 
 def _hidden_size(cfg: dict, target=None) -> int:
     return target.hidden_size if target is not None else text_dims(cfg, download=True)["hidden_size"]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 # ---------------------------------------------------------------- building

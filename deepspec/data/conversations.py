@@ -22,9 +22,6 @@ property; for those the assistant content is located in the full text in order
 """
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -36,7 +33,7 @@ from typing import Iterator, Optional, Sequence
 
 from ..core.target import render_chat
 from ..errors import DeepSpecError
-from ..files import iter_jsonl, read_json, require_file, sha256_file, write_json_atomic
+from ..files import file_lock, iter_jsonl, read_json, require_file, sha256_file, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -284,26 +281,6 @@ def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path, worker
             raise
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    """An exclusive flock on `path` (waiting); where the filesystem has no
-    flock, no lock (a warning): every process then tokenises and the first
-    rename wins, the same bytes."""
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as e:
-            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise
-            log.warning("%s: no file locks on this filesystem (%s); tokenising without one", path, e.strerror)
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _settings_key(cfg: dict, tokenizer) -> dict:
     d = cfg["data"]
     return {"version": TOKENS_VERSION, "tokenizer": _tokenizer_digest(tokenizer), "max_length": d["max_length"],
@@ -353,7 +330,7 @@ def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike,
         return arrays, arrays.stats
     final = token_arrays_path(cfg, tokenizer, conversations)
     if not (final / "meta.json").exists():
-        with _file_lock(final.with_name(final.name + ".lock")):
+        with file_lock(final.with_name(final.name + ".lock"), unlocked="tokenising without one (every process tokenises, the first rename wins: the same bytes)"):
             if not (final / "meta.json").exists():
                 log.info("tokenising %s into %s", conversations, final)
                 _write_token_arrays(cfg, tokenizer, conversations, final, workers)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -49,7 +48,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
 from ..errors import DeepSpecError
-from ..files import atomic_path, sha256_file, write_text_atomic
+from ..files import atomic_path, file_lock, sha256_file, write_text_atomic
 from ..runtime import OFFLINE_VARIABLES, hub_offline
 from .prompts import data_root
 
@@ -336,8 +335,7 @@ def record_sum(root: Path, rel: str, sha: str) -> None:
     """Add or replace `rel`'s line in SHA256SUMS (locked: parallel jobs share it)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{SUMS_FILE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(root / f".{SUMS_FILE}.lock"):
         sums = read_sums(root)
         sums[rel] = sha
         write_text_atomic(root / SUMS_FILE, "".join(f"{s}  {r}\n" for r, s in sorted(sums.items())))
@@ -400,8 +398,7 @@ def record_source(root: Path, rel: str, rec: dict) -> None:
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{DATA_SOURCES_FILE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(root / f".{DATA_SOURCES_FILE}.lock"):
         recs = read_json(root / DATA_SOURCES_FILE, default={})
         recs[rel] = rec
         write_json_atomic(root / DATA_SOURCES_FILE, dict(sorted(recs.items())))

@@ -22,7 +22,7 @@ scaling 1), sandwich norms (post-attention norm on the attention output before
 the residual, pre/post feed-forward norms) and the output times `layer_scalar`.
 Parameter names are the reference's (`fc`, `layers.{i}.hidden_norm`,
 `layers.{i}.input_layernorm`, `layers.{i}.self_attn.*`, ..., `norm`), so
-released checkpoints map one to one (interop/convert.py).
+released checkpoints map one to one (formats/convert.py).
 
 Training-time test (TTT, `forward`): step 0 pairs the target features at
 position t with token t+1 and predicts token t+2; step s > 0 replaces the target

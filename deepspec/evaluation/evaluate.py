@@ -31,7 +31,7 @@ import torch
 from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..config import rule_settings, settings_fingerprint
-from ..files import iter_jsonl, json_safe, read_json, write_csv_atomic, write_json_atomic
+from ..files import ResumableLog, json_safe, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from ..methods import resolve_method
 from ..data.prompts import benchmark_prompt_set, speed_benchmarks
@@ -112,33 +112,21 @@ def speed_sample(cfg: dict, prompts: list, benchmark: str) -> list:
 
 # --------------------------------------------------------------------------- evaluate
 class Progress:
-    """Every finished request's records, appended (one line, fsync'd) to an
-    append-only partial file as it finishes, so that a killed evaluate job
-    resumes where it stopped: a rerun with the same settings (the evaluate
-    fingerprint, method, drafter, benchmarks) skips the requests in the file and
-    reads their records from it; other settings discard it. Removed once every
-    output is written. `Progress(None)` keeps nothing."""
+    """Every finished request's records, appended (one line, fsync'd) to a partial
+    file as it finishes (`files.ResumableLog`), so that a killed evaluate job
+    resumes where it stopped: a rerun with the same settings (`progress_header`:
+    the evaluate fingerprint, method, drafter, benchmarks) skips the requests in the
+    file and reads their records from it; other settings discard it. Removed once
+    every output is written. `Progress(None)` keeps nothing."""
 
     def __init__(self, path: Path | None, header: dict | None = None):
-        from ..files import JsonlAppender, recover_jsonl
-
-        self.path, self.done, self._out = path, {}, None
+        self.path, self.done, self._log = path, {}, None
         if path is None:
             return
-        header, resumed = {"id": "header", **(header or {})}, False
-        if path.exists():
-            recover_jsonl(path)  # a torn last line (a kill mid-write) is cut off
-            recs = [r for _, _, r in iter_jsonl(path, "evaluation progress")]
-            resumed = bool(recs) and recs[0] == header
-            if resumed:
-                self.done = {(r["benchmark"], r["index"]): r for r in recs[1:]}
-                log.info("%s: resuming, %d finished requests kept", path, len(self.done))
-            else:
-                log.warning("%s was made with other settings: starting afresh", path)
-                path.unlink()
-        self._out = JsonlAppender(path)
-        if not resumed:
-            self._out.write([header])
+        self._log = ResumableLog(path, header or {})
+        self.done = {(r["benchmark"], r["index"]): r for r in self._log.records("evaluation progress").values()}
+        if self.done:
+            log.info("%s: resuming, %d finished requests kept", path, len(self.done))
 
     def get(self, benchmark: str, index: int, sample_id: str):
         """The finished request's record, if it was this prompt's."""
@@ -148,13 +136,12 @@ class Progress:
     def add(self, benchmark: str, index: int, rows: list, sample: dict) -> None:
         rec = {"id": f"{benchmark}#{index}", "benchmark": benchmark, "index": index, "rows": rows, "sample": sample}
         self.done[(benchmark, index)] = rec
-        if self._out is not None:
-            self._out.write([rec])
+        if self._log is not None:
+            self._log.append([rec])
 
     def finish(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self.path.unlink()
+        if self._log is not None:
+            self._log.finish()
 
 
 # How many rows decode at once: a request's records do not depend on it (fixed gamma or a static
@@ -459,7 +446,7 @@ def cli_evaluate(argv) -> int:
     p.add_argument("--out-dir", help="directory for <benchmark>.csv and .json (default R/T/eval/<method>/)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    from ..interop.convert import resolve_drafter
+    from ..formats.convert import resolve_drafter
     from ..provenance import evaluation_environment
 
     paths = RunPaths.of(cfg)

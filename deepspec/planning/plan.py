@@ -66,9 +66,11 @@ from ..core.target import Target
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
-from ..data.cache import bytes_per_token, human_bytes
+from ..data.cache import bytes_per_token
+from ..files import human_bytes
 from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target, text_fields
-from ..training.loop import plan_steps, step_spec
+from ..training.recipe import plan_steps
+from ..training.run import step_spec
 from ..training.recipe import training_memory
 
 log = logging.getLogger(__name__)
@@ -414,7 +416,7 @@ def regeneration_section(cfg: dict, data: dict, target_params: int, hw: dict) ->
 def eval_section(cfg: dict, data: dict, methods: list[str], rates: dict) -> dict:
     """Prompts per benchmark and rounds / time per method at `rates` (`round_rates`)."""
     from ..data.prompts import data_root, read_turns_jsonl
-    from ..reporting.paper import TABLE1
+    from ..paper import TABLE1
 
     e, root = cfg["eval"], data_root(cfg)
     tokens = min(int(e["max_new_tokens"]), int(round(data["answer_tokens_per_sample"])))

@@ -17,7 +17,7 @@ import pandas as pd
 from ..errors import DeepSpecError
 from ..files import pyplot, read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
-from . import paper
+from .. import paper
 from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ import pandas as pd
 from ..core.acceptance import domain_position_table
 from ..errors import DeepSpecError
 from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
-from .provenance import collect as collect_provenance, provenance_markdown
+from .run_record import collect as collect_provenance, provenance_markdown
 from ..paths import RunPaths
-from . import paper
+from .. import paper
 from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
 from ..data.prompts import speed_benchmarks
 from ..training.checkpoints import LOG_NAME
@@ -496,7 +496,7 @@ def served_markdown(cfg) -> list[str]:
                           f"prompt {c['prompt']} ({c['who']}) at token {c['first_difference']}" for c in cuts[:5]) + "."]
     patches = sorted({x for r in recs.values() for x in r.get("vllm_patches", [])})
     if patches:
-        lines += ["", "vLLM was patched in the checking process (deepspec/interop/vllm_run.py `fix_cpu_expand`): "
+        lines += ["", "vLLM was patched in the checking process (deepspec/serving/engine_side/decode.py `fix_cpu_expand`): "
                   + "; ".join(patches) + "."]
     for m, r in recs.items():
         by = (r.get("sampled") or {}).get("benchmarks") or {}

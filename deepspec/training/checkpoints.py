@@ -18,8 +18,6 @@ settings is never resumed.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -33,7 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import OUTPUT_MARKER, read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
+from ..files import OUTPUT_MARKER, file_lock, read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
 from .state import TrainRun
 
 log = logging.getLogger(__name__)
@@ -57,27 +55,13 @@ def training_lock(out: Path, enabled: bool = True) -> Iterator[None]:
     """Hold an exclusive lock on the output directory while training: a second
     trainer of the same directory stops with one line instead of interleaving.
     Where the filesystem has no flock (Lustre mounted without it), training runs
-    without the lock, with a warning, as the token lock does (data/conversations.py)."""
+    without the lock, with a warning (`files.file_lock`)."""
     if not enabled:
         yield
         return
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / LOCK, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DeepSpecError(f"another training run is writing {out} (lock {out / LOCK})") from None
-        except OSError as e:
-            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise
-            log.warning("%s: no file locks on this filesystem (%s); training without the lock that keeps a "
-                        "second trainer of %s out", out / LOCK, e.strerror, out)
-            yield
-            return
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with file_lock(out / LOCK, busy=f"another training run is writing {out}",
+                   unlocked=f"training without the lock that keeps a second trainer of {out} out"):
+        yield
 
 
 def rng_state(generator: torch.Generator) -> dict:

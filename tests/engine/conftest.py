@@ -3,7 +3,7 @@
 Skipped unless DEEPSPEC_VLLM_PYTHON names a python in which `import vllm` works
 (checked once per session, in a subprocess: vLLM is never imported into the test
 process, whose torch may differ). Such tests run the engine-side code by path with
-that python, e.g. deepspec/interop/vllm_loadcheck.py.
+that python, e.g. deepspec/serving/engine_side/loadcheck.py.
 
     DEEPSPEC_VLLM_PYTHON=/path/to/vllm-venv/bin/python python -m pytest -q tests/engine
 """

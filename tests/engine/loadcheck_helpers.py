@@ -1,6 +1,6 @@
 """Shared by the vLLM loader tests (test_engine_loaders.py, test_speculators.py): a tiny
 Qwen3 target vLLM's CPU attention accepts (head_dim 32) saved as a HF directory, random
-drafters for it, and deepspec/interop/vllm_loadcheck.py run with the vLLM python."""
+drafters for it, and deepspec/serving/engine_side/loadcheck.py run with the vLLM python."""
 import json
 import subprocess
 from pathlib import Path
@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from deepspec.interop import convert
+from deepspec.formats import convert
 from helpers import random_drafter
 
 REPO = Path(__file__).resolve().parents[2]
-LOADCHECK = REPO / "deepspec" / "interop" / "vllm_loadcheck.py"
+LOADCHECK = REPO / "deepspec" / "serving" / "engine_side" / "loadcheck.py"
 HEAD_DIM = 32  # vLLM's CPU attention backend's smallest supported head size
 
 

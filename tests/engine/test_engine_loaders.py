@@ -3,19 +3,19 @@ the speculative config `vllm serve` builds for method "dspark", the model class 
 registry picks, `load_weights` on our safetensors, then the CPU loader's
 post-processing; every parameter vLLM holds must equal our tensor bit for bit and
 the settings it read (mask token, block size, feature layers, Markov and confidence
-heads, the anchor-first block) must be ours. Runs deepspec/interop/vllm_loadcheck.py
+heads, the anchor-first block) must be ours. Runs deepspec/serving/engine_side/loadcheck.py
 with DEEPSPEC_VLLM_PYTHON (tests/engine/conftest.py)."""
 import pytest
 import torch
 
-from deepspec.interop import export
+from deepspec.formats import common, export
 from loadcheck_helpers import assert_export_is_the_drafter, assert_loaded_bit_for_bit, drafter, run_loadcheck, vllm_target
 
 CASES = {  # name: (target, method, drafter settings)
     "dspark": ("qwen3", "dspark", {"mask_token_id": 3}),
     "dspark-confidence-without-markov": ("qwen3", "dspark", {"mask_token_id": 5, "confidence_with_markov": False}),
     "dspark-reduced-vocab": ("qwen3", "dspark", {"mask_token_id": 3, "draft_vocab_size": 300}),
-    "dflash": ("qwen3", "dflash", {"mask_token_id": 7}),  # the null Markov head (export.NULL_MARKOV_RANK)
+    "dflash": ("qwen3", "dflash", {"mask_token_id": 7}),  # the null Markov head (common.NULL_MARKOV_RANK)
     # the CPU presets' block drafters (SmolLM2): a Llama target, Qwen3 draft layers, a reduced
     # draft vocabulary and a learned mask embedding (no reserved token), exported as token V
     "llama-target-dspark": ("llama", "dspark", {"layer_arch": "qwen3", "draft_vocab_size": 300}),
@@ -63,7 +63,7 @@ def test_vllm_loads_our_export_bit_for_bit(loaded, name):
     assert s["sample_from_anchor"] is True and s["dspark_bonus_anchor"] is False  # DeepSpec's anchor-first block
     assert s["markov_head_type"] == "vanilla" and s["reduced_vocab"] == d.reduced_vocab
     if d.method == "dflash":
-        assert s["markov_rank"] == export.NULL_MARKOV_RANK and s["confidence_head"] is False
+        assert s["markov_rank"] == common.NULL_MARKOV_RANK and s["confidence_head"] is False
     else:
         assert s["markov_rank"] == d.config.deepspec_markov_rank == cfg["drafter"]["markov_rank"]
         assert s["confidence_head"] is True and s["confidence_with_markov"] == d.confidence.with_markov
@@ -100,4 +100,4 @@ def test_vllm_loads_the_cpu_presets_block_drafters(vllm_python, resources_dir, t
         assert s["mask_token_id"] == s["model_mask_token_id"] == V and s["draft_input_vocab"] == V + 1
         assert s["target_vocab"] == V and s["reduced_vocab"] is True
         assert s["target_layer_ids"] == list(cfg["target"]["feature_layers"])
-        assert s["markov_rank"] == (export.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])
+        assert s["markov_rank"] == (common.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])

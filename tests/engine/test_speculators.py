@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from deepspec.interop import export
+from deepspec.formats import common, export
 from loadcheck_helpers import assert_export_is_the_drafter, assert_loaded_bit_for_bit, drafter, run_loadcheck, vllm_target
 
 
@@ -64,7 +64,7 @@ def test_vllm_configures_itself_from_our_speculators_export(parsed, name):
     assert s["mask_token_id"] == s["model_mask_token_id"] == (target.vocab_size if learned else 9)
     assert s["draft_input_vocab"] == target.vocab_size + learned and s["reduced_vocab"] == d.reduced_vocab
     assert s["sample_from_anchor"] is True and s["dspark_bonus_anchor"] is False
-    assert s["markov_rank"] == (export.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])
+    assert s["markov_rank"] == (common.NULL_MARKOV_RANK if method == "dflash" else cfg["drafter"]["markov_rank"])
     assert s["confidence_head"] is (method == "dspark")
 
 

@@ -19,14 +19,14 @@ import zlib
 from deepspec.config import coerce_overrides, load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.paths import RunPaths
-from deepspec.training.launch import gpu_env
+from deepspec.gpus import gpu_env
 from deepspec.training.launch import launcher as train_launcher
 from deepspec.methods import fig3_methods, fig4_methods
 from deepspec.planning.preflight import preflight
 from deepspec.data.sources import check_sources, needed_files
 from deepspec.data.prompts import data_root, speed_benchmarks
-from deepspec.interop.engine_env import vllm_command
-from deepspec.interop.server_run import fill_command
+from deepspec.vllm_env import vllm_command
+from deepspec.regeneration.supervisor import fill_command
 from deepspec.fetch import hub_datasets, released_hub, snapshot_name
 from deepspec.provenance import SOURCE_FILE
 
@@ -100,7 +100,7 @@ def res(rule, key, default):
 
 
 
-# gpu_env(n) (deepspec/training/launch.py): the prefix of a GPU rule's command that
+# gpu_env(n) (deepspec/gpus.py): the prefix of a GPU rule's command that
 # gives the job n GPU ids of its own (Snakemake hands out none on a local machine;
 # inside a SLURM job it picks among the ids SLURM set); "" for n = 0.
 

@@ -1,5 +1,5 @@
 # Regenerate every training answer with the target itself (paper §3,
-# "Regeneration"; deepspec/data/regenerate.py). Resumable: progress lives
+# "Regeneration"; deepspec/regeneration/regenerate.py). Resumable: progress lives
 # in <output>.partial, which Snakemake does not delete on failure; a rerun
 # skips finished records.
 #
@@ -43,7 +43,7 @@ if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
 
 # The server rule exists only when there is a server to start (regenerate.server);
 # the shards then take its service as an input (regen_server_input). The server
-# runs under `python -m deepspec run-server` (deepspec/interop/server_run.py): it
+# runs under `python -m deepspec run-server` (deepspec/regeneration/supervisor.py): it
 # checks the command's program and the port (regenerate.server.port null: one
 # chosen when it starts), claims the server's GPUs, starts the command in a
 # process group of its own, reports its state in regen/server.json under this
@@ -68,7 +68,7 @@ if REGEN_SERVER:
         raise WorkflowError(f"config error: regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, "
                             "{port}, {host}, {name}; write literal braces as {{ and }})")
     SERVER_ENGINE = "--engine vllm " if SERVER_COMMAND.split()[:1] == ["vllm"] else ""  # its /version is checked
-    if SERVER_COMMAND.split()[:1] == ["vllm"]:  # vLLM in this environment or its own (deepspec/interop/engine_env.py)
+    if SERVER_COMMAND.split()[:1] == ["vllm"]:  # vLLM in this environment or its own (deepspec/vllm_env.py)
         try:
             _vllm = vllm_command(CFG["serve"]["vllm_python"])
             SERVER_COMMAND = (_vllm if _srv["port"] else _vllm.replace("{", "{{").replace("}", "}}")) + SERVER_COMMAND[len("vllm"):]
@@ -152,7 +152,7 @@ rule regenerate:
         wait=f"--wait-server-exit {shlex.quote(str(PATHS.server_status()))}" if REGEN_SERVER else "",
     threads: 1
     priority: 1
-    # a streamed merge (deepspec/data/shards.py): the prompt ids and 16 bytes per record, never the records
+    # a streamed merge (deepspec/regeneration/shards.py): the prompt ids and 16 bytes per record, never the records
     resources:
         mem_mb=res("regenerate_merge", "mem_mb", 8000),
         runtime=res("regenerate_merge", "runtime", 120),

@@ -1,5 +1,5 @@
 # The trained drafters served in vLLM and checked against our own decoding
-# (deepspec/evaluation/serve_check.py): each is exported as vLLM loads it, vLLM
+# (deepspec/serving/serve_check.py): each is exported as vLLM loads it, vLLM
 # decodes the evaluation prompts with and without speculation, and the record
 # says whether the output is lossless, whether every round accepted what ours
 # did, and tau in vLLM at the evaluation temperature. On demand

@@ -4,7 +4,7 @@ each engine step emitted and what its speculative decoding accepted.
 Run by path with a Python in which vLLM is installed (it imports vLLM, torch and
 the standard library only; never deepspec, whose environment may not have vLLM):
 
-    $VLLM_PYTHON deepspec/interop/vllm_run.py request.json answer.json
+    $VLLM_PYTHON deepspec/serving/engine_side/decode.py request.json answer.json
 
 request.json: {"target": DIR, "prompts": [[token ids], ...], "max_tokens": N,
 "temperature": T, "seed": S, "speculative_config": {...} or null, "dtype":
@@ -19,7 +19,7 @@ is the prefill's token), so `emitted` is the round's accepted drafts + 1 (fewer
 in a round cut by max_tokens or an EOS) and `accepted` is vLLM's own count,
 which also counts drafts accepted after an EOS (deepspec's records stop at it).
 
-Run by `deepspec.evaluation.serve_check`; docs/GPU.md ("Serving in vLLM").
+Run by `deepspec.serving.serve_check`; docs/GPU.md ("Serving in vLLM").
 """
 from __future__ import annotations
 

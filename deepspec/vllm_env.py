@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import DeepSpecError
+from .errors import DeepSpecError
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ generation with a KV cache. `regenerate` (local backend) and `serve` (the
 OpenAI-compatible test server) decode with it."""
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -110,3 +111,9 @@ def generate_batch(
         )
         next_pos = next_pos + 1
     return results
+
+
+def record_seed(seed: int, record_id: str, turn: int) -> int:
+    """A stable 63-bit seed per (run seed, record, turn)."""
+    h = hashlib.sha256(f"{seed}\0{record_id}\0{turn}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)

@@ -1,4 +1,4 @@
-"""GPU ids of one machine (`claim-gpus`, deepspec/training/launch.py): every GPU
+"""GPU ids of one machine (`claim-gpus`, deepspec/gpus.py): every GPU
 job gets ids no other job holds. Only lock files are involved, so this runs on CPU."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deepspec.errors import DeepSpecError
-from deepspec.training import launch as L
+from deepspec import gpus as G
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,37 +20,37 @@ def _close(fds):
 
 def test_claims_are_disjoint_and_released(tmp_path):
     ids = ["0", "1", "2"]
-    a, fa = L.try_claim(ids, 1, tmp_path)
-    b, fb = L.try_claim(ids, 2, tmp_path)
+    a, fa = G.try_claim(ids, 1, tmp_path)
+    b, fb = G.try_claim(ids, 2, tmp_path)
     assert a == ["0"] and b == ["1", "2"]
-    assert L.try_claim(ids, 1, tmp_path) is None  # all held: nothing is taken
+    assert G.try_claim(ids, 1, tmp_path) is None  # all held: nothing is taken
     _close(fb)
-    c, fc = L.try_claim(ids, 2, tmp_path)
+    c, fc = G.try_claim(ids, 2, tmp_path)
     assert c == ["1", "2"]
     # all or nothing: 2 are asked for while only 0 is free -> none is held afterwards
     _close(fc)
-    held = L.try_claim(ids, 2, tmp_path)[1]
-    assert L.try_claim(ids, 2, tmp_path) is None
+    held = G.try_claim(ids, 2, tmp_path)[1]
+    assert G.try_claim(ids, 2, tmp_path) is None
     _close(fa)
-    assert L.try_claim(ids, 1, tmp_path)[0] == ["0"]
+    assert G.try_claim(ids, 1, tmp_path)[0] == ["0"]
     _close(held)
 
 
 def test_claim_waits_then_fails_in_one_line(tmp_path):
-    ids, fds = L.try_claim(["0"], 1, tmp_path)
+    ids, fds = G.try_claim(["0"], 1, tmp_path)
     with pytest.raises(DeepSpecError, match="no 1 free GPUs of 0 within"):
-        L.claim_gpus(["0"], 1, tmp_path, poll_s=0.01, timeout_s=0.05)
+        G.claim_gpus(["0"], 1, tmp_path, poll_s=0.01, timeout_s=0.05)
     with pytest.raises(DeepSpecError, match="needs 2 GPUs, but only 1 are visible"):
-        L.claim_gpus(["0"], 2, tmp_path)
+        G.claim_gpus(["0"], 2, tmp_path)
     _close(fds)
 
 
 def test_pool_and_lock_dir_from_the_environment(tmp_path):
-    ids, d = L.gpu_pool({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_JOB_ID": "77"})
+    ids, d = G.gpu_pool({"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_JOB_ID": "77"})
     assert ids == ["2", "3"] and d.name.endswith("-slurm77")  # SLURM: its ids, a lock dir per allocation
-    ids, d = L.gpu_pool({"CUDA_VISIBLE_DEVICES": "1", "DEEPSPEC_GPU_LOCK_DIR": str(tmp_path)})
+    ids, d = G.gpu_pool({"CUDA_VISIBLE_DEVICES": "1", "DEEPSPEC_GPU_LOCK_DIR": str(tmp_path)})
     assert ids == ["1"] and d == tmp_path
-    assert L.gpu_env(0) == "" and L.gpu_env(2) == "python -m deepspec claim-gpus 2 -- "
+    assert G.gpu_env(0) == "" and G.gpu_env(2) == "python -m deepspec claim-gpus 2 -- "
 
 
 def _run_claim(env, n, code):
@@ -90,9 +90,9 @@ def test_cli_waits_a_bounded_time_and_names_the_holder(tmp_path):
         errors = [l for l in err.splitlines() if "error" in l]
         assert waiter.returncode == 2 and "ran" not in out and len(errors) == 1, err
         assert "no 1 free GPUs of 0 within 1 s" in errors[0] and f"held by pid {holder.pid}" in errors[0], errors[0]
-        assert L.claim_timeout_s({}) == L.CLAIM_TIMEOUT_S and L.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "0"}) is None
+        assert G.claim_timeout_s({}) == G.CLAIM_TIMEOUT_S and G.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "0"}) is None
         with pytest.raises(DeepSpecError, match="DEEPSPEC_CLAIM_TIMEOUT_S"):
-            L.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "soon"})
+            G.claim_timeout_s({"DEEPSPEC_CLAIM_TIMEOUT_S": "soon"})
     finally:
         for p in (holder, waiter):
             if p is not None:
@@ -105,8 +105,8 @@ def test_machine_gpus_from_nvidia_smi(monkeypatch):
     class R:
         returncode, stdout = 0, "0\n1\n2\n"
 
-    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: R())
-    assert L.gpu_pool({})[0] == ["0", "1", "2"]
-    monkeypatch.setattr(L.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("nvidia-smi")))
-    monkeypatch.setattr(L, "Path", lambda p: type("P", (), {"is_dir": lambda self: False})() if "nvidia" in str(p) else Path(p))
-    assert L.gpu_pool({})[0] == []
+    monkeypatch.setattr(G.subprocess, "run", lambda *a, **k: R())
+    assert G.gpu_pool({})[0] == ["0", "1", "2"]
+    monkeypatch.setattr(G.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("nvidia-smi")))
+    monkeypatch.setattr(G, "Path", lambda p: type("P", (), {"is_dir": lambda self: False})() if "nvidia" in str(p) else Path(p))
+    assert G.gpu_pool({})[0] == []

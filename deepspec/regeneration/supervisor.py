@@ -1,6 +1,6 @@
 """`python -m deepspec run-server`: the regeneration server of one workflow run,
 supervised (workflow/rules/regenerate.smk, rule regenerate_server); the
-shards' side of it is deepspec/data/server_status.py.
+shards' side of it is deepspec/regeneration/server_status.py.
 
 The shards must talk only to the server their run started: never to a stale
 one left on the port by an earlier run (a SIGKILLed snakemake), nor to another
@@ -14,7 +14,7 @@ start-up. So the rule runs the server's command line under this supervisor:
     at once, in one line), takes the port given (refusing it in one line when
     something already listens there) or, for regenerate.server.port null, a
     free port chosen now, and claims the server's GPUs itself
-    (`launch.claim_gpus`, a bounded wait; the locks pass to the server);
+    (`gpus.claim_gpus`, a bounded wait; the locks pass to the server);
   * it starts the command in a process group of its own (setsid) and calls the
     server ready only when the port's listening socket belongs to a process of
     that group (/proc/net/tcp and /proc/<pid>/fd: the port is checked, not just
@@ -54,7 +54,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from ..data.server_status import server_url
+from .server_status import server_url
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 
@@ -107,7 +107,7 @@ def check_command(command: str) -> None:
     if shutil.which(prog) or ("/" in prog and os.access(prog, os.X_OK)):
         return
     if os.path.basename(prog) == "vllm":
-        from ..interop.engine_env import vllm_python
+        from ..vllm_env import vllm_python
         vllm_python()  # raises the one-line "vLLM is not installed here: ..." when it is not found
         raise DeepSpecError("vLLM is installed beside this environment, but `vllm` is not on PATH: replan (snakemake "
                             "runs it as `<its python> -m vllm.entrypoints.cli.main`) or put its bin/ on PATH")
@@ -331,9 +331,9 @@ def _stop_group(proc: subprocess.Popen, pgid: int, grace_s: float) -> None:
 
 
 def _claim_gpus(env: dict, gpus: int, claim_timeout_s: Optional[float]) -> list[int]:
-    """Claim `gpus` GPUs of this machine for the server (launch.claim_gpus, a bounded
+    """Claim `gpus` GPUs of this machine for the server (gpus.claim_gpus, a bounded
     wait), setting CUDA_VISIBLE_DEVICES in `env`; the lock fds the server inherits."""
-    from ..training.launch import claim_gpus, claim_timeout_s as default_timeout, gpu_pool
+    from ..gpus import claim_gpus, claim_timeout_s as default_timeout, gpu_pool
 
     ids, lock_dir = gpu_pool(env)
     if not ids:
@@ -358,10 +358,10 @@ def served_version(host: str, port: int, timeout: float = 5.0) -> Optional[str]:
 
 def _untested_engine(engine: Optional[str], host: str, port: int, command: str, sup) -> Optional[str]:
     """engine="vllm": the served version (GET /version) recorded in the status; the
-    one-line refusal of an untested series (`engine_env.check_vllm_version`), or None."""
+    one-line refusal of an untested series (`vllm_env.check_vllm_version`), or None."""
     if engine != "vllm":
         return None
-    from .engine_env import check_vllm_version
+    from ..vllm_env import check_vllm_version
 
     version = served_version(host, port)
     try:
@@ -380,7 +380,7 @@ def run_server(command: str, *, status: str | os.PathLike, token: str, host: str
     module docstring); 0 when stopped, a one-line DeepSpecError when it could not
     start or exited on its own. `command` has {port} still to fill when `port`
     is None. engine="vllm": once ready, the server's /version is recorded in the
-    status and an untested vLLM series stops it (`engine_env.check_vllm_version`)."""
+    status and an untested vLLM series stops it (`vllm_env.check_vllm_version`)."""
     sup = Supervisor(Path(status), token, host, log_path)
     sup.write()  # first of all: the shards know this run's server exists
     old = {s: signal.signal(s, sup._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}

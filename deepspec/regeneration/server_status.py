@@ -1,5 +1,5 @@
 """The shards' side of the regeneration server of one workflow run: the status
-file its supervisor (`deepspec run-server`, deepspec/interop/server_run.py)
+file its supervisor (`deepspec run-server`, deepspec/regeneration/supervisor.py)
 writes, read by the shards (`wait_for_own_server`, `own_server_gone`) so that
 they talk only to the server their run started and fail in one line, at once,
 when it failed, stopped or is gone. A status of another run (a stale file) is

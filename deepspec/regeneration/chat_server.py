@@ -8,7 +8,7 @@ max_tokens, temperature, top_p, top_k (-1 = off), min_p, seed, n = 1 and
 chat_template_kwargs.enable_thinking = false, and returns choices[0].message.content,
 choices[0].finish_reason ("stop" or "length") and usage. ``GET /v1/models`` and
 ``GET /health`` answer as soon as it listens (the workflow's supervisor,
-interop/server_run.py, polls /v1/models before it reports the server ready).
+regeneration/supervisor.py, polls /v1/models before it reports the server ready).
 
 Decoding is `sampling.generate_batch` (the local backend's sampler), one
 request at a time, each drawn from its own ``torch.Generator`` seeded with the

@@ -56,11 +56,11 @@ from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
-from ..interop.engine_env import check_vllm_version, installed_vllm_version, vllm_bin_path, vllm_python
+from ..vllm_env import check_vllm_version, installed_vllm_version, vllm_bin_path, vllm_python
 
 log = logging.getLogger(__name__)
 
-RUNNER = Path(__file__).parents[1] / "interop" / "vllm_run.py"
+RUNNER = Path(__file__).parent / "engine_side" / "decode.py"
 # A drafter logit gap (relative to max(1, |top logit|)) within which two engines' kernels may
 # round the argmax either way: fp32 kernels differ by ~1e-4 in the logits, bf16 ones by ~1e-2.
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 3e-2}
@@ -327,7 +327,7 @@ def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, 
     our `records` of them, vLLM's speculative decoding at `temperature` against
     those records. The result dict of the module docstring (`passed` included)."""
     from ..core.decode import plain_generate, speculative_generate
-    from ..interop.export import export_for_engine
+    from ..formats.export import export_for_engine
 
     spec = export_for_engine(drafter, target, "vllm", export, overwrite=True)
     K = int(spec["num_speculative_tokens"])

@@ -3,7 +3,7 @@ N `regenerate --shard I/N` jobs each answer every N-th training prompt from the
 I-th (`shard_of`), each into its own resumable file under regen/shards/ with its
 own settings and errors files; `regenerate --merge` joins them (`merge_shards`)
 into the conversations file, in the training prompts' order. Every record is
-sampled from its own seed (`regenerate.record_seed`), so its answer does not
+sampled from its own seed (`sampling.record_seed`), so its answer does not
 depend on the shard it is in.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..config import rule_settings, settings_fingerprint
 from ..errors import DeepSpecError
 from ..files import atomic_path, read_json, require_file, write_json_atomic
 from ..paths import RunPaths
-from .prompts import Prompt, load_train_prompts
+from ..data.prompts import Prompt, load_train_prompts
 from ..paths import errors_path, settings_path
 
 log = logging.getLogger(__name__)

@@ -145,7 +145,7 @@ def precision(cfg: dict) -> dict:
 
     from ..paths import settings_path
 
-    shards = [settings_path(paths.conversations())]  # the merged shards' (data/shards.py:merge_shards)
+    shards = [settings_path(paths.conversations())]  # the merged shards' (regeneration/shards.py:merge_shards)
     mixed = {"bf16": "bfloat16", "no": "float32", "fp16": "float16"}
     train_files = [paths.drafter_dir(m) / "train_summary.json" for m in cfg["train"]["methods"]]
     out = {"bf16_matmul_support": list(bf16_matmul_support("cuda" if str(dev).startswith("cuda") else "cpu"))}

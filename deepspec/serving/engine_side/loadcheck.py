@@ -3,7 +3,7 @@
 Run by path with a python in which `import vllm` works (it imports only vllm,
 torch and the standard library, never deepspec):
 
-    $VLLM_PYTHON deepspec/interop/vllm_loadcheck.py REQUEST.json RESULT.json
+    $VLLM_PYTHON deepspec/serving/engine_side/loadcheck.py REQUEST.json RESULT.json
 
 REQUEST.json: {"cases": [{"name", "draft": export dir, "target": HF dir of the
 target (config.json), or "speculators": true (the target is the verifier the
