@@ -30,7 +30,7 @@ COMMANDS = {
     "launch-node": ("deepspec.training.launch:cli_launch_node", "start accelerate on one node of a SLURM allocation (multi-node training)"),
     "claim-gpus": ("deepspec.gpus:cli_claim_gpus", "run a command on N GPUs of this machine that no other job holds"),
     "evaluate": ("deepspec.evaluation.evaluate:cli_evaluate", "speculative-decoding evaluation of a drafter on its benchmarks (batched engine)"),
-    "baseline": ("deepspec.evaluation.evaluate:cli_baseline", "plain and prompt-lookup decoding baselines on a benchmark"),
+    "baseline": ("deepspec.evaluation.baseline:cli_baseline", "plain and prompt-lookup decoding baselines on a benchmark"),
     "schedule": ("deepspec.evaluation.schedule:cli_schedule", "threshold sweep, calibration, STS and Algorithm 1 on eval records"),
     "throughput": ("deepspec.evaluation.throughput:cli_throughput", "the batched engine under load per policy and concurrency (throughput.csv)"),
     "fig7": ("deepspec.evaluation.throughput:cli_fig7", "Figures 7-8 (throughput vs per-request speed, verify budget vs load) from throughput.csv"),

@@ -13,7 +13,8 @@ from deepspec.cli import main
 from deepspec.errors import DeepSpecError
 from deepspec.config import load_config
 from deepspec.evaluation import evaluate as E
-from deepspec.evaluation.evaluate import cli_baseline, cli_evaluate
+from deepspec.evaluation.baseline import cli_baseline
+from deepspec.evaluation.evaluate import cli_evaluate
 from deepspec.evaluation.schedule import cli_schedule
 
 N_PROMPTS = 4

@@ -68,7 +68,7 @@ def eval_drafter(path, target, cfg: dict, dtype: str | None = None):
     return load_drafter(path, target, cfg["drafter"]).to(dt).eval()
 
 
-def _generator(cfg: dict, target, idx: int) -> torch.Generator:
+def sample_generator(cfg: dict, target, idx: int) -> torch.Generator:
     """The per-sample seed of the reference evaluator: eval.seed + sample index."""
     return torch.Generator(device=target.device).manual_seed(cfg["eval"]["seed"] + idx)
 
@@ -92,7 +92,7 @@ def drafter_path(cfg: dict, method: str, override: str | None = None) -> str:
     return str(RunPaths.of(cfg).drafter_dir(method))
 
 
-def _tokens_per_s(samples: list[dict]) -> float:
+def tokens_per_s(samples: list[dict]) -> float:
     """Tokens/s of the batch-1 (timed) samples: batched samples overlap in time."""
     samples = [s for s in samples if s.get("batch1", True)]
     t = sum(s["time_s"] for s in samples)
@@ -212,12 +212,12 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
 
     def spec(idx, ids, max_new, policy=None):
         return speculative_generate(target, drafter, ids, feature_layers=layers, max_new_tokens=max_new,
-                                    temperature=ev["temperature"], generator=_generator(cfg, target, idx),
+                                    temperature=ev["temperature"], generator=sample_generator(cfg, target, idx),
                                     confidence_threshold=ev["confidence_threshold"], policy=policy)
 
     def plain(idx, ids, max_new):
         return plain_generate(target, ids, max_new_tokens=max_new, temperature=ev["temperature"],
-                              generator=_generator(cfg, target, idx))
+                              generator=sample_generator(cfg, target, idx))
 
     if any(progress.get(benchmark, i, p.id) is None for i, (p, _) in enumerate(prompts)):
         # one short untimed run of each (kernel selection, allocator, lazy init) before timing
@@ -314,7 +314,7 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int) -
         gamma=gamma,
         total_new_tokens=sum(s["new_tokens"] for s in samples),
         total_time_s=sum(s["time_s"] for s in samples),
-        tokens_per_s=_tokens_per_s(samples),
+        tokens_per_s=tokens_per_s(samples),
     )
     # plain decoding of each timed prompt, timed beside it in this process (run_timed)
     inter = interleaved_speedup(samples, n_boot, seed)
@@ -419,7 +419,7 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
                "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
                "max_new_tokens": cfg["eval"]["max_new_tokens"],
                "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine,
-               "environment": environment, **_skipped_fields(cfg, skipped), **summary,
+               "environment": environment, **skipped_fields(cfg, skipped), **summary,
                "settings": evaluation_settings(cfg)}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
@@ -429,7 +429,7 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
              "n/a" if speedup is None else f"{speedup:.3f}x", out_csv)
 
 
-def _skipped_fields(cfg: dict, skipped: list) -> dict:
+def skipped_fields(cfg: dict, skipped: list) -> dict:
     """How many of the benchmark's prompts were over data.max_prompt_tokens and left out (prompts.benchmark_prompt_set)."""
     return {"max_prompt_tokens": cfg["data"]["max_prompt_tokens"], "n_skipped_prompts": len(skipped),
             "skipped_prompts": skipped}
@@ -477,70 +477,6 @@ def cli_evaluate(argv) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- baseline
-def run_baselines(cfg: dict, target, prompts, kinds, *, warmup: bool = True) -> dict[str, list[dict]]:
-    """Each baseline kind over `prompts`, timed one prompt at a time (after one
-    short untimed run of each kind, unless this process has made it already)."""
-    from tqdm import tqdm
-
-    from ..core.decode import plain_generate, prompt_lookup_generate
-
-    ev = cfg["eval"]
-
-    def one(kind, idx, ids, max_new):
-        if kind == "plain":
-            return plain_generate(target, ids, max_new_tokens=max_new, temperature=ev["temperature"],
-                                  generator=_generator(cfg, target, idx))
-        return prompt_lookup_generate(target, ids, max_new_tokens=max_new, temperature=ev["temperature"],
-                                      num_tokens=ev["prompt_lookup_num_tokens"], seed=ev["seed"] + idx)
-
-    out = {}
-    for kind in kinds:
-        if warmup:
-            one(kind, 0, prompts[0][1], 4)  # untimed: kernel selection, allocator, lazy init
-        out[kind] = []
-        for idx, (p, ids) in enumerate(tqdm(prompts, desc=f"baseline {kind}", unit="prompt")):
-            gen = one(kind, idx, ids, ev["max_new_tokens"])
-            out[kind].append({"sample_id": p.id, "new_tokens": len(gen.tokens), "time_s": gen.time_s})
-    return out
 
 
-def cli_baseline(argv) -> int:
-    p = argparse.ArgumentParser(prog="deepspec baseline", description="plain and prompt-lookup decoding baselines")
-    add_config_args(p)
-    p.add_argument("--benchmark", action="append", help="repeatable (default: every timed benchmark, eval.speed_benchmarks)")
-    p.add_argument("--out-dir", help="directory for <benchmark>.json and .csv (default R/T/eval/baseline/)")
-    args = p.parse_args(argv)
-    cfg = config_from_args(args)
-    timed = speed_benchmarks(cfg)
-    benches = args.benchmark or timed
-    for b in benches:
-        if b not in timed:
-            raise DeepSpecError(f"--benchmark {b}: not a timed benchmark of this preset ({', '.join(timed)}; "
-                                "eval.speed_benchmarks)")
-    paths = RunPaths.of(cfg)
-    target = eval_target(cfg)  # in evaluate's dtype
-    # one process for every benchmark: the start-up (~7 s) and the warm-up are paid once
-    for i, bench in enumerate(benches):
-        out_json = Path(args.out_dir) / f"{bench}.json" if args.out_dir else paths.baseline(bench)
-        _write_baseline(cfg, target, bench, out_json, warmup=i == 0)
-    return 0
 
-
-def _write_baseline(cfg: dict, target, bench: str, out_json: Path, *, warmup: bool) -> None:
-    kept, skipped = benchmark_prompt_set(cfg, target, bench)
-    prompts = speed_sample(cfg, kept, bench)
-    runs = run_baselines(cfg, target, prompts, cfg["eval"]["baselines"], warmup=warmup)
-    summary = {"target": cfg["target"]["name"], "benchmark": bench, "n_samples": len(prompts), **_skipped_fields(cfg, skipped),
-               "sample_ids": [p.id for p, _ in prompts],
-               "temperature": cfg["eval"]["temperature"], "max_new_tokens": cfg["eval"]["max_new_tokens"],
-               "prompt_lookup_num_tokens": cfg["eval"]["prompt_lookup_num_tokens"], "settings": baseline_settings(cfg)}
-    for kind, samples in runs.items():
-        summary[kind] = {"tokens_per_s": _tokens_per_s(samples),
-                         "total_new_tokens": sum(s["new_tokens"] for s in samples),
-                         "total_time_s": sum(s["time_s"] for s in samples),
-                         "new_tokens": [s["new_tokens"] for s in samples]}
-        log.info("baseline %s/%s: %.2f tokens/s", kind, bench, summary[kind]["tokens_per_s"])
-    rows = [{"baseline": k, **s} for k, samples in runs.items() for s in samples]
-    write_csv_atomic(pd.DataFrame(rows, columns=["baseline", "sample_id", "new_tokens", "time_s"]), out_json.with_suffix(".csv"))
-    write_json_atomic(out_json, json_safe(summary))
