@@ -273,3 +273,9 @@ class Settings:
         return cls(preset=cfg.get("preset", ""), results_dir=cfg["results_dir"], figures_dir=cfg["figures_dir"],
                    resources_dir=cfg["resources_dir"], resources=cfg.get("resources", {}),
                    description=cfg.get("description", ""), raw=cfg, **sections)
+
+    @classmethod
+    def view(cls, cfg_or_settings) -> "Settings":
+        """Settings as they are, or built from a validated config: for the entry
+        points that callers reach with either."""
+        return cfg_or_settings if isinstance(cfg_or_settings, Settings) else cls.of(cfg_or_settings)
