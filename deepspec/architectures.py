@@ -4,6 +4,8 @@ torch, so that the plan-time checks (planning/preflight.py) refuse an unknown
 text model type or an impossible layer choice before any job runs."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from .errors import DeepSpecError
 
 # model_type -> (transformers modeling module, class-name prefix of the layer
@@ -49,9 +51,10 @@ LAYER_ARCHS = ("target", "qwen3")
 OWN_LAYERS_ONLY = ("gemma4_text", "gemma4_unified_text", "gemma4_unified", "gemma4")
 
 
-def layer_arch_of(drafter_cfg: dict, method: str) -> str:
-    """drafter.layer_arch for `method` (a base method: eagle3, dflash, dspark)."""
-    arch = drafter_cfg.get("layer_arch", "target")
+def layer_arch_of(drafter, method: str) -> str:
+    """drafter.layer_arch for `method` (a base method: eagle3, dflash, dspark) of the
+    drafter settings (`settings.Drafter`, or the config's drafter section)."""
+    arch = drafter.get("layer_arch", "target") if isinstance(drafter, Mapping) else drafter.layer_arch
     if isinstance(arch, dict):
         arch = arch.get(method, "target")
     if arch not in LAYER_ARCHS:

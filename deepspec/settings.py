@@ -38,6 +38,11 @@ class Section:
                 raise DeepSpecError(f"{where}.{f.name}: missing (a config that did not come from config.load_config?)")
         return cls(**values)
 
+    @classmethod
+    def view(cls, section_or_mapping):
+        """The section as it is, or built from its config mapping."""
+        return section_or_mapping if isinstance(section_or_mapping, cls) else cls.of(section_or_mapping)
+
 
 def _typed(value, hint):
     """A schema "number" given as an integer becomes a float; nothing else changes."""

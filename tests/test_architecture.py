@@ -15,12 +15,13 @@ README = PKG.parent / "README.md"
 # and from lower floors only; areas that share a floor (the DAG's sibling stages:
 # regeneration, training and evaluation all read data/) never import each other,
 # except the ground's one-file modules, whose order the cycle check keeps.
-# core/ and drafters/ take tensors: no config, files, paths or CLI.
+# core/ and drafters/ take tensors (and drafters the typed drafter settings): no
+# config dicts, files, paths or CLI.
 LAYERS = [
     ("errors",),
-    ("core", "architectures"),
+    ("core", "architectures", "settings"),
     ("drafters",),
-    ("paths", "files", "runtime", "methods", "config", "settings", "provenance", "checkout", "fetch", "gpus",
+    ("paths", "files", "runtime", "methods", "config", "provenance", "checkout", "fetch", "gpus",
      "vllm_env", "paper"),
     ("targets",),
     ("data", "formats"),

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from deepspec.data.conversations import encode_conversation, read_conversations, tokenize_conversation
 from deepspec.errors import DeepSpecError
 from deepspec.core.target import render_chat
+from deepspec.settings import Settings
 
 TWO_TURNS = [
     {"role": "user", "content": "Hi there"},
@@ -66,19 +68,16 @@ def test_history_rendered_differently_still_masks_content(tiny_target):
 
 def test_system_prompt_truncation_and_min_loss_tokens(tiny_cfg, tiny_target):
     tok = tiny_target.tokenizer
-    cfg = copy.deepcopy(tiny_cfg)
-    ids, mask = encode_conversation(tok, TWO_TURNS, cfg)
+    data = Settings.of(tiny_cfg).data
+    ids, mask = encode_conversation(tok, TWO_TURNS, data)
     assert "You are a helpful AI assistant named SmolLM" in tok.decode(ids)  # the template's own default
-    cfg["data"]["system_prompt"] = "Be terse."
-    ids2, _ = encode_conversation(tok, TWO_TURNS, cfg)
+    ids2, _ = encode_conversation(tok, TWO_TURNS, dataclasses.replace(data, system_prompt="Be terse."))
     assert "Be terse." in tok.decode(ids2) and "named SmolLM" not in tok.decode(ids2)
 
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg["data"]["max_length"] = len(ids) - 3
-    t_ids, t_mask = encode_conversation(tok, TWO_TURNS, cfg)
+    data = dataclasses.replace(data, max_length=len(ids) - 3)
+    t_ids, t_mask = encode_conversation(tok, TWO_TURNS, data)
     assert t_ids == ids[: len(ids) - 3] and t_mask == mask[: len(ids) - 3]
-    cfg["data"]["min_loss_tokens"] = sum(t_mask) + 1
-    assert encode_conversation(tok, TWO_TURNS, cfg) is None
+    assert encode_conversation(tok, TWO_TURNS, dataclasses.replace(data, min_loss_tokens=sum(t_mask) + 1)) is None
 
 
 def test_bad_conversations_are_one_line_errors(tmp_path):
@@ -109,11 +108,13 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
     path = tmp_path / "regen" / "conversations.jsonl"
     write_conversations(path)
     tok = tiny_target.tokenizer
-    cfg = copy.deepcopy(tiny_cfg)
-    cfg["data"]["min_loss_tokens"] = 12  # drops a short sample: the mapped samples skip it too
-    arrays, stats = C.tokenized_samples(cfg, tok, path)
+    # data.min_loss_tokens 12 drops a short sample: the mapped samples skip it too
+    settings = Settings.of({**tiny_cfg, "data": {**tiny_cfg["data"], "min_loss_tokens": 12},
+                            "cache": {**tiny_cfg["cache"], "mode": "online"}})
+    data = settings.data
+    arrays, stats = C.tokenized_samples(data, tok, path)
     recs = sorted(read_conversations(path), key=lambda r: C._id_key(r["id"]))
-    want = [(r["id"], enc) for r in recs if (enc := encode_conversation(tok, r["messages"], cfg)) is not None]
+    want = [(r["id"], enc) for r in recs if (enc := encode_conversation(tok, r["messages"], data)) is not None]
     assert 0 < len(want) < len(recs) and stats == {"conversations": len(recs), "dropped_min_loss_tokens": len(recs) - len(want)}
     assert [s.id for s in arrays] == [i for i, _ in want]
     for s, (_, (ids, mask)) in zip(arrays, want):
@@ -125,20 +126,20 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
     assert np.shares_memory(arrays[1].input_ids, arrays.input_ids)
     assert arrays.input_ids.nbytes == 4 * int(arrays.offsets[-1])
     # the online dataset yields the same samples from the mapped arrays
-    ds = OnlineDataset({**cfg, "cache": {**cfg["cache"], "mode": "online"}}, tiny_target, arrays)
+    ds = OnlineDataset(settings, tiny_target, arrays)
     for k, (_, (ids, mask)) in enumerate(want):
         assert ds[k]["input_ids"].tolist() == ids and ds[k]["loss_mask"].tolist() == mask
         assert ds[k]["input_ids"].dtype == torch.long and ds[k]["loss_mask"].dtype == torch.bool
 
     monkeypatch.setattr(C, "encode_conversation", lambda *a: pytest.fail("tokenised again"))
-    again, _ = C.tokenized_samples(cfg, tok, path)
+    again, _ = C.tokenized_samples(data, tok, path)
     assert again.dir == arrays.dir and again.digest == arrays.digest
     assert sorted(p.name for p in path.parent.iterdir() if ".partial" in p.name) == []
     monkeypatch.undo()
     with open(path, "a") as f:  # new data: a new token file, not the stale one
         f.write(json.dumps({"id": "hand:9", "messages": [{"role": "user", "content": "Hi"}, {
             "role": "assistant", "content": "Hello, how are you today, my friend? " * 4}]}) + "\n")
-    grown, _ = C.tokenized_samples(cfg, tok, path)
+    grown, _ = C.tokenized_samples(data, tok, path)
     assert grown.dir != arrays.dir and len(grown) == len(arrays) + 1 and grown.digest != arrays.digest
 
 
@@ -157,11 +158,11 @@ def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg
         for i in range(200):
             f.write(json.dumps({"id": f"more:{i}", "messages": [{"role": "user", "content": f"Count to {i}."}, {
                 "role": "assistant", "content": " ".join(str(k) for k in range(i % 40 + 3))}]}) + "\n")
-    cfg = copy.deepcopy(tiny_cfg)
+    data = Settings.of(tiny_cfg).data
     tok = tiny_target.tokenizer
     one, two = tmp_path / "one", tmp_path / "two"
-    C._write_token_arrays(cfg, tok, path, one, workers=1)
-    C._write_token_arrays(cfg, tok, path, two, workers=2)
+    C._write_token_arrays(data, tok, path, one, workers=1)
+    C._write_token_arrays(data, tok, path, two, workers=2)
     for name in ("input_ids.npy", "loss_mask.npy", "offsets.npy", "meta.json"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert len(json.loads((one / "meta.json").read_text())["ids"]) > 150
@@ -176,11 +177,11 @@ def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg
     # P8: a training rank with the record maps the arrays without hashing the conversations;
     # a record of another file state (the conversations grown since) is not trusted
     monkeypatch.setattr(C, "sha256_file", lambda *a: pytest.fail("the conversations were hashed again"))
-    known, _ = C.tokenized_samples(cfg, tok, path, record=out)
+    known, _ = C.tokenized_samples(data, tok, path, record=out)
     monkeypatch.undo()
     assert known.dir == arrays.dir and known.digest == arrays.digest
     with open(path, "a") as f:
         f.write(json.dumps({"id": "late:1", "messages": [{"role": "user", "content": "Hi"}, {
             "role": "assistant", "content": "one two three four five six seven eight nine ten"}]}) + "\n")
-    assert C.recorded_token_arrays(cfg, tok, path, out) is None
-    assert C.tokenized_samples(cfg, tok, path, record=out)[0].dir != arrays.dir
+    assert C.recorded_token_arrays(data, tok, path, out) is None
+    assert C.tokenized_samples(data, tok, path, record=out)[0].dir != arrays.dir

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepspec.training import loop as T
+from deepspec.config import load_config
+from deepspec.training import run as T
 from deepspec.training.checkpoints import TRAINER_STATE
 from deepspec.training.launch import direct_command, free_port, launcher, node_command
 from helpers import write_conversations
@@ -33,7 +34,7 @@ def _argv(tmp_path, tiny_cfg, out):
 
 
 def _two_processes(argv):
-    prefix = launcher(dict(gpus=0, processes=2, nodes=1, main_process_port=0), port=free_port())
+    prefix = launcher(dict(load_config("tiny")["train"], gpus=0, processes=2, nodes=1), port=free_port())
     cmd = [sys.executable if w == "python" else w for w in shlex.split(prefix)] + ["-m", "deepspec", "train", *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -107,7 +108,7 @@ def test_train_run_by_hand_starts_its_processes(runs, tiny_cfg, monkeypatch):
 
 
 def test_direct_commands():
-    base = dict(gpus=0, processes=1, nodes=1, main_process_port=29500)
+    base = dict(load_config("tiny")["train"], gpus=0, processes=1, nodes=1, main_process_port=29500)
     args = ["--preset", "tiny", "--method", "dspark"]
     assert direct_command(base, {}, args, 123) is None
     assert direct_command(dict(base, processes=2), {}, args, 123) == [
@@ -122,7 +123,7 @@ def test_direct_commands():
 
 
 def test_launchers():
-    base = dict(gpus=0, processes=1, nodes=1, main_process_port=29500)
+    base = dict(load_config("tiny")["train"], gpus=0, processes=1, nodes=1, main_process_port=29500)
     assert launcher(base) == "python"
     assert launcher(dict(base, processes=2)) == "python -m torch.distributed.run --nproc_per_node 2 --master_port 29500"
     assert launcher(dict(base, gpus=8, processes=4)).startswith("accelerate launch --multi_gpu --num_processes 8 ")

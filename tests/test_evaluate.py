@@ -341,10 +341,12 @@ def test_algorithm1_timing_needs_a_confidence_head(tiny_cfg, tiny_target):
     others get no policy and no profile; DSpark gets SPS(1..gamma+1)."""
     from deepspec import drafters
     from deepspec.evaluation.evaluate import alg1_policy
+    from deepspec.settings import Settings
 
+    s = Settings.of(tiny_cfg)
     for method in ("eagle3", "dflash"):
-        assert alg1_policy(tiny_cfg, tiny_target, drafters.build_drafter(method, tiny_target, tiny_cfg)) is None
-    pol = alg1_policy(tiny_cfg, tiny_target, drafters.build_drafter("dspark", tiny_target, tiny_cfg))
+        assert alg1_policy(s, tiny_target, drafters.build_drafter(method, tiny_target, tiny_cfg)) is None
+    pol = alg1_policy(s, tiny_target, drafters.build_drafter("dspark", tiny_target, tiny_cfg))
     assert list(pol.sps.batch_tokens) == list(range(1, 9)) and (pol.sps.steps_per_s > 0).all()
 
 

@@ -72,8 +72,9 @@ def test_qwen3_layers_over_a_llama_target_have_its_sizes(tiny_target, tiny_cfg, 
 
 def test_qwen3_layers_over_a_qwen3_target_are_the_target_layers(qwen3_target, qwen3_cfg):
     for method in ("eagle3", "dspark"):
-        a = draft_config(method, qwen3_target, _cfg(qwen3_cfg, layer_arch="qwen3")).to_dict()
-        b = draft_config(method, qwen3_target, qwen3_cfg).to_dict()
+        layers = qwen3_cfg["target"]["feature_layers"]
+        a = draft_config(method, qwen3_target, _cfg(qwen3_cfg, layer_arch="qwen3")["drafter"], layers).to_dict()
+        b = draft_config(method, qwen3_target, qwen3_cfg["drafter"], layers).to_dict()
         assert a == b
 
 
@@ -200,9 +201,10 @@ def test_vllm_export_of_qwen3_layers_over_llama_and_back(tiny_target, tiny_cfg, 
 
 def test_report_names_the_draft_layers():
     from deepspec.reporting.report import _draft_layers
+    from deepspec.settings import Settings
 
-    assert _draft_layers(load_config("tiny")) == "draft layers: the target's layer type"
-    mixed = load_config("tiny", {"drafter": {"layer_arch": {"dflash": "qwen3", "dspark": "qwen3"}}})
+    assert _draft_layers(Settings.of(load_config("tiny"))) == "draft layers: the target's layer type"
+    mixed = Settings.of(load_config("tiny", {"drafter": {"layer_arch": {"dflash": "qwen3", "dspark": "qwen3"}}}))
     assert _draft_layers(mixed) == "draft layers: eagle3: the target's layer type; dflash, dspark: Qwen3 layers"
 
 

@@ -1,5 +1,6 @@
 """`python -m deepspec plan`: cache bytes, FLOPs measured on the meta device,
 the shadowed data-dependent ops, offline planning of every preset."""
+import dataclasses
 import json
 import logging
 import re
@@ -10,8 +11,9 @@ import torch
 
 from deepspec.config import PRESETS_DIR, load_config
 from deepspec.planning import plan as P
+from deepspec.settings import Settings
 from deepspec.targets import specs as S
-from deepspec.planning.meta import MetaShadow, measure
+from deepspec.planning.meta import MetaShadow, build_meta_drafter, measure, param_counts
 from deepspec.targets.tiny import tiny_config
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
@@ -37,7 +39,7 @@ def test_cache_bytes_per_token_qwen3_4b_by_hand():
     facts, _ = S.load_facts(cfg)
     target = S.meta_target(cfg, facts)
     data = {"tokens": 1000}
-    c = P.cache_section(cfg, target, data, online_flops_per_step=0)
+    c = P.cache_section(Settings.of(cfg), target, data, online_flops_per_step=0)
     assert c["hidden_bytes_per_token"] == 6 * 2560 * 2 == 30720
     assert c["bytes_per_token"] == 6 * 2560 * 2 + 4 + 1
     assert c["offline_total_bytes"] == 1000 * (6 * 2560 * 2 + 4 + 1)
@@ -195,9 +197,8 @@ def test_checkpoint_disk_is_one_checkpoint_times_the_number_kept():
     the fp32 drafter plus AdamW's two fp32 moments, 12 B per trainable parameter,
     ~22 GB; the paper presets keep 2 regular checkpoints and the newest hourly
     one, not the ~137 hourly ones of a 14B run (6.6 TB)."""
-    cfg = load_config("qwen3-14b", {})
-    t = cfg["train"]
-    assert t["keep_checkpoints"] == 2 and t["checkpoint_minutes"] == 60
+    t = Settings.of(load_config("qwen3-14b", {})).train
+    assert t.keep_checkpoints == 2 and t.checkpoint_minutes == 60
 
     class Drafter:  # the state dict of a 1.86 G-parameter drafter (bf16 on meta, as plan builds it) + an int64 map
         def state_dict(self):
@@ -209,7 +210,8 @@ def test_checkpoint_disk_is_one_checkpoint_times_the_number_kept():
     assert c["bytes_each"] == each and c["regular_checkpoints"] == 9  # 8 x 3000 steps, and the last one
     assert (c["kept_regular"], c["kept_timed"], c["kept"]) == (2, 1, 3)
     assert c["bytes_kept"] == 3 * each and c["bytes_peak"] == 4 * each
-    every = P.checkpoint_disk(dict(t, keep_checkpoints=None, checkpoint_minutes=None), Drafter(), 1_860_000_000, 24_120)
+    every = P.checkpoint_disk(dataclasses.replace(t, keep_checkpoints=None, checkpoint_minutes=None), Drafter(),
+                              1_860_000_000, 24_120)
     assert every["kept"] == 9 and every["bytes_kept"] == 9 * each
 
 
@@ -219,7 +221,7 @@ def test_plan_predicts_the_checkpoint_a_training_run_writes(tmp_path, tiny_cfg, 
     states, scheduler, log and serialisation headers are not counted), and it
     prints the disk the kept checkpoints take."""
     from deepspec.config import parse_set
-    from deepspec.training import loop as T
+    from deepspec.training import run as T
     from helpers import write_conversations
 
     monkeypatch.setattr("deepspec.targets.loading.target_from_config", lambda cfg, **k: tiny_target)
@@ -258,16 +260,18 @@ def test_paper_presets_kv_budget_fits_their_gpu(name):
     assert cfg["eval"]["kv_budget_gb"] is not None and cfg["eval"]["dtype"] == "bfloat16"
     facts, _ = S.load_facts(cfg)
     target = S.meta_target(cfg, facts)
-    drafter, _ = P.build_meta_drafter("dspark", target, cfg)
-    own = P.param_counts(drafter, target)
-    m = P.eval_memory(cfg, sum(p.numel() for p in target.model.parameters()), own["trainable"] + own["frozen_own"],
+    drafter, _ = build_meta_drafter("dspark", target, cfg)
+    own = param_counts(drafter, target)
+    s = Settings.of(cfg)
+    m = P.eval_memory(s, sum(p.numel() for p in target.model.parameters()), own["trainable"] + own["frozen_own"],
                       P.kv_bytes_per_token(facts, cfg["eval"]["dtype"]), drafter.kv_bytes_per_token(torch.bfloat16))
     assert m["fits"] and m["total"] <= cfg["plan"]["gpu_memory_gib"] <= 80, m
     assert m["kv_cache"] >= m["longest_row_gib"], m
     # P4: the drafter's own context K/V (5 draft layers, the target's KV geometry) counts too
     if name != "gemma4-12b":
         assert m["drafter_kv_bytes_per_token"] == 5 * m["kv_bytes_per_token"] // target.num_layers
-    unbounded = P.eval_memory(dict(cfg, eval=dict(cfg["eval"], kv_budget_gb=None)), 0, 0, m["kv_bytes_per_token"])
+    unbounded = P.eval_memory(dataclasses.replace(s, eval=dataclasses.replace(s.eval, kv_budget_gb=None)), 0, 0,
+                              m["kv_bytes_per_token"])
     assert unbounded["kv_cache"] > cfg["plan"]["gpu_memory_gib"]  # what NR9 was: 32 longest rows do not fit
 
 
@@ -281,15 +285,15 @@ def test_evaluation_and_regeneration_time_scale_with_the_target():
     assert hw["eval_rounds_per_s"] is None
     assert P.forward_seconds(8e9, 36, hw) == pytest.approx(8e9 / (3350e9 * 0.6) + 36 * 0.8e-3)
     fake = {"params": {"trainable": 10**8, "frozen_own": 0}, "draft_layers": {"count": 1}, "gamma": 7, "markov_rank": 0}
-    small = P.round_rates(load_config("qwen3-4b", {}), 4 * 10**9, 36, {"eagle3": fake}, hw)
-    large = P.round_rates(load_config("qwen3-14b", {}), 14 * 10**9, 40, {"eagle3": fake}, hw)
+    small = P.round_rates(Settings.of(load_config("qwen3-4b", {})).eval, 4 * 10**9, 36, {"eagle3": fake}, hw)
+    large = P.round_rates(Settings.of(load_config("qwen3-14b", {})).eval, 14 * 10**9, 40, {"eagle3": fake}, hw)
     assert small["methods"]["eagle3"] > large["methods"]["eagle3"] and small["plain"] > large["plain"]
     assert small["plain"] > small["methods"]["eagle3"]  # the drafter's forwards cost something
-    fixed = P.round_rates(load_config("qwen3-4b", {}), 4 * 10**9, 36, {"eagle3": fake}, dict(hw, eval_rounds_per_s=30.0))
+    fixed = P.round_rates(Settings.of(load_config("qwen3-4b", {})).eval, 4 * 10**9, 36, {"eagle3": fake}, dict(hw, eval_rounds_per_s=30.0))
     assert fixed["methods"] == {"eagle3": 30.0} and fixed["from"] == "plan.eval_rounds_per_s"
-    cfg = load_config("qwen3-14b", {})
+    s = Settings.of(load_config("qwen3-14b", {}))
     data = {"regenerated_tokens": 10**9, "regenerated_tokens_upper_bound": 5 * 10**9}
-    r14, r4 = P.regeneration_section(cfg, data, 14 * 10**9, hw), P.regeneration_section(cfg, data, 4 * 10**9, hw)
+    r14, r4 = P.regeneration_section(s, data, 14 * 10**9, hw), P.regeneration_section(s, data, 4 * 10**9, hw)
     assert r14["estimated"] and r14["hours"] == pytest.approx(3.5 * r4["hours"])
     assert r14["tokens_per_s"] == pytest.approx(8 * 989e12 * 0.2 / 28e9) and r14["runtime_hours"] == 24.0
-    assert not P.regeneration_section(load_config("smollm2-135m", {}), data, 10**8, hw)["estimated"]
+    assert not P.regeneration_section(Settings.of(load_config("smollm2-135m", {})), data, 10**8, hw)["estimated"]

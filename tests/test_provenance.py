@@ -116,6 +116,7 @@ def test_released_drafter_keeps_its_commit(tmp_path, tiny_target, tiny_cfg, monk
     from deepspec.drafters import build_drafter
     from deepspec.formats.convert import resolve_drafter
     from deepspec.reporting.run_record import _drafters
+    from deepspec.settings import Settings
 
     snap = tmp_path / "hub" / "models--org--dspark" / "snapshots" / SHA
     torch.manual_seed(0)
@@ -130,7 +131,7 @@ def test_released_drafter_keeps_its_commit(tmp_path, tiny_target, tiny_cfg, monk
     ev.mkdir(parents=True)
     for b in cfg["data"]["benchmarks"]:
         (ev / f"{b}.json").write_text(json.dumps({"drafter": out}))
-    rec = _drafters(cfg)["dspark"]
+    rec = _drafters(Settings.of(cfg))["dspark"]
     assert rec["released"] == "org/dspark" and rec["checkpoints"] == [{"checkpoint": str(snap), "commit": SHA}]
 
 

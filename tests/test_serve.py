@@ -1,6 +1,7 @@
 """`deepspec serve` (deepspec/regeneration/chat_server.py) and the server side of
 regeneration: the consumers' health wait, a refused URL failing in one line,
 and the wait for the server's exit before the GPU jobs."""
+import dataclasses
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ from deepspec.data.prompts import Prompt
 from deepspec.regeneration.client import _answer_with_server, _chat_url, server_urls, wait_for_exit, wait_for_servers
 from deepspec.regeneration.sampling import generate_batch, record_seed
 from deepspec.regeneration.chat_server import serve
+from deepspec.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,16 +58,15 @@ def test_serve_answers_what_regeneration_sends(served, tiny_cfg, tiny_target):
     url, httpd = served
     assert _get(url + "/health") == {"status": "ok"}
     assert [m["id"] for m in _get(url + "/v1/models")["data"]] == ["tiny"]
-    cfg = {**tiny_cfg, "regenerate": {**tiny_cfg["regenerate"], "model_name": "tiny", "max_new_tokens": 12}}
+    s = Settings.of({**tiny_cfg, "regenerate": {**tiny_cfg["regenerate"], "model_name": "tiny", "max_new_tokens": 12}})
     prompt = Prompt(id="p:1", turns=["Name a colour.", "And another one?"], source="p")
-    msgs, n = _answer_with_server(_chat_url(url + "/v1"), prompt, cfg)
-    again, _ = _answer_with_server(_chat_url(url + "/v1"), prompt, cfg)
+    msgs, n = _answer_with_server(_chat_url(url + "/v1"), prompt, s)
+    again, _ = _answer_with_server(_chat_url(url + "/v1"), prompt, s)
     assert msgs == again and httpd.chat.served == 4 and n > 0
     # turn 0 equals generate_batch under the seed regenerate sent (record_seed & 0x7FFFFFFF)
-    rc = {k: cfg["regenerate"][k] for k in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")}
     ids = tiny_target.chat_ids([{"role": "user", "content": prompt.turns[0]}])
-    gen = torch.Generator().manual_seed(record_seed(cfg["regenerate"]["seed"], prompt.id, 0) & 0x7FFFFFFF)
-    out = generate_batch(tiny_target.model, [ids], [gen], rc, eos_ids=tiny_target.eos_token_ids,
+    gen = torch.Generator().manual_seed(record_seed(s.regenerate.seed, prompt.id, 0) & 0x7FFFFFFF)
+    out = generate_batch(tiny_target.model, [ids], [gen], s.regenerate, eos_ids=tiny_target.eos_token_ids,
                          pad_id=tiny_target.tokenizer.pad_token_id)[0]
     text = tiny_target.tokenizer.decode([t for t in out if t not in tiny_target.eos_token_ids], skip_special_tokens=True)
     assert msgs[1]["content"] == text and msgs[1].get("truncated", False) == (out[-1] not in tiny_target.eos_token_ids)
@@ -89,7 +90,7 @@ def test_serve_refuses_bad_requests_with_400(served, body, says):
     assert e.value.code == 400 and says in json.loads(e.value.read())["error"]["message"]
 
 
-def test_consumers_wait_for_a_server_that_comes_up_late(tiny_target):
+def test_consumers_wait_for_a_server_that_comes_up_late(tiny_cfg, tiny_target):
     port = _free_port()
     started = []
 
@@ -98,7 +99,7 @@ def test_consumers_wait_for_a_server_that_comes_up_late(tiny_target):
         started.append(serve(tiny_target, host="127.0.0.1", port=port, name="tiny", max_tokens=8))
 
     threading.Thread(target=later, daemon=True).start()
-    urls = server_urls({"urls": [f"http://127.0.0.1:{port}/v1"]})
+    urls = server_urls(dataclasses.replace(Settings.of(tiny_cfg).regenerate, urls=[f"http://127.0.0.1:{port}/v1"]))
     assert urls == [f"http://127.0.0.1:{port}/v1/chat/completions"]
     try:
         assert wait_for_servers(urls, 30, poll_s=0.2) >= 1.0

@@ -467,7 +467,7 @@ def test_serve_check_runs_target_and_drafter_in_eval_dtype(tiny_cfg, tiny_target
     seen = {}
 
     def fake(py, target, target_dir, drafter, export, **kw):
-        seen.update(target=target.model.dtype, drafter=next(drafter.parameters()).dtype, vllm=kw["dtype"])
+        seen.update(target=target.model.dtype, drafter=next(drafter.parameters()).dtype, vllm=kw["ev"].dtype)
         return {"passed": True, "greedy": {"lossless": True, "rounds_identical": True, "rounds": 0, "eos_rounds": 0,
                                            "near_ties": [], "near_tie_cuts": [], "tau_vllm": None}}
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from deepspec.config import load_config
 from deepspec.training import loop as T
 from deepspec.training import run as TR
 from deepspec.training import recipe as R
@@ -88,8 +89,10 @@ def make_step_fn(use_rng: bool):
 
 
 def train_cfg(**kw):
-    cfg = dict(lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0, global_batch=4, micro_batch=1,
-               epochs=1, max_steps=None, seed=42, checkpoint_every=1000, log_every=1, keep_checkpoints=None,
+    """The tiny preset's train section with the loop's test settings and `kw`."""
+    cfg = dict(load_config("tiny")["train"], lr=6e-4, weight_decay=0.0, warmup_ratio=0.04, grad_clip=1.0,
+               global_batch=4, micro_batch=1, epochs=1, max_steps=None, seed=42, checkpoint_every=1000, log_every=1,
+               keep_checkpoints=None,
                precision="float32")  # the loop's mechanics compared exactly, on any CPU (bf16: test_precision.py)
     cfg.update(kw)
     return cfg
@@ -610,23 +613,6 @@ def test_online_run_makes_the_target_forwards_plan_predicts(tmp_path, tiny_cfg, 
     assert plan["training"]["methods"]["dspark"]["online_target_forwards"] == summary["online_target_forwards"]
     totals = plan["training"]["totals"]["dspark"]
     assert totals["total_flops_online"] - totals["total_flops_offline"] == 6 * plan["training"]["target_forward_flops_per_micro_batch"]
-
-
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "qwen3-4b"])
-def test_train_settings_are_the_presets_train_keys(preset):
-    """TrainSettings reads each field from the train key of the same name."""
-    import dataclasses
-
-    from deepspec.config import load_config, schema_node
-    from deepspec.training.state import TrainSettings
-
-    train = load_config(preset)["train"]
-    settings = TrainSettings.of(train)
-    for f in dataclasses.fields(TrainSettings):
-        assert schema_node(f"train.{f.name}") is not None, f.name
-        assert getattr(settings, f.name) == train[f.name], f.name
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        settings.seed = 1
 
 
 def test_training_lock_without_flock_trains_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -41,7 +41,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_path, human_bytes, read_json, sha256_file, write_json_atomic
 from ..paths import RunPaths
 from ..runtime import resolve_precision
+from ..settings import Cache, Settings
 from ..targets.specs import text_dims
 from .conversations import TokenArrays, TokenizedSample, tokenized_samples
 
@@ -90,10 +91,9 @@ def plan_batches(lengths: Sequence[int], start: int, end: int, batch_size: int) 
     return [idx[k : k + batch_size] for k in range(0, len(idx), batch_size)]
 
 
-def forward_plan(lengths: Sequence[int], cfg: dict) -> list[list[int]]:
+def forward_plan(lengths: Sequence[int], cache: Cache) -> list[list[int]]:
     """All forward batches, shard by shard: the single source of truth for both modes."""
-    c = cfg["cache"]
-    return [b for s, e in plan_shards(lengths, c["shard_tokens"]) for b in plan_batches(lengths, s, e, c["batch_size"])]
+    return [b for s, e in plan_shards(lengths, cache.shard_tokens) for b in plan_batches(lengths, s, e, cache.batch_size)]
 
 
 def forward_features(target, layers: Sequence[int], rows: Sequence, dtype: torch.dtype):
@@ -117,17 +117,18 @@ def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSampl
     return [(feats[r, : len(s.input_ids)].cpu(), last[r, : len(s.input_ids)].cpu()) for r, s in enumerate(samples)]
 
 
-def data_fingerprint(cfg: dict, target_id: str, samples: TokenArrays) -> str:
+def data_fingerprint(cfg: Settings | Mapping, target_id: str, samples: TokenArrays) -> str:
     """Everything the cache's bytes depend on: the settings of config.CACHE_BYTES_SETTINGS
     (part of the build_cache rule's settings), the dtype the forward computes in
     on this machine (`cache_precision`; named only when it is not target.dtype,
     which caches were computed in before cache.precision existed, so those stay
     valid) and the exact token data (the digest of the token arrays)."""
+    s = Settings.view(cfg)
     h = hashlib.sha256()
     settings = dict(version=VERSION, target_id=target_id,
-                    **{name: pick(cfg, path) for name, path in CACHE_BYTES_SETTINGS.items()})
-    compute = cache_precision(cfg)
-    if compute != cfg["target"]["dtype"]:
+                    **{name: pick(s.raw, path) for name, path in CACHE_BYTES_SETTINGS.items()})
+    compute = cache_precision(s)
+    if compute != s.target.dtype:
         settings["compute_dtype"] = compute
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(samples.digest.encode())
@@ -147,7 +148,7 @@ def bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
     return 4 + 1 + (n_layers + 1) * hidden * DTYPES[dtype].itemsize
 
 
-def _hidden_size(cfg: dict, target=None) -> int:
+def _hidden_size(cfg: Settings | Mapping, target=None) -> int:
     return target.hidden_size if target is not None else text_dims(cfg, download=True)["hidden_size"]
 
 
@@ -174,7 +175,7 @@ def _write_shard(path: Path, samples: Sequence[TokenizedSample], rows) -> None:
 
 
 def build_cache(
-    cfg: dict,
+    cfg: Settings | Mapping,
     conversations: Optional[str | os.PathLike] = None,
     out: Optional[str | os.PathLike] = None,
     *,
@@ -184,15 +185,15 @@ def build_cache(
     """Build (or finish) the target cache; returns the manifest (the estimate with dry_run)."""
     from ..targets.loading import load_tokenizer
 
-    paths = RunPaths.of(cfg)
+    s = Settings.view(cfg)
+    paths = RunPaths.of(s.raw)
     conversations = Path(conversations) if conversations else paths.conversations()
     out = Path(out) if out else paths.cache_dir()
-    t, c = cfg["target"], cfg["cache"]
-    samples, stats = tokenized_samples(cfg, target.tokenizer if target is not None else load_tokenizer(cfg), conversations,
+    samples, stats = tokenized_samples(s.data, target.tokenizer if target is not None else load_tokenizer(s), conversations,
                                        record=paths.tokens_record())
     lengths = samples.lengths()
-    n_tokens, hidden = sum(lengths), _hidden_size(cfg, target)
-    bpt = bytes_per_token(len(t["feature_layers"]), hidden, c["dtype"])
+    n_tokens, hidden = sum(lengths), _hidden_size(s, target)
+    bpt = bytes_per_token(len(s.target.feature_layers), hidden, s.cache.dtype)
     estimate = {"samples": len(samples), "tokens": n_tokens, "bytes_per_token": bpt, "estimated_bytes": bpt * n_tokens}
     msg = (f"target cache estimate: {len(samples)} samples, {n_tokens} tokens x {bpt} bytes/token = "
            f"{human_bytes(bpt * n_tokens)} ({bpt * n_tokens} bytes)")
@@ -201,16 +202,16 @@ def build_cache(
         return estimate
     log.info(msg)
 
-    target_id = target.target_id if target is not None else t["spec"]
-    fp = data_fingerprint(cfg, target_id, samples)
+    target_id = target.target_id if target is not None else s.target.spec
+    fp = data_fingerprint(s, target_id, samples)
     progress = _resume_state(out, fp)
     if progress is None:  # up to date
         return read_manifest(out)
-    target = cache_target(cfg, target)
+    target = cache_target(s, target)
     t0 = time.perf_counter()
-    shard_entries, written, new_tokens = _write_shards(cfg, target, samples, out, progress)
+    shard_entries, written, new_tokens = _write_shards(s, target, samples, out, progress)
     secs = time.perf_counter() - t0
-    manifest = _manifest(cfg, target_id, samples, stats, hidden, fp, shard_entries,
+    manifest = _manifest(s, target_id, samples, stats, hidden, fp, shard_entries,
                          str(next(target.model.parameters()).dtype).replace("torch.", ""))
     write_json_atomic(out / MANIFEST, manifest)
     (out / PROGRESS).unlink(missing_ok=True)
@@ -243,16 +244,16 @@ def _resume_state(out: Path, fp: str) -> Optional[dict]:
     return progress
 
 
-def _write_shards(cfg: dict, target, samples: TokenArrays, out: Path, progress: dict):
+def _write_shards(s: Settings, target, samples: TokenArrays, out: Path, progress: dict):
     """Compute and write every shard not kept from an earlier run (checksum
     ok), recording each in progress.json as it lands. Returns (manifest shard
     entries, shards written, tokens computed)."""
     from tqdm.auto import tqdm
 
-    c = cfg["cache"]
-    layers, dtype = list(cfg["target"]["feature_layers"]), DTYPES[c["dtype"]]
+    c = s.cache
+    layers, dtype = list(s.target.feature_layers), DTYPES[c.dtype]
     lengths = samples.lengths()
-    shards = plan_shards(lengths, c["shard_tokens"])
+    shards = plan_shards(lengths, c.shard_tokens)
     out.mkdir(parents=True, exist_ok=True)
     wanted = {shard_name(i) for i in range(len(shards))}
     for stale in out.glob("shard-*.safetensors"):
@@ -260,70 +261,70 @@ def _write_shards(cfg: dict, target, samples: TokenArrays, out: Path, progress: 
             stale.unlink()
     entries, written, new_tokens, t0 = [], 0, 0, time.perf_counter()
     with tqdm(total=sum(lengths), desc="build-cache", unit="tok", unit_scale=True, dynamic_ncols=True) as bar:
-        for i, (s, e) in enumerate(shards):
+        for i, (start, end) in enumerate(shards):
             name, path = shard_name(i), out / shard_name(i)
             digest = progress["shards"].get(name)
             if digest and path.exists() and sha256_file(path) == digest:
                 log.info("%s: kept from an earlier run (checksum ok)", name)
-                bar.update(sum(lengths[s:e]))
+                bar.update(sum(lengths[start:end]))
             else:
                 rows: dict[int, tuple] = {}
-                for batch in plan_batches(lengths, s, e, c["batch_size"]):
+                for batch in plan_batches(lengths, start, end, c.batch_size):
                     rows.update(zip(batch, compute_rows(target, layers, [samples[j] for j in batch], dtype)))
                     new_tokens += sum(lengths[j] for j in batch)
                     bar.update(sum(lengths[j] for j in batch))
                     bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s", refresh=False)
-                _write_shard(path, samples[s:e], [rows[j] for j in range(s, e)])
+                _write_shard(path, samples[start:end], [rows[j] for j in range(start, end)])
                 digest = progress["shards"][name] = sha256_file(path)
                 write_json_atomic(out / PROGRESS, progress)
                 written += 1
             entries.append({"file": name, "sha256": digest, "bytes": path.stat().st_size,
-                            "sample_start": s, "sample_end": e, "num_tokens": sum(lengths[s:e])})
+                            "sample_start": start, "sample_end": end, "num_tokens": sum(lengths[start:end])})
     return entries, written, new_tokens
 
 
-def cache_precision(cfg: dict) -> str:
+def cache_precision(s: Settings) -> str:
     """The dtype the cache's target forward computes in (cache.precision resolved
     on this machine, `runtime.resolve_precision`); cache.dtype is what is stored."""
-    return resolve_precision(cfg["cache"]["precision"], cfg["target"]["device"], stage="build-cache")
+    return resolve_precision(s.cache.precision, s.target.device, stage="build-cache")
 
 
-def cache_target(cfg: dict, target=None):
+def cache_target(s: Settings, target=None):
     """`target` when it is in the cache's compute dtype (`cache_precision`), else
     the preset's target loaded in it (on `target`'s device): the offline cache and
     online mode's features are computed alike."""
     from ..targets.loading import target_from_config
 
-    want = cache_precision(cfg)
+    want = cache_precision(s)
     if target is not None and next(target.model.parameters()).dtype == DTYPES[want]:
         return target
-    return target_from_config(cfg, dtype=want, **({"device": str(target.device)} if target is not None else {}))
+    return target_from_config(s, dtype=want, **({"device": str(target.device)} if target is not None else {}))
 
 
-def _manifest(cfg: dict, target_id: str, samples, stats: dict, hidden: int, fp: str, shards: list,
+def _manifest(s: Settings, target_id: str, samples, stats: dict, hidden: int, fp: str, shards: list,
               compute_dtype: Optional[str] = None) -> dict:
-    t, c = cfg["target"], cfg["cache"]
+    t, c = s.target, s.cache
     n_tokens = sum(samples.lengths())
     total_bytes = sum(x["bytes"] for x in shards)
     return {
         "format": FORMAT,
         "version": VERSION,
         "target_id": target_id,
-        "target_name": t["name"],
-        "revision": t.get("revision"),
-        "feature_layers": list(t["feature_layers"]),
-        "dtype": c["dtype"],
+        "target_name": t.name,
+        "revision": t.revision,
+        "feature_layers": list(t.feature_layers),
+        "dtype": c.dtype,
         "compute_dtype": compute_dtype,
         "hidden_size": hidden,
-        "feature_dim": hidden * len(t["feature_layers"]),
+        "feature_dim": hidden * len(t.feature_layers),
         "num_samples": len(samples),
         "num_tokens": n_tokens,
         "num_loss_tokens": int(np.count_nonzero(samples.loss_mask)),
         "dropped_samples": stats["dropped_min_loss_tokens"],
-        "max_length": cfg["data"]["max_length"],
-        "min_loss_tokens": cfg["data"]["min_loss_tokens"],
-        "shard_tokens": c["shard_tokens"],
-        "batch_size": c["batch_size"],
+        "max_length": s.data.max_length,
+        "min_loss_tokens": s.data.min_loss_tokens,
+        "shard_tokens": c.shard_tokens,
+        "batch_size": c.batch_size,
         "bytes": total_bytes,
         "bytes_per_token": round(total_bytes / n_tokens, 3),
         "fingerprint": fp,

@@ -34,6 +34,7 @@ from typing import Iterator, Optional, Sequence
 from ..core.target import render_chat
 from ..errors import DeepSpecError
 from ..files import file_lock, iter_jsonl, read_json, require_file, sha256_file, write_json_atomic
+from ..settings import Data, Settings
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ ROLES = ("user", "assistant")
 
 
 def with_system_prompt(messages: list[dict], system_prompt: Optional[str]) -> list[dict]:
-    """Prepend cfg.data.system_prompt (if any); we never add one otherwise."""
+    """Prepend data.system_prompt (if any); we never add one otherwise."""
     if system_prompt:
         return [{"role": "system", "content": system_prompt}, *messages]
     return list(messages)
@@ -100,13 +101,12 @@ def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], l
     return ids, mask
 
 
-def encode_conversation(tokenizer, messages: list[dict], cfg: dict) -> Optional[tuple[list[int], list[bool]]]:
+def encode_conversation(tokenizer, messages: list[dict], data: Data) -> Optional[tuple[list[int], list[bool]]]:
     """Template + mask, truncated at data.max_length; None if it has fewer than
     data.min_loss_tokens loss tokens (the sample is dropped)."""
-    d = cfg["data"]
-    ids, mask = tokenize_conversation(tokenizer, with_system_prompt(messages, d.get("system_prompt")))
-    ids, mask = ids[: d["max_length"]], mask[: d["max_length"]]
-    if sum(mask) < d["min_loss_tokens"]:
+    ids, mask = tokenize_conversation(tokenizer, with_system_prompt(messages, data.system_prompt))
+    ids, mask = ids[: data.max_length], mask[: data.max_length]
+    if sum(mask) < data.min_loss_tokens:
         return None
     return ids, mask
 
@@ -199,11 +199,11 @@ def _tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256((blob + str(getattr(tokenizer, "chat_template", ""))).encode()).hexdigest()
 
 
-_WORKER = {}  # what a tokenising worker process holds: the tokenizer and the config (`_encode_chunk`)
+_WORKER = {}  # what a tokenising worker process holds: the tokenizer and the data settings (`_encode_chunk`)
 
 
-def _init_worker(tokenizer, cfg) -> None:
-    _WORKER.update(tokenizer=tokenizer, cfg=cfg)
+def _init_worker(tokenizer, data: Data) -> None:
+    _WORKER.update(tokenizer=tokenizer, data=data)
 
 
 def _encode_chunk(chunk):
@@ -212,20 +212,20 @@ def _encode_chunk(chunk):
 
     out = []
     for cid, messages in chunk:
-        enc = encode_conversation(_WORKER["tokenizer"], messages, _WORKER["cfg"])
+        enc = encode_conversation(_WORKER["tokenizer"], messages, _WORKER["data"])
         out.append((cid, None) if enc is None else (cid, np.asarray(enc[0], dtype=np.int32),
                                                      np.asarray(enc[1], dtype=bool)))
     return out
 
 
-def _encoded(cfg: dict, tokenizer, convs: list, workers: int):
+def _encoded(data: Data, tokenizer, convs: list, workers: int):
     """The conversations encoded in their order, by `workers` processes (chunks of a
     few hundred, results in submission order: the same arrays as one process)."""
     items = [(c["id"], c["messages"]) for c in convs]
     chunk = max(1, min(512, len(items) // (4 * max(1, workers)) or 1))
     chunks = [items[i : i + chunk] for i in range(0, len(items), chunk)]
     if workers <= 1 or len(chunks) <= 1:
-        _init_worker(tokenizer, cfg)
+        _init_worker(tokenizer, data)
         for c in chunks:
             yield from _encode_chunk(c)
         return
@@ -234,7 +234,7 @@ def _encoded(cfg: dict, tokenizer, convs: list, workers: int):
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's own threads, per worker
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork"), initializer=_init_worker,
-                             initargs=(tokenizer, cfg)) as pool:
+                             initargs=(tokenizer, data)) as pool:
         done = 0
         for part in pool.map(_encode_chunk, chunks):
             done += len(part)
@@ -243,7 +243,7 @@ def _encoded(cfg: dict, tokenizer, convs: list, workers: int):
             yield from part
 
 
-def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path, workers: int = 1) -> None:
+def _write_token_arrays(data: Data, tokenizer, conversations, final: Path, workers: int = 1) -> None:
     """Tokenise every conversation once into `final` (a directory), written
     under a temporary name and renamed into place (atomic); `workers`
     processes encode in parallel, with the same bytes as one."""
@@ -251,7 +251,7 @@ def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path, worker
 
     convs = sorted(read_conversations(conversations), key=lambda c: _id_key(c["id"]))
     ids, masks, lengths, names = [], [], [0], []
-    for enc in _encoded(cfg, tokenizer, convs, workers):
+    for enc in _encoded(data, tokenizer, convs, workers):
         if enc[1] is not None:
             ids.append(enc[1])
             masks.append(enc[2])
@@ -260,7 +260,7 @@ def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path, worker
     n_convs = len(convs)
     del convs
     if not names:
-        raise DeepSpecError(f"{conversations}: no sample has at least data.min_loss_tokens={cfg['data']['min_loss_tokens']} loss tokens")
+        raise DeepSpecError(f"{conversations}: no sample has at least data.min_loss_tokens={data.min_loss_tokens} loss tokens")
     arrays = {"input_ids": np.concatenate(ids), "loss_mask": np.concatenate(masks),
               "offsets": np.cumsum(np.asarray(lengths, dtype=np.int64))}
     h = hashlib.sha256(json.dumps(names).encode())
@@ -281,16 +281,15 @@ def _write_token_arrays(cfg: dict, tokenizer, conversations, final: Path, worker
             raise
 
 
-def _settings_key(cfg: dict, tokenizer) -> dict:
-    d = cfg["data"]
-    return {"version": TOKENS_VERSION, "tokenizer": _tokenizer_digest(tokenizer), "max_length": d["max_length"],
-            "min_loss_tokens": d["min_loss_tokens"], "system_prompt": d.get("system_prompt")}
+def _settings_key(data: Data, tokenizer) -> dict:
+    return {"version": TOKENS_VERSION, "tokenizer": _tokenizer_digest(tokenizer), "max_length": data.max_length,
+            "min_loss_tokens": data.min_loss_tokens, "system_prompt": data.system_prompt}
 
 
-def token_arrays_path(cfg: dict, tokenizer, conversations) -> Path:
+def token_arrays_path(data: Data, tokenizer, conversations) -> Path:
     """Where the token arrays of these conversations, tokenizer and data
     settings live: beside the conversations, named by a digest of all three."""
-    key = json.dumps(dict(_settings_key(cfg, tokenizer), conversations=sha256_file(conversations)), sort_keys=True)
+    key = json.dumps(dict(_settings_key(data, tokenizer), conversations=sha256_file(conversations)), sort_keys=True)
     p = Path(conversations)
     return p.with_name(f"{p.stem}.tokens-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
 
@@ -300,21 +299,21 @@ def _file_stat(path) -> dict:
     return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def recorded_token_arrays(cfg: dict, tokenizer, conversations, record) -> Optional[Path]:
+def recorded_token_arrays(data: Data, tokenizer, conversations, record) -> Optional[Path]:
     """The arrays the tokenize rule recorded for these conversations (`record`, its
     JSON) when the record names this very file (path, size and mtime) and these
     settings, so that no training rank re-hashes a multi-GB conversations file; else None."""
     try:
         rec = json.loads(Path(record).read_text())
         ok = (rec.get("conversations") == _file_stat(conversations)
-              and rec.get("settings") == _settings_key(cfg, tokenizer))
+              and rec.get("settings") == _settings_key(data, tokenizer))
     except (OSError, ValueError, AttributeError):
         return None
     arrays = Path(rec.get("arrays", ""))
     return arrays if ok and (arrays / "meta.json").exists() else None
 
 
-def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike,
+def tokenized_samples(data: Data, tokenizer, conversations: str | os.PathLike,
                       workers: int = 1, record: str | os.PathLike | None = None) -> tuple[TokenArrays, dict]:
     """The conversations tokenised (chat template + loss mask), in id order,
     without the samples with fewer than data.min_loss_tokens loss tokens, as
@@ -325,15 +324,15 @@ def tokenized_samples(cfg: dict, tokenizer, conversations: str | os.PathLike,
     rule (`cli_tokenize`, `workers` processes) writes them before any training job,
     and its `record` names them without hashing the conversations again."""
     require_file(conversations, "conversations file")
-    if record is not None and (known := recorded_token_arrays(cfg, tokenizer, conversations, record)) is not None:
+    if record is not None and (known := recorded_token_arrays(data, tokenizer, conversations, record)) is not None:
         arrays = TokenArrays(known)
         return arrays, arrays.stats
-    final = token_arrays_path(cfg, tokenizer, conversations)
+    final = token_arrays_path(data, tokenizer, conversations)
     if not (final / "meta.json").exists():
         with file_lock(final.with_name(final.name + ".lock"), unlocked="tokenising without one (every process tokenises, the first rename wins: the same bytes)"):
             if not (final / "meta.json").exists():
                 log.info("tokenising %s into %s", conversations, final)
-                _write_token_arrays(cfg, tokenizer, conversations, final, workers)
+                _write_token_arrays(data, tokenizer, conversations, final, workers)
     arrays = TokenArrays(final)
     return arrays, arrays.stats
 
@@ -356,14 +355,14 @@ def cli_tokenize(argv) -> int:
     args = p.parse_args(argv)
     if args.workers < 1:
         raise DeepSpecError(f"--workers {args.workers}: at least 1")
-    cfg = config_from_args(args)
-    paths = RunPaths.of(cfg)
+    s = Settings.of(config_from_args(args))
+    paths = RunPaths.of(s.raw)
     conversations = args.conversations or paths.conversations()
-    tokenizer = load_tokenizer(cfg)
-    arrays, stats = tokenized_samples(cfg, tokenizer, conversations, workers=args.workers)
+    tokenizer = load_tokenizer(s)
+    arrays, stats = tokenized_samples(s.data, tokenizer, conversations, workers=args.workers)
     out = Path(args.out) if args.out else paths.tokens_record()
     write_json_atomic(out, {"arrays": str(arrays.dir), "samples": len(arrays), "tokens": int(arrays.offsets[-1]),
                             "digest": arrays.digest, "stats": stats, "conversations": _file_stat(conversations),
-                            "settings": _settings_key(cfg, tokenizer)})
+                            "settings": _settings_key(s.data, tokenizer)})
     log.info("%d samples, %d tokens in %s", len(arrays), int(arrays.offsets[-1]), arrays.dir)
     return 0

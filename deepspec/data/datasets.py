@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ import torch
 from ..errors import DeepSpecError
 from ..paths import RunPaths
 from ..files import sha256_file
+from ..settings import Settings
 from .cache import DTYPES, cache_target, data_fingerprint, forward_features, validate_cache
 from .conversations import TokenArrays, tokenized_samples
 
@@ -82,15 +83,16 @@ class OnlineDataset(torch.utils.data.Dataset):
     online mode the features come from the target, one forward per training
     micro batch, computed by `OnlineFeatures` (the collate function)."""
 
-    def __init__(self, cfg: dict, target, samples: TokenArrays):
+    def __init__(self, s: Settings, target, samples: TokenArrays):
         self.samples = samples  # memory-mapped, shared by the processes of a machine
         self.ids = list(samples.sample_ids)
-        self.features = OnlineFeatures(cfg, target)
+        self.features = OnlineFeatures(s, target)
         # At micro batch 1 the features equal those of a cache built at
         # cache.batch_size 1, and so does the fingerprint; else the forward
         # batches are the micro batches (their composition is in the train settings).
-        micro = int(cfg["train"]["micro_batch"])
-        same_as = {**cfg, "cache": {**cfg["cache"], "batch_size": 1 if micro == 1 else f"online micro_batch {micro}"}}
+        # (data_fingerprint reads config paths, config.CACHE_BYTES_SETTINGS: the config with that batch size)
+        micro = s.train.micro_batch
+        same_as = {**s.raw, "cache": {**s.raw["cache"], "batch_size": 1 if micro == 1 else f"online micro_batch {micro}"}}
         self.fingerprint = data_fingerprint(same_as, target.target_id, self.samples)
 
     def __len__(self) -> int:
@@ -110,10 +112,10 @@ class OnlineFeatures:
     padded positions are zero. Counts the forwards it ran (`forwards`) and the
     real and padded tokens they covered (`tokens`, `padded_tokens`)."""
 
-    def __init__(self, cfg: dict, target):
+    def __init__(self, s: Settings, target):
         self.target = target
-        self.layers = list(cfg["target"]["feature_layers"])
-        self.dtype = DTYPES[cfg["cache"]["dtype"]]
+        self.layers = list(s.target.feature_layers)
+        self.dtype = DTYPES[s.cache.dtype]
         self.forwards = self.tokens = self.padded_tokens = 0
 
     def __call__(self, samples: Sequence[dict]) -> dict:
@@ -134,7 +136,7 @@ class OnlineFeatures:
 
 
 def make_train_dataset(
-    cfg: dict,
+    cfg: Settings | Mapping,
     target=None,
     *,
     cache_dir: Optional[str | os.PathLike] = None,
@@ -142,19 +144,20 @@ def make_train_dataset(
 ) -> torch.utils.data.Dataset:
     """The training Dataset for cfg.cache.mode: the built cache ('offline') or
     features computed from the target on the fly ('online'); same samples."""
-    t, c = cfg["target"], cfg["cache"]
-    if c["mode"] == "online":
+    s = Settings.view(cfg)
+    t, c = s.target, s.cache
+    if c.mode == "online":
         if target is None:
             from ..targets.loading import target_from_config
 
-            target = target_from_config(cfg)
-        paths = RunPaths.of(cfg)
-        samples, _ = tokenized_samples(cfg, target.tokenizer, conversations or paths.conversations(),
+            target = target_from_config(s)
+        paths = RunPaths.of(s.raw)
+        samples, _ = tokenized_samples(s.data, target.tokenizer, conversations or paths.conversations(),
                                        record=paths.tokens_record())
-        return OnlineDataset(cfg, cache_target(cfg, target), samples)  # features as the offline cache computes them
-    d = Path(cache_dir) if cache_dir else RunPaths.of(cfg).cache_dir()
+        return OnlineDataset(s, cache_target(s, target), samples)  # features as the offline cache computes them
+    d = Path(cache_dir) if cache_dir else RunPaths.of(s.raw).cache_dir()
     m = validate_cache(d, checksums=False)
-    want = {"feature_layers": list(t["feature_layers"]), "dtype": c["dtype"], "target_name": t["name"]}
+    want = {"feature_layers": list(t.feature_layers), "dtype": c.dtype, "target_name": t.name}
     for k, v in want.items():
         if m.get(k) != v:
             raise DeepSpecError(f"target cache {d} has {k}={m.get(k)!r} but the preset wants {v!r}: rebuild it (build-cache)")

@@ -14,11 +14,12 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from ..config import REPO_ROOT
 from ..errors import DeepSpecError
 from ..files import iter_jsonl
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,14 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-def data_root(cfg: dict) -> Path:
+def data_root(cfg: Settings | Mapping) -> Path:
     """The prompt data directory: $DEEPSPEC_DATA when set, else `data.root`, whose
     relative paths (the default `data`, git-ignored) are under the repository
     (config.REPO_ROOT), wherever the command runs."""
     env = os.environ.get("DEEPSPEC_DATA")
     if env:
         return Path(env)
-    root = Path(cfg["data"]["root"])
+    root = Path(Settings.view(cfg).data.root)
     return root if root.is_absolute() else REPO_ROOT / root
 
 
@@ -81,7 +82,7 @@ def subsample(prompts: list[Prompt], cap: Optional[int], seed: int = 980406) -> 
     return rows[:cap]
 
 
-def _read_hub(cfg: dict, dataset_id: str, revision: str, split: str) -> list[Prompt]:
+def _read_hub(s: Settings, dataset_id: str, revision: str, split: str) -> list[Prompt]:
     """The dataset's rows from its snapshot at `revision` (deepspec/fetch.py: fetched by
     the DAG's local rule fetch_dataset, or now when a command runs by hand)."""
     from ..fetch import fetched
@@ -90,7 +91,7 @@ def _read_hub(cfg: dict, dataset_id: str, revision: str, split: str) -> list[Pro
         import datasets
     except ImportError:  # pragma: no cover - datasets is a dependency
         raise DeepSpecError("reading hub datasets needs the `datasets` package") from None
-    local = fetched(cfg, "dataset", dataset_id, revision)
+    local = fetched(s.raw, "dataset", dataset_id, revision)
     try:
         ds = datasets.load_dataset(str(local), split=split)
     except (OSError, ValueError) as e:
@@ -113,19 +114,19 @@ def _read_hub(cfg: dict, dataset_id: str, revision: str, split: str) -> list[Pro
     return out
 
 
-def load_sources(cfg: dict, entries: Iterable[dict]) -> list[Prompt]:
+def load_sources(s: Settings, entries: Iterable[dict]) -> list[Prompt]:
     """The prompts of the sources `entries` (data.train, or one benchmark), each
     subsampled to its cap. Prompt ids are "<file name stem>:<line>", so two files
     of one name (or one file listed twice) would collide: one line naming the id
     and both sources."""
-    root = data_root(cfg)
-    seed = cfg["data"]["seed"]
+    root = data_root(s)
+    seed = s.data.seed
     out: list[Prompt] = []
     where: dict[str, str] = {}
     for e in entries:
         path = e["path"]
         if path.startswith("hub:"):
-            rows = _read_hub(cfg, path[4:], e["revision"], e.get("split", "train"))
+            rows = _read_hub(s, path[4:], e["revision"], e.get("split", "train"))
         else:
             rows = read_turns_jsonl(root / path)
         for r in subsample(rows, e.get("cap"), seed):
@@ -138,30 +139,33 @@ def load_sources(cfg: dict, entries: Iterable[dict]) -> list[Prompt]:
     return out
 
 
-def load_train_prompts(cfg: dict) -> list[Prompt]:
-    return load_sources(cfg, cfg["data"]["train"])
+def load_train_prompts(cfg: Settings | Mapping) -> list[Prompt]:
+    s = Settings.view(cfg)
+    return load_sources(s, s.data.train)
 
 
-def load_benchmark(cfg: dict, name: str) -> list[Prompt]:
-    benches = cfg["data"]["benchmarks"]
+def load_benchmark(cfg: Settings | Mapping, name: str) -> list[Prompt]:
+    s = Settings.view(cfg)
+    benches = s.data.benchmarks
     if name not in benches:
         raise DeepSpecError(f"unknown benchmark '{name}' (preset has: {', '.join(benches)})")
     b = benches[name]
-    rows = load_sources(cfg, [b])
+    rows = load_sources(s, [b])
     for r in rows:
         r.meta["domain"] = b["domain"]
         r.meta["benchmark"] = name
     return rows
 
 
-def speed_benchmarks(cfg: dict) -> list[str]:
+def speed_benchmarks(cfg: Settings | Mapping) -> list[str]:
     """The benchmarks whose first eval.speed_prompts prompts are decoded alone and
     timed (tokens/s, speedup vs plain): eval.speed_benchmarks, or every benchmark
     (none when eval.speed_prompts is 0)."""
-    if not cfg["eval"]["speed_prompts"]:
+    s = Settings.view(cfg)
+    if not s.eval.speed_prompts:
         return []
-    names = cfg["eval"].get("speed_benchmarks")
-    return list(cfg["data"]["benchmarks"]) if names is None else [b for b in cfg["data"]["benchmarks"] if b in names]
+    names, benches = s.eval.speed_benchmarks, s.data.benchmarks
+    return list(benches) if names is None else [b for b in benches if b in names]
 
 
 def check_prompt_length(n_tokens: int, limit: int, where: str) -> None:
@@ -171,15 +175,16 @@ def check_prompt_length(n_tokens: int, limit: int, where: str) -> None:
         raise DeepSpecError(f"{where}: prompt has {n_tokens} tokens, over the limit of {limit} (data.max_prompt_tokens)")
 
 
-def benchmark_prompt_set(cfg: dict, target, benchmark: str) -> tuple[list, list[dict]]:
+def benchmark_prompt_set(cfg: Settings | Mapping, target, benchmark: str) -> tuple[list, list[dict]]:
     """(Prompt, token ids) per benchmark prompt: first turn only, the target's chat
     template, no system prompt, non-thinking. Prompts over data.max_prompt_tokens
     are skipped, each named in a warning, and returned as the second value
     ({sample_id, index, tokens}; index in the benchmark's sample), so that every
     rule that reads a benchmark (baseline, evaluate) decodes the same prompts.
     An empty prompt, or a benchmark with every prompt over the limit, is an error."""
-    limit, kept, skipped = cfg["data"]["max_prompt_tokens"], [], []
-    for i, p in enumerate(load_benchmark(cfg, benchmark)):
+    s = Settings.view(cfg)
+    limit, kept, skipped = s.data.max_prompt_tokens, [], []
+    for i, p in enumerate(load_benchmark(s, benchmark)):
         ids = target.chat_ids([{"role": "user", "content": p.turns[0]}])
         if len(ids) > limit:
             skipped.append({"sample_id": p.id, "index": i, "tokens": len(ids)})
@@ -197,6 +202,6 @@ def benchmark_prompt_set(cfg: dict, target, benchmark: str) -> tuple[list, list[
     return kept, skipped
 
 
-def benchmark_prompt_ids(cfg: dict, target, benchmark: str) -> list:
+def benchmark_prompt_ids(cfg: Settings | Mapping, target, benchmark: str) -> list:
     """The decoded prompts of `benchmark_prompt_set` (over-long ones skipped with a warning)."""
     return benchmark_prompt_set(cfg, target, benchmark)[0]

@@ -45,11 +45,12 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 from ..errors import DeepSpecError
 from ..files import atomic_path, file_lock, sha256_file, write_text_atomic
 from ..runtime import OFFLINE_VARIABLES, hub_offline
+from ..settings import Settings
 from .prompts import data_root
 
 log = logging.getLogger(__name__)
@@ -175,15 +176,16 @@ KNOWN_SOURCES: dict[str, Source] = {
 # ---------------------------------------------------------------- which files
 
 
-def needed_files(cfg: dict) -> list[str]:
+def needed_files(cfg: Settings | Mapping) -> list[str]:
     """The preset's prompt files under data.root (hub: sources excluded), in order."""
-    paths = [e["path"] for e in cfg["data"]["train"]] + [b["path"] for b in cfg["data"]["benchmarks"].values()]
+    d = Settings.view(cfg).data
+    paths = [e["path"] for e in d.train] + [b["path"] for b in d.benchmarks.values()]
     return list(dict.fromkeys(p for p in paths if not p.startswith("hub:")))
 
 
-def source_for(cfg: dict, rel: str) -> Optional[Source]:
+def source_for(cfg: Settings | Mapping, rel: str) -> Optional[Source]:
     """The known source of `rel`, with the preset's `data.sources[rel]` fields applied."""
-    over = dict(cfg["data"].get("sources", {}).get(rel) or {})
+    over = dict(Settings.view(cfg).data.sources.get(rel) or {})
     base = KNOWN_SOURCES.get(rel)
     if base is None and "hub" not in over:
         return None
@@ -195,11 +197,12 @@ def source_for(cfg: dict, rel: str) -> Optional[Source]:
     return dataclasses.replace(base, **over)
 
 
-def check_sources(cfg: dict) -> None:
+def check_sources(cfg: Settings | Mapping) -> None:
     """Plan-time check: every missing file can be built (one line otherwise)."""
-    root = data_root(cfg)
-    for rel in needed_files(cfg):
-        if not (root / rel).exists() and source_for(cfg, rel) is None:
+    s = Settings.view(cfg)
+    root = data_root(s)
+    for rel in needed_files(s):
+        if not (root / rel).exists() and source_for(s, rel) is None:
             raise DeepSpecError(
                 f"prompt file {root / rel} is missing and has no known source: copy it there, set DEEPSPEC_DATA "
                 f"or data.root to a directory that has it, or give its source under data.sources")
@@ -415,19 +418,20 @@ def _missing(path: Path, src: Source, preset: str, reason: str) -> DeepSpecError
         f"(or set DEEPSPEC_DATA to a directory that has it)")
 
 
-def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool = False,
+def build_file(cfg: Settings | Mapping, rel: str, mirror: Optional[Path] = None, offline: bool = False,
                accept: bool = False) -> str:
     """Build data.root/rel from its source, check its sha256 against the pin
     before anything is written (a mismatch raises unless `accept`), write and
     record it; return the sha256."""
-    root = data_root(cfg)
+    s = Settings.view(cfg)
+    root = data_root(s)
     path = root / rel
-    src = source_for(cfg, rel)
+    src = source_for(s, rel)
     if src is None:
-        check_sources(cfg)  # raises for a missing file
+        check_sources(s)  # raises for a missing file
         raise DeepSpecError(f"prompt file {path}: no known source (give one under data.sources)")
     if mirror is None and (offline or hub_offline()):
-        raise _missing(path, src, cfg["preset"], f"offline: --offline or {'/'.join(OFFLINE_VARIABLES)} is set")
+        raise _missing(path, src, s.preset, f"offline: --offline or {'/'.join(OFFLINE_VARIABLES)} is set")
     skipped: list = []
     fetched: list = []
     try:
@@ -435,7 +439,7 @@ def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool
     except DeepSpecError:
         raise
     except Exception as e:  # no network, unknown repo or file, gated dataset, ...
-        raise _missing(path, src, cfg["preset"], f"{type(e).__name__}: {e}") from None
+        raise _missing(path, src, s.preset, f"{type(e).__name__}: {e}") from None
     records = convert_rows(rows, src, str(path))
     if skipped:
         log.info("%s: skipped %d malformed source lines (%s)", rel, len(skipped), ", ".join(skipped[:5]))
@@ -449,14 +453,15 @@ def build_file(cfg: dict, rel: str, mirror: Optional[Path] = None, offline: bool
     return sha
 
 
-def prepare_data(cfg: dict, files: Optional[list] = None, mirror: Optional[Path] = None,
+def prepare_data(cfg: Settings | Mapping, files: Optional[list] = None, mirror: Optional[Path] = None,
                  offline: bool = False, accept: Iterable[str] = ()) -> dict[str, str]:
     """Build the missing files among `files` (default: every file the preset
     reads); check the sha256 of those present. A sha256 that differs from its
     pin is an error unless the file is in `accept` (paths under data.root).
     Returns {file: "built" | "present"}."""
-    root = data_root(cfg)
-    files = list(files) if files else needed_files(cfg)
+    s = Settings.view(cfg)
+    root = data_root(s)
+    files = list(files) if files else needed_files(s)
     accept = set(accept)
     unknown = sorted(accept - set(files))
     if unknown:
@@ -468,12 +473,12 @@ def prepare_data(cfg: dict, files: Optional[list] = None, mirror: Optional[Path]
         path = root / rel
         if path.exists():
             sha = sha256_file(path)
-            if not check_sha(rel, sha, source_for(cfg, rel), sums.get(rel), accept=rel in accept):
+            if not check_sha(rel, sha, source_for(s, rel), sums.get(rel), accept=rel in accept):
                 record_sum(root, rel, sha)
             status[rel] = "present"
         else:
             log.info("%s: missing under %s, building it", rel, root)
-            build_file(cfg, rel, mirror, offline, accept=rel in accept)
+            build_file(s, rel, mirror, offline, accept=rel in accept)
             status[rel] = "built"
     return status
 
@@ -495,10 +500,10 @@ def cli_prepare_data(argv) -> int:
                    help="files (paths under data.root, repeatable) whose sha256 may differ from the pinned one: "
                         "written and recorded in SHA256SUMS anyway; default: such a file is an error")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
+    s = Settings.of(config_from_args(args))
     accept = [a.strip() for arg in args.accept for a in arg.split(",") if a.strip()]
-    status = prepare_data(cfg, args.files, args.hub_mirror, args.offline, accept)
-    built = [f for f, s in status.items() if s == "built"]
-    log.info("data under %s: %d files present, %d built%s", data_root(cfg), len(status) - len(built), len(built),
+    status = prepare_data(s, args.files, args.hub_mirror, args.offline, accept)
+    built = [f for f, state in status.items() if state == "built"]
+    log.info("data under %s: %d files present, %d built%s", data_root(s), len(status) - len(built), len(built),
              f" ({', '.join(built)})" if built else "")
     return 0

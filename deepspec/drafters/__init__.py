@@ -17,7 +17,10 @@ load_drafter(path, target, drafter_cfg=None) -> a saved drafter, checked against
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from ..errors import DeepSpecError
+from ..settings import Drafter, Settings
 from .base import METHODS, check_layer_arch, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
 from .dflash import DFlashDrafter
 from .dspark import DSparkDrafter
@@ -26,16 +29,17 @@ from .eagle3 import Eagle3Drafter
 CLASSES = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter, "dspark": DSparkDrafter}
 
 
-def build_drafter(method: str, target, cfg: dict, token_counts=None):
+def build_drafter(method: str, target, cfg: Settings | Mapping, token_counts=None):
+    s = Settings.view(cfg)
     if method not in CLASSES:
         raise DeepSpecError(f"unknown drafter method {method!r}: use one of {', '.join(METHODS)}")
-    config = draft_config(method, target, cfg)
+    config = draft_config(method, target, s.drafter, s.target.feature_layers)
     model = CLASSES[method](config).to(target.device)
     model.attach_target(target)
     if config.deepspec_draft_vocab_size is not None and token_counts is not None:
         model.set_draft_vocab(token_counts)
     freeze_mask_embedding(model, target, init=True)
-    if cfg["drafter"].get("init_from_target"):
+    if s.drafter.init_from_target:
         if config.num_hidden_layers > target.num_layers:
             raise DeepSpecError(
                 f"init_from_target: {config.num_hidden_layers} draft layers but the target has {target.num_layers}"
@@ -44,7 +48,7 @@ def build_drafter(method: str, target, cfg: dict, token_counts=None):
     return model
 
 
-def load_drafter(path, target, drafter_cfg: dict | None = None):
+def load_drafter(path, target, drafter_cfg: Drafter | Mapping | None = None):
     from safetensors import SafetensorError
     from transformers import AutoConfig
 

@@ -26,7 +26,7 @@ import copy
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,7 @@ from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 from ..architectures import draft_model_type, layer_arch_of, same_layers
 from ..core.target import packed_linear
 from ..errors import DeepSpecError
+from ..settings import Drafter
 from .blocks import blocks_for, gemma4_draft_config, qwen3_draft_config
 
 METHODS = ("eagle3", "dflash", "dspark")
@@ -44,12 +45,13 @@ METHODS = ("eagle3", "dflash", "dspark")
 # config
 
 
-def draft_config(method: str, target, cfg: dict):
+def draft_config(method: str, target, drafter: Drafter | Mapping, feature_layers: Sequence[int]):
     """Copy of the target's (text) config with the draft depth and the deepspec_* fields
-    (drafter.layer_arch qwen3 over a non-Qwen3 target: a Qwen3 config of its sizes)."""
-    d = cfg["drafter"]
+    of the drafter settings, reading `feature_layers` of the target (drafter.layer_arch
+    qwen3 over a non-Qwen3 target: a Qwen3 config of its sizes)."""
+    d = Drafter.view(drafter)
     tc = target.text_config
-    n = int(d["num_layers"][method])  # the schema gives every method its default depth
+    n = int(d.num_layers[method])  # the schema gives every method its default depth
     layers = draft_model_type(tc.model_type, layer_arch_of(d, method), f"{method} drafter")
     if blocks_for(tc).family == "gemma4":
         c = gemma4_draft_config(tc, n)
@@ -71,19 +73,18 @@ def draft_config(method: str, target, cfg: dict):
     c.deepspec_target_vocab_size = int(target.vocab_size)
     c.deepspec_target_hidden_size = int(target.hidden_size)
     c.deepspec_target_num_layers = int(target.num_layers)
-    c.deepspec_feature_layers = [int(x) for x in cfg["target"]["feature_layers"]]
-    c.deepspec_block_size = int(d["block_size"])
-    c.deepspec_ttt_length = int(d["ttt_length"])
-    c.deepspec_markov_rank = int(d["markov_rank"]) if dspark else 0
-    c.deepspec_markov_head_type = d["markov_head_type"] if dspark else "vanilla"
-    c.deepspec_confidence_head = bool(d["confidence_head"]) if dspark else False
-    c.deepspec_confidence_with_markov = bool(d["confidence_with_markov"])
+    c.deepspec_feature_layers = [int(x) for x in feature_layers]
+    c.deepspec_block_size = d.block_size
+    c.deepspec_ttt_length = d.ttt_length
+    c.deepspec_markov_rank = d.markov_rank if dspark else 0
+    c.deepspec_markov_head_type = d.markov_head_type if dspark else "vanilla"
+    c.deepspec_confidence_head = d.confidence_head if dspark else False
+    c.deepspec_confidence_with_markov = d.confidence_with_markov
     # the block drafters' mask input: the target's frozen embedding of a reserved
     # token (the reference's mask_token_id) or, when None, a learned vector
-    mid = d.get("mask_token_id") if method in ("dflash", "dspark") else None
-    c.deepspec_mask_token_id = None if mid is None else int(mid)
-    k = d.get("draft_vocab_size")
-    c.deepspec_draft_vocab_size = None if k is None or int(k) >= target.vocab_size else int(k)
+    c.deepspec_mask_token_id = d.mask_token_id if method in ("dflash", "dspark") else None
+    k = d.draft_vocab_size
+    c.deepspec_draft_vocab_size = None if k is None or k >= target.vocab_size else k
     return c
 
 
@@ -101,7 +102,7 @@ def check_target_match(config, target, where: str = "drafter") -> None:
             raise DeepSpecError(f"{where}: feature layer {layer} does not exist in the target")
 
 
-def check_layer_arch(config, target, drafter_cfg: dict, where: str = "drafter") -> None:
+def check_layer_arch(config, target, drafter_cfg: Drafter | Mapping, where: str = "drafter") -> None:
     """A saved drafter's layers (its config's model type) against what the config's
     drafter.layer_arch builds for this target and the drafter's method."""
     method = config.deepspec_method

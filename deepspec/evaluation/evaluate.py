@@ -35,61 +35,63 @@ from ..files import ResumableLog, json_safe, write_csv_atomic, write_json_atomic
 from ..paths import RunPaths
 from ..methods import resolve_method
 from ..data.prompts import benchmark_prompt_set, speed_benchmarks
+from ..settings import Eval, Settings
 
 log = logging.getLogger(__name__)
 
 
-def eval_dtype(cfg: dict) -> str:
+def eval_dtype(cfg) -> str:
     """The dtype evaluation decodes in on this machine: eval.precision, whose auto
     takes bf16 where the hardware multiplies it natively (`runtime.resolve_precision`)
-    and eval.dtype elsewhere."""
+    and eval.dtype elsewhere. `cfg`: a config or Settings."""
     from ..runtime import resolve_precision
 
-    ev = cfg["eval"]
-    got = resolve_precision(ev["precision"], cfg["target"]["device"], stage="evaluate")
-    return ev["dtype"] if ev["precision"] == "auto" and got == "float32" else got
+    s = Settings.view(cfg)
+    got = resolve_precision(s.eval.precision, s.target.device, stage="evaluate")
+    return s.eval.dtype if s.eval.precision == "auto" and got == "float32" else got
 
 
-def eval_target(cfg: dict, dtype: str | None = None):
+def eval_target(s: Settings, dtype: str | None = None):
     """The target as evaluation runs it: in `eval_dtype` (bf16 on a GPU or a
     bf16-capable CPU (AMX-BF16 or AVX512-BF16); the paper presets' eval.dtype is bf16 too, as DeepSeek's reference
     evaluates its bf16 checkpoints, docs/FIDELITY.md), or `dtype`."""
     from ..targets.loading import target_from_config
 
-    return target_from_config(cfg, dtype=dtype or eval_dtype(cfg))
+    return target_from_config(s.raw, dtype=dtype or eval_dtype(s))
 
 
-def eval_drafter(path, target, cfg: dict, dtype: str | None = None):
+def eval_drafter(path, target, s: Settings, dtype: str | None = None):
     """A saved drafter (fp32, as trained or converted) loaded for `target` and cast
     to the target's dtype (or `dtype`), in eval mode."""
     from ..drafters import load_drafter
 
     dt = getattr(torch, dtype) if dtype else next(target.model.parameters()).dtype
-    return load_drafter(path, target, cfg["drafter"]).to(dt).eval()
+    return load_drafter(path, target, s.raw["drafter"]).to(dt).eval()
 
 
-def sample_generator(cfg: dict, target, idx: int) -> torch.Generator:
+def sample_generator(ev: Eval, target, idx: int) -> torch.Generator:
     """The per-sample seed of the reference evaluator: eval.seed + sample index."""
-    return torch.Generator(device=target.device).manual_seed(cfg["eval"]["seed"] + idx)
+    return torch.Generator(device=target.device).manual_seed(ev.seed + idx)
 
 
-def drafter_path(cfg: dict, method: str, override: str | None = None) -> str:
+def drafter_path(cfg, method: str, override: str | None = None) -> str:
     """--drafter, else the method's released checkpoint (eval.released_checkpoints: a
     {hub, revision} snapshot fetched by the DAG's fetch_released, or a local
-    directory), else the trained drafter's directory."""
+    directory), else the trained drafter's directory. `cfg`: a config or Settings."""
     from ..fetch import RELEASED_FILES, fetched
 
     if override:
         return override
-    released = cfg["eval"]["released_checkpoints"].get(method)
+    s = Settings.view(cfg)
+    released = s.eval.released_checkpoints.get(method)
     if isinstance(released, dict):
-        return str(fetched(cfg, "model", released["hub"], released["revision"], RELEASED_FILES))
+        return str(fetched(s.raw, "model", released["hub"], released["revision"], RELEASED_FILES))
     if released:
         if not Path(released).is_dir():
             raise DeepSpecError(f"eval.released_checkpoints.{method}: no directory {released!r} (a checkpoint on "
                                 f"the hub is given as {{hub: <id>, revision: <commit>}})")
         return released
-    return str(RunPaths.of(cfg).drafter_dir(method))
+    return str(RunPaths.of(s.raw).drafter_dir(method))
 
 
 def tokens_per_s(samples: list[dict]) -> float:
@@ -99,15 +101,15 @@ def tokens_per_s(samples: list[dict]) -> float:
     return sum(s["new_tokens"] for s in samples) / t if t > 0 else float("nan")
 
 
-def n_speed(cfg: dict, benchmark: str) -> int:
+def n_speed(s: Settings, benchmark: str) -> int:
     """How many of a benchmark's first prompts are timed at batch size 1: eval.speed_prompts
     for the timed benchmarks (eval.speed_benchmarks), none for the others."""
-    return cfg["eval"]["speed_prompts"] if benchmark in speed_benchmarks(cfg) else 0
+    return s.eval.speed_prompts if benchmark in speed_benchmarks(s.raw) else 0
 
 
-def speed_sample(cfg: dict, prompts: list, benchmark: str) -> list:
+def speed_sample(s: Settings, prompts: list, benchmark: str) -> list:
     """The small fixed sample timed at batch size 1 (speedup vs plain): the first eval.speed_prompts."""
-    return prompts[: n_speed(cfg, benchmark)]
+    return prompts[: n_speed(s, benchmark)]
 
 
 # --------------------------------------------------------------------------- evaluate
@@ -170,12 +172,12 @@ def progress_header(cfg: dict, method: str, drafter, benchmarks: list) -> dict:
             "benchmarks": list(benchmarks)}
 
 
-def feature_layers(cfg: dict, drafter) -> list:
+def feature_layers(s: Settings, drafter) -> list:
     """The target layers a drafter reads: its config's, else the preset's."""
-    return list(getattr(drafter.config, "deepspec_feature_layers", None) or cfg["target"]["feature_layers"])
+    return list(getattr(drafter.config, "deepspec_feature_layers", None) or s.target.feature_layers)
 
 
-def alg1_policy(cfg: dict, target, drafter):
+def alg1_policy(s: Settings, target, drafter):
     """Algorithm 1 for the timed prompts at batch size 1 (eval.speed_alg1), or None:
     this drafter's confidences (raw sigma(c)) against SPS(1 + l), this machine's
     cost of verifying l drafts in a batch-1 round, profiled here once
@@ -184,16 +186,16 @@ def alg1_policy(cfg: dict, target, drafter):
     from ..core.decode import profile_target_sps
     from ..core.policies import LiveAlgorithm1
 
-    if not cfg["eval"]["speed_alg1"] or getattr(drafter, "confidence", None) is None:
+    if not s.eval.speed_alg1 or getattr(drafter, "confidence", None) is None:
         return None
-    sps = profile_target_sps(target, range(1, drafter.gamma + 2), context_len=min(256, cfg["data"]["max_length"]),
-                             feature_layers=feature_layers(cfg, drafter), seed=cfg["eval"]["seed"])
+    sps = profile_target_sps(target, range(1, drafter.gamma + 2), context_len=min(256, s.data.max_length),
+                             feature_layers=feature_layers(s, drafter), seed=s.eval.seed)
     log.info("SPS(1..%d) of a batch-1 round for Algorithm 1: %s steps/s", drafter.gamma + 1,
              " ".join(f"{x:.1f}" for x in sps.steps_per_s))
     return LiveAlgorithm1(sps)
 
 
-def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
+def run_timed(s: Settings, target, drafter, prompts, *, method: str, benchmark: str, domain: str,
               progress: Progress | None = None, alg1=None):
     """Speculative decoding over `prompts`; returns (per-round DataFrame, per-sample list).
     Each prompt is also decoded plainly right before or after it (the speedup's pair)
@@ -205,19 +207,19 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
 
     from ..core.decode import plain_generate, speculative_generate
 
-    ev = cfg["eval"]
+    ev = s.eval
     progress = progress or Progress(None)
-    layers = feature_layers(cfg, drafter)
+    layers = feature_layers(s, drafter)
     rows, samples = [], []
 
     def spec(idx, ids, max_new, policy=None):
         return speculative_generate(target, drafter, ids, feature_layers=layers, max_new_tokens=max_new,
-                                    temperature=ev["temperature"], generator=sample_generator(cfg, target, idx),
-                                    confidence_threshold=ev["confidence_threshold"], policy=policy)
+                                    temperature=ev.temperature, generator=sample_generator(ev, target, idx),
+                                    confidence_threshold=ev.confidence_threshold, policy=policy)
 
     def plain(idx, ids, max_new):
-        return plain_generate(target, ids, max_new_tokens=max_new, temperature=ev["temperature"],
-                              generator=sample_generator(cfg, target, idx))
+        return plain_generate(target, ids, max_new_tokens=max_new, temperature=ev.temperature,
+                              generator=sample_generator(ev, target, idx))
 
     if any(progress.get(benchmark, i, p.id) is None for i, (p, _) in enumerate(prompts)):
         # one short untimed run of each (kernel selection, allocator, lazy init) before timing
@@ -233,11 +235,11 @@ def run_timed(cfg: dict, target, drafter, prompts, *, method: str, benchmark: st
         # plain decoding of the same prompt right before or after (alternating), so that the
         # speedup's pairs share the machine's state of the moment (`interleaved_speedup`)
         if idx % 2:
-            base = plain(idx, ids, ev["max_new_tokens"])
-        gen = spec(idx, ids, ev["max_new_tokens"])
-        sched = None if alg1 is None else spec(idx, ids, ev["max_new_tokens"], alg1)
+            base = plain(idx, ids, ev.max_new_tokens)
+        gen = spec(idx, ids, ev.max_new_tokens)
+        sched = None if alg1 is None else spec(idx, ids, ev.max_new_tokens, alg1)
         if not idx % 2:
-            base = plain(idx, ids, ev["max_new_tokens"])
+            base = plain(idx, ids, ev.max_new_tokens)
         mine = [{"sample_id": p.id, **r, "method": method, "benchmark": benchmark, "domain": domain} for r in gen.rounds]
         sample = {"sample_id": p.id, "prompt_tokens": len(ids), "new_tokens": len(gen.tokens),
                   "rounds": len(gen.rounds), "time_s": gen.time_s,
@@ -303,10 +305,10 @@ def interleaved_speedup(samples: list[dict], n_boot: int, seed: int, policy: str
     return out
 
 
-def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int) -> dict:
+def summarize(ev: Eval, df: pd.DataFrame, samples: list[dict], *, gamma: int) -> dict:
     from ..core.acceptance import confidence_selfcheck, position_table, summarize_rounds
 
-    n_boot, seed = cfg["eval"]["n_boot"], cfg["eval"]["seed"]
+    n_boot, seed = ev.n_boot, ev.seed
     out = summarize_rounds(df, n_boot=n_boot, seed=seed)
     out.update(
         n_samples=len(samples),
@@ -327,7 +329,7 @@ def summarize(cfg: dict, df: pd.DataFrame, samples: list[dict], *, gamma: int) -
     return out
 
 
-def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, skip: dict,
+def run_batched(s: Settings, target, drafter, bench_prompts: dict, *, method: str, skip: dict,
                 progress: Progress | None = None):
     """Every prompt of every benchmark b but its first skip[b] through one
     BatchedEngine at eval.batch_size (fixed gamma, or the static threshold when
@@ -335,13 +337,13 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     from ..core.engine import BatchedEngine, Request, padding_share
     from ..core.policies import FixedGamma, StaticThreshold
 
-    ev = cfg["eval"]
+    ev = s.eval
     progress = progress or Progress(None)
-    thr = ev["confidence_threshold"]
+    thr = ev.confidence_threshold
     todo = [(b, i, p, ids) for b, prompts in bench_prompts.items() for i, (p, ids) in enumerate(prompts) if i >= skip[b]]
-    budget = None if ev["kv_budget_gb"] is None else ev["kv_budget_gb"] * 2**30
-    engine = BatchedEngine(target, drafter, feature_layers=feature_layers(cfg, drafter), temperature=ev["temperature"],
-                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev["batch_size"],
+    budget = None if ev.kv_budget_gb is None else ev.kv_budget_gb * 2**30
+    engine = BatchedEngine(target, drafter, feature_layers=feature_layers(s, drafter), temperature=ev.temperature,
+                           policy=StaticThreshold(thr) if thr > 0 else FixedGamma(), max_batch=ev.batch_size,
                            kv_budget_bytes=budget)
     out = {b: ([], []) for b in bench_prompts}
 
@@ -354,12 +356,12 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
         if (rec := progress.get(b, i, p.id)) is not None:  # finished by an earlier, interrupted run
             keep(b, i, rec["rows"], rec["sample"])
         else:
-            reqs.append(Request((b, i, p.id), ids, ev["max_new_tokens"], seed=ev["seed"] + i))
+            reqs.append(Request((b, i, p.id), ids, ev.max_new_tokens, seed=ev.seed + i))
     reqs.sort(key=lambda r: len(r.prompt_ids))  # similar lengths share the padded batch (outputs do not depend on it)
 
     def finished(f):
         b, i, pid = f.request.request_id
-        domain = cfg["data"]["benchmarks"][b]["domain"]
+        domain = s.data.benchmarks[b]["domain"]
         rows = [{"sample_id": pid, **r, "method": method, "benchmark": b, "domain": domain} for r in f.rounds]
         sample = {"sample_id": pid, "prompt_tokens": len(f.request.prompt_ids), "new_tokens": len(f.tokens),
                   "rounds": len(f.rounds), "time_s": f.time_s, "batch1": False}
@@ -371,35 +373,36 @@ def run_batched(cfg: dict, target, drafter, bench_prompts: dict, *, method: str,
     t0 = time.perf_counter()
     engine.generate(reqs, on_finish=finished)
     wall = time.perf_counter() - t0
-    info = {"batch_size": ev["batch_size"], "kv_budget_gb": ev["kv_budget_gb"], "requests": len(todo),
+    # kv_budget_gb as the preset wrote it (48, not 48.0: the JSON is unchanged)
+    info = {"batch_size": ev.batch_size, "kv_budget_gb": s.raw["eval"]["kv_budget_gb"], "requests": len(todo),
             "resumed_requests": len(todo) - len(reqs), "wall_s": wall, **engine.stats,
             "padding_share": padding_share(engine.stats)}
     info["tokens_per_s"] = new_tokens[0] / wall if reqs else None
     log.info("engine: %d requests at batch %d (at most %d rows at once) in %.1f s, %d rounds", len(reqs),
-             ev["batch_size"], engine.stats["max_rows"], wall, engine.stats["rounds"])
+             ev.batch_size, engine.stats["max_rows"], wall, engine.stats["rounds"])
     res = {}
     for b, (rows, samples) in out.items():  # batch-1 order: by sample index, then round
         rows.sort(key=lambda r: (r["_i"], r["round"]))
-        samples.sort(key=lambda s: s["_i"])
-        res[b] = (pd.DataFrame(rows).drop(columns="_i", errors="ignore"), [{k: v for k, v in s.items() if k != "_i"}
-                                                                            for s in samples])
+        samples.sort(key=lambda x: x["_i"])
+        res[b] = (pd.DataFrame(rows).drop(columns="_i", errors="ignore"), [{k: v for k, v in x.items() if k != "_i"}
+                                                                            for x in samples])
     return res, info
 
 
-def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
+def run_method(s: Settings, target, drafter, bench_prompts: dict, *, method: str, progress: Progress | None = None):
     """All benchmarks of a method: the speed sample of each at batch size 1
     (`run_timed`), the rest batched (`run_batched`). Returns
     ({benchmark: (records DataFrame, samples)}, engine info)."""
     out, alg1 = {}, None
-    speeds = {b: speed_sample(cfg, prompts, b) for b, prompts in bench_prompts.items()}
+    speeds = {b: speed_sample(s, prompts, b) for b, prompts in bench_prompts.items()}
     if any(speeds.values()):
-        alg1 = alg1_policy(cfg, target, drafter)
+        alg1 = alg1_policy(s, target, drafter)
     for b, speed in speeds.items():
-        domain = cfg["data"]["benchmarks"][b]["domain"]
-        out[b] = run_timed(cfg, target, drafter, speed, method=method, benchmark=b, domain=domain,
+        domain = s.data.benchmarks[b]["domain"]
+        out[b] = run_timed(s, target, drafter, speed, method=method, benchmark=b, domain=domain,
                            progress=progress, alg1=alg1) if speed else (pd.DataFrame(), [])
-    batched, info = run_batched(cfg, target, drafter, bench_prompts, method=method,
-                                skip={b: n_speed(cfg, b) for b in bench_prompts}, progress=progress)
+    batched, info = run_batched(s, target, drafter, bench_prompts, method=method,
+                                skip={b: n_speed(s, b) for b in bench_prompts}, progress=progress)
     for b, (df, samples) in batched.items():
         df0, s0 = out[b]
         df = pd.concat([d for d in (df0, df) if len(d)], ignore_index=True) if len(df0) or len(df) else df0
@@ -409,18 +412,19 @@ def run_method(cfg: dict, target, drafter, bench_prompts: dict, *, method: str, 
     return out, info
 
 
-def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict,
+def _write_benchmark(s: Settings, method: str, bench: str, df, samples, out_csv: Path, drafter_src: str, engine: dict,
                      skipped: list, environment: dict | None = None):
     """Summary JSON (tau with CI, positions, tokens/s of the batch-1 sample, speedup) beside the records."""
-    domain = cfg["data"]["benchmarks"][bench]["domain"]
+    domain = s.data.benchmarks[bench]["domain"]
     gamma = int(df.filter(like="conf_logit_").shape[1]) or int(df["proposal_len"].max())
-    summary = summarize(cfg, df, samples, gamma=gamma)
-    summary = {"target": cfg["target"]["name"], "method": method, "benchmark": bench, "domain": domain,
-               "drafter": drafter_src, "temperature": cfg["eval"]["temperature"],
-               "max_new_tokens": cfg["eval"]["max_new_tokens"],
-               "confidence_threshold": cfg["eval"]["confidence_threshold"], "engine": engine,
-               "environment": environment, **skipped_fields(cfg, skipped), **summary,
-               "settings": evaluation_settings(cfg)}
+    summary = summarize(s.eval, df, samples, gamma=gamma)
+    # temperature and confidence_threshold as the preset wrote them (1, not 1.0: the JSON is unchanged)
+    summary = {"target": s.target.name, "method": method, "benchmark": bench, "domain": domain,
+               "drafter": drafter_src, "temperature": s.raw["eval"]["temperature"],
+               "max_new_tokens": s.eval.max_new_tokens,
+               "confidence_threshold": s.raw["eval"]["confidence_threshold"], "engine": engine,
+               "environment": environment, **skipped_fields(s, skipped), **summary,
+               "settings": evaluation_settings(s.raw)}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
     speedup = summary["speedup_vs_plain"]
@@ -429,9 +433,9 @@ def _write_benchmark(cfg: dict, method: str, bench: str, df, samples, out_csv: P
              "n/a" if speedup is None else f"{speedup:.3f}x", out_csv)
 
 
-def skipped_fields(cfg: dict, skipped: list) -> dict:
+def skipped_fields(s: Settings, skipped: list) -> dict:
     """How many of the benchmark's prompts were over data.max_prompt_tokens and left out (prompts.benchmark_prompt_set)."""
-    return {"max_prompt_tokens": cfg["data"]["max_prompt_tokens"], "n_skipped_prompts": len(skipped),
+    return {"max_prompt_tokens": s.data.max_prompt_tokens, "n_skipped_prompts": len(skipped),
             "skipped_prompts": skipped}
 
 
@@ -445,34 +449,34 @@ def cli_evaluate(argv) -> int:
                                  "the JSON goes beside it")
     p.add_argument("--out-dir", help="directory for <benchmark>.csv and .json (default R/T/eval/<method>/)")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
+    s = Settings.of(config_from_args(args))
     from ..formats.convert import resolve_drafter
     from ..provenance import evaluation_environment
 
-    paths = RunPaths.of(cfg)
-    benches = args.benchmark or list(cfg["data"]["benchmarks"])
+    paths = RunPaths.of(s.raw)
+    benches = args.benchmark or list(s.data.benchmarks)
     if args.out and len(benches) != 1:
         raise DeepSpecError("--out names one records file: give one --benchmark, or use --out-dir")
     outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
                                                  else paths.records(args.method, b)) for b in benches}
-    target = eval_target(cfg)  # eval.precision (bf16 where native), else eval.dtype
-    sets = {b: benchmark_prompt_set(cfg, target, b) for b in benches}
+    target = eval_target(s)  # eval.precision (bf16 where native), else eval.dtype
+    sets = {b: benchmark_prompt_set(s.raw, target, b) for b in benches}
     bench_prompts = {b: kept for b, (kept, _) in sets.items()}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
-    path = resolve_drafter(drafter_path(cfg, args.method, args.drafter), target, cfg, method=args.method)
-    log.info("target %s, drafter %s, %d prompts of %s", cfg["target"]["name"], path,
+    path = resolve_drafter(drafter_path(s, args.method, args.drafter), target, s.raw, method=args.method)
+    log.info("target %s, drafter %s, %d prompts of %s", s.target.name, path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
-    drafter = eval_drafter(path, target, cfg)  # its layers as drafter.layer_arch builds them, in the target's dtype
-    base, _ = resolve_method(cfg, args.method)
+    drafter = eval_drafter(path, target, s)  # its layers as drafter.layer_arch builds them, in the target's dtype
+    base, _ = resolve_method(s.raw, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
     # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
     progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
-                        progress_header(cfg, args.method, path, benches))
-    results, engine = run_method(cfg, target, drafter, bench_prompts, method=args.method, progress=progress)
+                        progress_header(s.raw, args.method, path, benches))
+    results, engine = run_method(s, target, drafter, bench_prompts, method=args.method, progress=progress)
     environment = evaluation_environment(target, drafter)  # dtypes, device, machine (the provenance record's)
     for b, (df, samples) in results.items():
-        _write_benchmark(cfg, args.method, b, df, samples, outs[b], path, engine, sets[b][1], environment)
+        _write_benchmark(s, args.method, b, df, samples, outs[b], path, engine, sets[b][1], environment)
     progress.finish()
     return 0
 

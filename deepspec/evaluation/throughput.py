@@ -37,6 +37,7 @@ from ..errors import DeepSpecError
 from ..files import pyplot, read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
 from ..data.prompts import benchmark_prompt_ids
+from ..settings import Settings, Throughput
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ COLUMNS = ["target", "method", "policy", "concurrency", "requests", "new_tokens"
            "per_request_tokens_per_s", "mean_verify_len", "tau"]
 
 
-def load_prompts(cfg: dict, target, n: int) -> list:
-    """n prompt token lists, round-robin over the benchmarks (repeating when fewer)."""
-    per = [[ids for _, ids in benchmark_prompt_ids(cfg, target, b)] for b in cfg["data"]["benchmarks"]]
+def load_prompts(cfg, target, n: int) -> list:
+    """n prompt token lists, round-robin over the benchmarks (repeating when fewer).
+    `cfg`: a config or Settings."""
+    s = Settings.view(cfg)
+    per = [[ids for _, ids in benchmark_prompt_ids(s.raw, target, b)] for b in s.data.benchmarks]
     pool = [p[i] for i in range(max(map(len, per))) for p in per if i < len(p)]
     if not pool:
         raise DeepSpecError("throughput: the preset's benchmarks have no prompts")
@@ -88,43 +91,42 @@ def run_load(target, drafter, prompts, *, policy, concurrency: int, max_new_toke
             "tau": float(np.mean([r["emitted"] for r in rounds])) if rounds else 1.0}
 
 
-def engine_sps(cfg: dict, target, concurrency: int, gamma: int):
+def engine_sps(tp: Throughput, target, concurrency: int, gamma: int):
     """SPS(B) for Algorithm 1: throughput.sps_csv, or profiled on this engine and machine."""
     from ..core.engine import profile_engine_sps
     from ..core.scheduler import SPSCurve
 
-    tp = cfg["throughput"]
-    if tp["sps_csv"]:
-        return SPSCurve.from_csv(tp["sps_csv"])
-    return profile_engine_sps(target, concurrency, list(range(1, gamma + 2)), context_len=tp["sps_context"])
+    if tp.sps_csv:
+        return SPSCurve.from_csv(tp.sps_csv)
+    return profile_engine_sps(target, concurrency, list(range(1, gamma + 2)), context_len=tp.sps_context)
 
 
-def policy_names(cfg: dict) -> list[str]:
+def policy_names(tp: Throughput) -> list[str]:
     out = []
-    for p in cfg["throughput"]["policies"]:
-        out += [f"threshold={t:g}" for t in cfg["throughput"]["thresholds"]] if p == "threshold" else [p]
+    for p in tp.policies:
+        out += [f"threshold={t:g}" for t in tp.thresholds] if p == "threshold" else [p]
     return out
 
 
-def measure(cfg: dict, target, drafter, method: str, names, temperatures=None) -> pd.DataFrame:
+def measure(s: Settings, target, drafter, method: str, names, temperatures=None) -> pd.DataFrame:
     """Every (concurrency, policy) row of throughput.csv."""
-    tp, ev = cfg["throughput"], cfg["eval"]
+    tp, ev = s.throughput, s.eval
     from .evaluate import feature_layers
 
-    layers = feature_layers(cfg, drafter)
+    layers = feature_layers(s, drafter)
     rows = []
-    for c in tp["concurrency"]:
-        prompts = load_prompts(cfg, target, max(tp["requests"], c))
-        sps = engine_sps(cfg, target, c, drafter.gamma) if any(n.startswith("alg1") for n in names) else None
+    for c in tp.concurrency:
+        prompts = load_prompts(s, target, max(tp.requests, c))
+        sps = engine_sps(tp, target, c, drafter.gamma) if any(n.startswith("alg1") for n in names) else None
         if sps is not None:  # the curve Algorithm 1 decides by: what explains its choices
             log.info("SPS(B) at concurrency %d: %s", c, ", ".join(f"B={int(b)}: {v:.1f}/s" for b, v in
                                                                zip(sps.batch_tokens, sps.steps_per_s)))
         for name in names:
             pol = make_policy(name, sps=sps, temperatures=temperatures)
             row = run_load(target, None if name == "plain" else drafter, prompts, policy=pol, concurrency=c,
-                           max_new_tokens=tp["max_new_tokens"], temperature=ev["temperature"], seed=ev["seed"],
+                           max_new_tokens=tp.max_new_tokens, temperature=ev.temperature, seed=ev.seed,
                            feature_layers=layers)
-            rows.append({"target": cfg["target"]["name"], "method": method, "policy": name, **row})
+            rows.append({"target": s.target.name, "method": method, "policy": name, **row})
             log.info("%s at concurrency %d: %.2f tokens/s, %.2f per request, verify %.2f, tau %.2f", name, c,
                      row["tokens_per_s"], row["per_request_tokens_per_s"], row["mean_verify_len"], row["tau"])
     return pd.DataFrame(rows, columns=COLUMNS)
@@ -138,18 +140,18 @@ def cli_throughput(argv) -> int:
     p.add_argument("--sts", help="a schedule rule's alg1.json: Algorithm 1 uses its STS temperatures")
     p.add_argument("--out", help="CSV (default R/tables/throughput.csv)")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
+    s = Settings.of(config_from_args(args))
     from .evaluate import drafter_path, eval_drafter, eval_target
 
-    method = args.method or cfg["throughput"]["method"]
-    out = Path(args.out) if args.out else RunPaths.of(cfg).table("throughput.csv")
-    target = eval_target(cfg)  # evaluate's dtype (eval.precision)
-    drafter = eval_drafter(drafter_path(cfg, method, args.drafter), target, cfg)
+    method = args.method or s.throughput.method
+    out = Path(args.out) if args.out else RunPaths.of(s.raw).table("throughput.csv")
+    target = eval_target(s)  # evaluate's dtype (eval.precision)
+    drafter = eval_drafter(drafter_path(s, method, args.drafter), target, s)
     temps = read_json(Path(args.sts))["sts_temperatures"] if args.sts else None
-    names = policy_names(cfg)
+    names = policy_names(s.throughput)
     if any(n.startswith("alg1") for n in names) and drafter.config.deepspec_confidence_head is False:
         raise DeepSpecError(f"throughput: Algorithm 1 needs a drafter with a confidence head ({method} has none)")
-    write_csv_atomic(measure(cfg, target, drafter, method, names, temps), out)
+    write_csv_atomic(measure(s, target, drafter, method, names, temps), out)
     return 0
 
 
@@ -199,10 +201,10 @@ def cli_fig7(argv) -> int:
     p.add_argument("--pdf", required=True)
     p.add_argument("--png")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
+    s = Settings.of(config_from_args(args))
     df = pd.read_csv(args.csv)
     if df.empty:
         raise DeepSpecError(f"{args.csv}: no rows")
     plot_fig7(df, Path(args.pdf), Path(args.png) if args.png else None,
-              title=f"{cfg['target']['name']}: batched engine under load")
+              title=f"{s.target.name}: batched engine under load")
     return 0

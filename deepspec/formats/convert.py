@@ -252,8 +252,7 @@ def check_reference_target(ref: dict, target, where: str, config=None) -> None:
     if config is None:
         method, drafter_cfg = _method(ref)
         drafter_cfg["layer_arch"] = reference_layer_arch(ref, target)
-        config = draft_config(method, target, {"drafter": drafter_cfg,
-                                               "target": {"feature_layers": list(ref["target_layer_ids"])}})
+        config = draft_config(method, target, drafter_cfg, ref["target_layer_ids"])
     # the draft config's own fields (Gemma4: homogeneous full-attention geometry, no
     # ambiguous per-layer attribute); hidden and vocab size as the target has them
     have = dict(config.to_dict(), hidden_size=int(target.hidden_size), vocab_size=int(target.vocab_size))
@@ -368,8 +367,7 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     where = str(src / "config.json")
     method, drafter_cfg = _method(ref)
     drafter_cfg["layer_arch"] = reference_layer_arch(ref, target)  # Qwen3 layers over a Llama target, e.g.
-    config = draft_config(method, target, {"drafter": drafter_cfg,
-                                           "target": {"feature_layers": list(ref["target_layer_ids"])}})
+    config = draft_config(method, target, drafter_cfg, ref["target_layer_ids"])
     check_reference_target(ref, target, where, config)
     # commit: the hub commit of a checkpoint from the hub cache (its snapshot directory), else None
     # or the commit a fetched snapshot recorded (deepspec/fetch.py: its files are links, not the cache's)

@@ -1,5 +1,9 @@
 """Running a training step at paper dimensions without weights: the `meta`
-device with value shadows (used by `deepspec.planning.plan`).
+device with value shadows (used by `deepspec.planning.plan`). Below the
+machinery, what plan measures with it: a drafter built on meta
+(`build_meta_drafter`, `param_counts`), a synthetic micro-batch
+(`synthetic_batch`), one real training step (`measure_step`) and the target
+forward that online mode adds (`measure_target_forward`).
 
 Meta tensors have shapes but no values, so the few data-dependent operations
 of a training step cannot run on them as they are: `.item()` (anchor counts),
@@ -34,12 +38,15 @@ storages autograd keeps for the backward pass.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..core.target import Target
 
 aten = torch.ops.aten
 
@@ -228,3 +235,69 @@ def measure(fn, exclude=()) -> dict:
         (out[0] if isinstance(out, tuple) else out).backward()
     return {"flops_forward": int(forward), "flops": int(fc.get_total_flops()), "saved_bytes": int(saved.total),
             "largest_tensor_bytes": int(shadow.largest_bytes), "unknown_scalars": shadow.unknown_scalars, "out": out}
+
+
+# --------------------------------------------------------------------------- a drafter's training step on meta
+
+
+def synthetic_batch(micro_batch: int, length: int, prompt: int, vocab: int, n_features: int, hidden: int,
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One micro-batch of `length` tokens, the last `length - prompt` of them
+    assistant tokens: ids, masks on CPU (their values steer anchor sampling),
+    cached features / final hidden states on meta (their values never matter)."""
+    ids = (torch.arange(micro_batch * length) % max(1, vocab - 1)).view(micro_batch, length)
+    loss_mask = torch.zeros(micro_batch, length, dtype=torch.bool)
+    loss_mask[:, min(prompt, length - 2):] = True
+    return {
+        "input_ids": ids, "loss_mask": loss_mask,
+        "attention_mask": torch.ones(micro_batch, length, dtype=torch.bool),
+        "features": torch.empty(micro_batch, length, n_features * hidden, device="meta", dtype=dtype),
+        "last_hidden": torch.empty(micro_batch, length, hidden, device="meta", dtype=dtype),
+    }
+
+
+def measure_step(drafter, target: Target, batch: dict, spec, seed: int = 0) -> dict:
+    """FLOPs (forward, forward+backward) and activation bytes of one real training
+    step (`drafter.training_step` + backward) on meta (see the module docstring)."""
+    exclude = [*drafter.parameters(), *target.model.parameters(), batch["features"], batch["last_hidden"]]
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    r = measure(lambda: drafter.training_step(batch, spec, gen, log_step=False), exclude)
+    drafter.zero_grad(set_to_none=True)
+    metrics = r.pop("out")[1]
+    r["positions"] = float(metrics.get("n_positions", metrics.get("n_anchors", 0.0) * getattr(drafter, "gamma", 1)))
+    r["peak_activation_bytes"] = r["saved_bytes"] + r["largest_tensor_bytes"]
+    r["seconds"] = round(time.perf_counter() - t0, 2)
+    return r
+
+
+def measure_target_forward(target: Target, batch: dict, layers) -> int:
+    """FLOPs of the target forward that online mode runs per micro-batch (features + final hidden state)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = batch["input_ids"].to("meta")
+    with fused_attention(), MetaShadow() as shadow:
+        shadow.shadow[ids] = batch["input_ids"]
+        with FlopCounterMode(display=False) as fc, torch.no_grad():
+            target.features(ids, layers, attention_mask=None)
+    return int(fc.get_total_flops())
+
+
+def build_meta_drafter(method: str, target: Target, cfg: dict):
+    """`build_drafter` on the meta device, in bf16 (as autocast computes)."""
+    from .. import drafters
+    from ..methods import resolve_method
+
+    base, mcfg = resolve_method(cfg, method)
+    with torch.device("meta"):
+        return drafters.build_drafter(base, target, mcfg).to(torch.bfloat16), mcfg
+
+
+def param_counts(drafter, target: Target) -> dict:
+    own = {id(p): p for p in drafter.parameters()}
+    shared = {id(p): p for m in (target.embed_tokens, target.lm_head) for p in m.parameters()}
+    return {
+        "trainable": sum(p.numel() for p in own.values() if p.requires_grad),
+        "frozen_own": sum(p.numel() for p in own.values() if not p.requires_grad),
+        "frozen_shared_target": sum(p.numel() for k, p in shared.items() if k not in own),
+    }

@@ -21,7 +21,8 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   dimensions (a random-weight target built from its architecture facts,
   one micro-batch of a synthetic sequence of the expected length, all its
   answer positions in the loss mask) under `torch.utils.flop_counter`;
-  data-dependent ops run on CPU shadows (`deepspec.planning.meta`). The
+  data-dependent ops run on CPU shadows (`deepspec.planning.meta`, which
+  also holds these measurements: `measure_step`, `measure_target_forward`). The
   count is what executes, activation-checkpoint recomputation included, and
   SDPA is counted dense (the CPU path; flex attention would skip masked
   blocks). Steps per epoch and in total (`train.plan_steps`); activation memory
@@ -56,7 +57,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -68,10 +68,12 @@ from ..files import write_json_atomic
 from ..paths import RunPaths
 from ..data.cache import bytes_per_token
 from ..files import human_bytes
+from ..settings import Eval, Settings, Train
 from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target, text_fields
 from ..training.recipe import plan_steps
 from ..training.run import step_spec
 from ..training.recipe import training_memory
+from .meta import build_meta_drafter, measure_step, measure_target_forward, param_counts, synthetic_batch
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +100,16 @@ def _mean(xs: list[float]) -> Optional[float]:
     return sum(xs) / len(xs) if xs else None
 
 
-def data_section(cfg: dict) -> dict:
+def data_section(s: Settings) -> dict:
     """Training prompts and tokens per sample (hints first, then a sample of the files)."""
     from ..data.prompts import data_root
 
-    hints, root = cfg["plan"], data_root(cfg)
+    hints, root = s.plan, data_root(s.raw)
     n, plen, rlen, sources = 0, [], [], []
-    for entry in cfg["data"]["train"]:
+    for entry in s.data.train:
         path = entry["path"]
         if path.startswith("hub:") or not (root / path).exists():
-            if hints["train_prompts"] is None:
+            if hints.train_prompts is None:
                 raise DeepSpecError(f"plan: the number of prompts of {path} is unknown here (hub source or missing file): "
                                     "set plan.train_prompts")
             sources.append({"path": path, "prompts": None, "from": "plan.train_prompts"})
@@ -115,22 +117,22 @@ def data_section(cfg: dict) -> dict:
         k, pl, rl = _file_stats(root / path, entry.get("cap"))
         n, plen, rlen = n + k, plen + pl, rlen + rl
         sources.append({"path": path, "prompts": k, "from": "file"})
-    if hints["train_prompts"] is not None:
-        n = int(hints["train_prompts"])
-    max_new = int(cfg["regenerate"]["max_new_tokens"])
-    prompt_tokens, p_from = _hinted(hints["prompt_tokens"], _mean(plen), "sample of the prompt files")
-    answer_tokens, a_from = _hinted(hints["answer_tokens"], _mean(rlen), "sample of the reference answers")
+    if hints.train_prompts is not None:
+        n = hints.train_prompts
+    max_new = s.regenerate.max_new_tokens
+    prompt_tokens, p_from = _hinted(hints.prompt_tokens, _mean(plen), "sample of the prompt files")
+    answer_tokens, a_from = _hinted(hints.answer_tokens, _mean(rlen), "sample of the reference answers")
     if answer_tokens is None:
         answer_tokens, a_from = max_new, "regenerate.max_new_tokens (upper bound)"
     answer_tokens = min(answer_tokens, max_new)
     if prompt_tokens is None:
         raise DeepSpecError("plan: prompt lengths are unknown (no local prompt file): set plan.prompt_tokens")
-    per_sample = min(int(cfg["data"]["max_length"]), int(round(prompt_tokens + answer_tokens)))
+    per_sample = min(s.data.max_length, int(round(prompt_tokens + answer_tokens)))
     return {
         "train_prompts": n, "sources": sources,
         "prompt_tokens_per_sample": round(prompt_tokens, 1), "prompt_tokens_from": p_from,
         "answer_tokens_per_sample": round(answer_tokens, 1), "answer_tokens_from": a_from,
-        "tokens_per_sample": per_sample, "max_length": int(cfg["data"]["max_length"]),
+        "tokens_per_sample": per_sample, "max_length": s.data.max_length,
         "regenerated_tokens": int(round(n * answer_tokens)),
         "regenerated_tokens_upper_bound": n * max_new,
         "tokens": n * per_sample,
@@ -138,99 +140,29 @@ def data_section(cfg: dict) -> dict:
 
 
 def _hinted(hint, sampled, what: str):
-    if hint is not None:
-        return float(hint), "preset hint"
+    if hint is not None:  # plan.prompt_tokens / answer_tokens: a float
+        return hint, "preset hint"
     if sampled is not None:
         return float(sampled), f"{what} (chars / {CHARS_PER_TOKEN:g})"
     return None, None
 
 
-# --------------------------------------------------------------------------- measurement on meta
-
-
-def synthetic_batch(micro_batch: int, length: int, prompt: int, vocab: int, n_features: int, hidden: int,
-                    dtype: torch.dtype = torch.bfloat16) -> dict:
-    """One micro-batch of `length` tokens, the last `length - prompt` of them
-    assistant tokens: ids, masks on CPU (their values steer anchor sampling),
-    cached features / final hidden states on meta (their values never matter)."""
-    ids = (torch.arange(micro_batch * length) % max(1, vocab - 1)).view(micro_batch, length)
-    loss_mask = torch.zeros(micro_batch, length, dtype=torch.bool)
-    loss_mask[:, min(prompt, length - 2):] = True
-    return {
-        "input_ids": ids, "loss_mask": loss_mask,
-        "attention_mask": torch.ones(micro_batch, length, dtype=torch.bool),
-        "features": torch.empty(micro_batch, length, n_features * hidden, device="meta", dtype=dtype),
-        "last_hidden": torch.empty(micro_batch, length, hidden, device="meta", dtype=dtype),
-    }
-
-
-def measure_step(drafter, target: Target, batch: dict, spec, seed: int = 0) -> dict:
-    """FLOPs (forward, forward+backward) and activation bytes of one real training
-    step (`drafter.training_step` + backward) on meta (see the module docstring)."""
-    from .meta import measure
-
-    exclude = [*drafter.parameters(), *target.model.parameters(), batch["features"], batch["last_hidden"]]
-    gen = torch.Generator().manual_seed(seed)
-    t0 = time.perf_counter()
-    r = measure(lambda: drafter.training_step(batch, spec, gen, log_step=False), exclude)
-    drafter.zero_grad(set_to_none=True)
-    metrics = r.pop("out")[1]
-    r["positions"] = float(metrics.get("n_positions", metrics.get("n_anchors", 0.0) * getattr(drafter, "gamma", 1)))
-    r["peak_activation_bytes"] = r["saved_bytes"] + r["largest_tensor_bytes"]
-    r["seconds"] = round(time.perf_counter() - t0, 2)
-    return r
-
-
-def measure_target_forward(target: Target, batch: dict, layers) -> int:
-    """FLOPs of the target forward that online mode runs per micro-batch (features + final hidden state)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from .meta import MetaShadow, fused_attention
-
-    ids = batch["input_ids"].to("meta")
-    with fused_attention(), MetaShadow() as shadow:
-        shadow.shadow[ids] = batch["input_ids"]
-        with FlopCounterMode(display=False) as fc, torch.no_grad():
-            target.features(ids, layers, attention_mask=None)
-    return int(fc.get_total_flops())
-
-
-def online_target_forwards(train_cfg: dict, total_steps: int) -> int:
-    """Target forwards of an online training run: one per micro batch
-    (`train_data.OnlineFeatures`), global_batch / micro_batch per optimiser step
-    over all processes (`recipe.accumulation_steps` makes it exact)."""
-    return int(total_steps) * (int(train_cfg["global_batch"]) // int(train_cfg["micro_batch"]))
-
-
-def build_meta_drafter(method: str, target: Target, cfg: dict):
-    """`build_drafter` on the meta device, in bf16 (as autocast computes)."""
-    from .. import drafters
-    from ..methods import resolve_method
-
-    base, mcfg = resolve_method(cfg, method)
-    with torch.device("meta"):
-        return drafters.build_drafter(base, target, mcfg).to(torch.bfloat16), mcfg
-
-
-def param_counts(drafter, target: Target) -> dict:
-    own = {id(p): p for p in drafter.parameters()}
-    shared = {id(p): p for m in (target.embed_tokens, target.lm_head) for p in m.parameters()}
-    return {
-        "trainable": sum(p.numel() for p in own.values() if p.requires_grad),
-        "frozen_own": sum(p.numel() for p in own.values() if not p.requires_grad),
-        "frozen_shared_target": sum(p.numel() for k, p in shared.items() if k not in own),
-    }
-
-
 # --------------------------------------------------------------------------- sections
 
 
-def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: int) -> dict:
-    c, layers = cfg["cache"], cfg["target"]["feature_layers"]
-    bpt = bytes_per_token(len(layers), target.hidden_size, c["dtype"])
-    hidden_bytes = (len(layers) + 1) * target.hidden_size * torch.empty(0, dtype=getattr(torch, c["dtype"])).element_size()
+def online_target_forwards(train: Train, total_steps: int) -> int:
+    """Target forwards of an online training run: one per micro batch
+    (`train_data.OnlineFeatures`), global_batch / micro_batch per optimiser step
+    over all processes (`recipe.accumulation_steps` makes it exact)."""
+    return int(total_steps) * (train.global_batch // train.micro_batch)
+
+
+def cache_section(s: Settings, target: Target, data: dict, online_flops_per_step: int) -> dict:
+    c, layers = s.cache, s.target.feature_layers
+    bpt = bytes_per_token(len(layers), target.hidden_size, c.dtype)
+    hidden_bytes = (len(layers) + 1) * target.hidden_size * torch.empty(0, dtype=getattr(torch, c.dtype)).element_size()
     return {
-        "mode": c["mode"], "dtype": c["dtype"], "feature_layers": len(layers), "hidden_size": target.hidden_size,
+        "mode": c.mode, "dtype": c.dtype, "feature_layers": len(layers), "hidden_size": target.hidden_size,
         "hidden_bytes_per_token": hidden_bytes, "bytes_per_token": bpt,
         "bytes_per_token_note": "(feature layers + final hidden state) x hidden x dtype bytes, + int32 id + uint8 loss mask",
         "offline_total_bytes": bpt * data["tokens"],
@@ -238,7 +170,7 @@ def cache_section(cfg: dict, target: Target, data: dict, online_flops_per_step: 
     }
 
 
-def checkpoint_disk(train_cfg: dict, drafter, trainable: int, total_steps: int) -> dict:
+def checkpoint_disk(train: Train, drafter, trainable: int, total_steps: int) -> dict:
     """Bytes of one training checkpoint (`training.checkpoints.save_checkpoint`) and
     how many stay on disk, by arithmetic: the drafter's state dict as trained
     (floating tensors in fp32, the others at their own dtype) plus AdamW's two fp32
@@ -248,10 +180,10 @@ def checkpoint_disk(train_cfg: dict, drafter, trainable: int, total_steps: int) 
     at most train.keep_checkpoints of them, plus, with train.checkpoint_minutes,
     the newest timed (or SIGTERM) one; while a checkpoint is written, one more."""
     model = sum(t.numel() * (4 if t.is_floating_point() else t.element_size()) for t in drafter.state_dict().values())
-    every, keep = int(train_cfg["checkpoint_every"]), train_cfg.get("keep_checkpoints")
+    every, keep = train.checkpoint_every, train.keep_checkpoints
     regular = len(set(range(every, total_steps + 1, every)) | {total_steps})
-    kept_regular = regular if keep is None else min(int(keep), regular)
-    timed = 1 if train_cfg.get("checkpoint_minutes") else 0
+    kept_regular = regular if keep is None else min(keep, regular)
+    timed = 1 if train.checkpoint_minutes else 0
     each = model + 8 * int(trainable)
     return {"bytes_each": each, "model_bytes": model, "optimizer_bytes": 8 * int(trainable),
             "regular_checkpoints": regular, "kept_regular": kept_regular, "kept_timed": timed,
@@ -259,23 +191,24 @@ def checkpoint_disk(train_cfg: dict, drafter, trainable: int, total_steps: int) 
             "bytes_peak": each * (kept_regular + timed + 1)}
 
 
-def method_section(method: str, cfg: dict, target: Target, data: dict) -> dict:
+def method_section(method: str, s: Settings, target: Target, data: dict) -> dict:
     """Parameters, measured FLOPs per step and activation memory of one method."""
-    drafter, mcfg = build_meta_drafter(method, target, cfg)
+    drafter, mcfg = build_meta_drafter(method, target, s.raw)
     spec = step_spec(mcfg)
-    t, mb = mcfg["train"], int(mcfg["train"]["micro_batch"])
-    n_feat, d, V = len(mcfg["target"]["feature_layers"]), target.hidden_size, target.vocab_size
+    t = Settings.of(mcfg).train  # the method's train section (train.max_steps, train.lr resolved)
+    mb = t.micro_batch
+    n_feat, d, V = len(s.target.feature_layers), target.hidden_size, target.vocab_size
     prompt = int(round(data["prompt_tokens_per_sample"]))
     typical = measure_step(drafter, target, synthetic_batch(mb, data["tokens_per_sample"], prompt, V, n_feat, d), spec)
     L = data["max_length"]
     worst = measure_step(drafter, target, synthetic_batch(mb, L, min(prompt, L // 2), V, n_feat, d), spec)
     per_epoch, total = plan_steps(data["train_prompts"], t)
-    micro_batches = int(t["global_batch"]) // mb
+    micro_batches = t.global_batch // mb
     params = param_counts(drafter, target)
     return {
         "online_target_forwards": online_target_forwards(t, total),
         "draft_layers": {"count": int(drafter.config.num_hidden_layers), "model_type": drafter.config.model_type},
-        "kv_bytes_per_token": drafter.kv_bytes_per_token(getattr(torch, cfg["eval"]["dtype"])),
+        "kv_bytes_per_token": drafter.kv_bytes_per_token(getattr(torch, s.eval.dtype)),
         "gamma": int(drafter.gamma), "markov_rank": int(getattr(drafter.config, "deepspec_markov_rank", 0) or 0),
         "params": params,
         "checkpoints": checkpoint_disk(t, drafter, params["trainable"], total),
@@ -318,7 +251,7 @@ def kv_bytes_per_token(fields: dict, dtype: str) -> int:
     return total
 
 
-def eval_memory(cfg: dict, target_params: int, drafter_params: int, kv_per_token: int,
+def eval_memory(s: Settings, target_params: int, drafter_params: int, kv_per_token: int,
                 drafter_kv_per_token: int = 0) -> dict:
     """GiB one evaluation GPU holds, by arithmetic: the target's and the largest
     drafter's weights at eval.dtype, the KV cache the batched engine may fill
@@ -328,19 +261,19 @@ def eval_memory(cfg: dict, target_params: int, drafter_params: int, kv_per_token
     `batch_cache.row_slots`) and EVAL_RESERVE_GIB, against plan.gpu_memory_gib."""
     from ..core.batch_cache import row_slots
 
-    e = cfg["eval"]
+    e = s.eval
     gib = 2.0 ** 30
-    per_value = torch.empty(0, dtype=getattr(torch, e["dtype"])).element_size()
-    longest = row_slots(int(cfg["data"]["max_prompt_tokens"]) + int(e["max_new_tokens"]),
-                        int(cfg["drafter"]["block_size"]) + 1) * (kv_per_token + drafter_kv_per_token) / gib
-    kv = e["kv_budget_gb"] if e["kv_budget_gb"] is not None else int(e["batch_size"]) * longest
+    per_value = torch.empty(0, dtype=getattr(torch, e.dtype)).element_size()
+    longest = row_slots(s.data.max_prompt_tokens + e.max_new_tokens,
+                        s.drafter.block_size + 1) * (kv_per_token + drafter_kv_per_token) / gib
+    kv = e.kv_budget_gb if e.kv_budget_gb is not None else e.batch_size * longest
     parts = {"target_weights": target_params * per_value / gib, "drafter_weights": drafter_params * per_value / gib,
-             "kv_cache": float(kv), "reserve": EVAL_RESERVE_GIB}
+             "kv_cache": kv, "reserve": EVAL_RESERVE_GIB}
     total = sum(parts.values())
-    return {**parts, "total": total, "gpu_memory_gib": float(cfg["plan"]["gpu_memory_gib"]),
-            "fits": total <= float(cfg["plan"]["gpu_memory_gib"]), "kv_bytes_per_token": kv_per_token,
+    return {**parts, "total": total, "gpu_memory_gib": s.plan.gpu_memory_gib,
+            "fits": total <= s.plan.gpu_memory_gib, "kv_bytes_per_token": kv_per_token,
             "drafter_kv_bytes_per_token": drafter_kv_per_token,
-            "longest_row_gib": longest, "kv_from": "eval.kv_budget_gb" if e["kv_budget_gb"] is not None else
+            "longest_row_gib": longest, "kv_from": "eval.kv_budget_gb" if e.kv_budget_gb is not None else
             "eval.batch_size rows at the longest request (eval.kv_budget_gb null)"}
 
 
@@ -372,7 +305,7 @@ def forward_seconds(weight_bytes: float, layers: int, hw: dict) -> float:
     return weight_bytes / (hw["bandwidth_gbs"] * 1e9 * hw["decode_efficiency"]) + layers * hw["layer_overhead_ms"] / 1e3
 
 
-def round_rates(cfg: dict, target_params: int, target_layers: int, methods: dict, hw: dict) -> dict:
+def round_rates(ev: Eval, target_params: int, target_layers: int, methods: dict, hw: dict) -> dict:
     """Batch-1 rounds per second per method and plain decoding's forwards per second,
     by `forward_seconds`: a round is one target forward (its weights once, whatever the
     gamma + 1 tokens) plus the drafter's: Eagle3 gamma + 1 forwards of its layers (the
@@ -382,7 +315,7 @@ def round_rates(cfg: dict, target_params: int, target_layers: int, methods: dict
     if hw["eval_rounds_per_s"] is not None:
         r = float(hw["eval_rounds_per_s"])
         return {"methods": {m: r for m in methods}, "plain": r, "from": "plan.eval_rounds_per_s"}
-    elem = torch.empty(0, dtype=getattr(torch, cfg["eval"]["dtype"])).element_size()
+    elem = torch.empty(0, dtype=getattr(torch, ev.dtype)).element_size()
     t_target = forward_seconds(target_params * elem, target_layers, hw)
     rates = {}
     for m, r in methods.items():
@@ -397,13 +330,13 @@ def round_rates(cfg: dict, target_params: int, target_layers: int, methods: dict
             "from": "weights read + per-layer overhead, plan.decode_*"}
 
 
-def regeneration_section(cfg: dict, data: dict, target_params: int, hw: dict) -> dict:
+def regeneration_section(s: Settings, data: dict, target_params: int, hw: dict) -> dict:
     """Hours the regeneration server needs for the data section's answer tokens (and its
     upper bound): tokens/s = GPUs x plan.gpu_tflops x plan.regenerate_mfu / (2 x params), a
     serving engine at full concurrency being compute-bound; against resources.regenerate.runtime."""
-    server = cfg["regenerate"].get("server")
-    runtime_h = float(cfg["resources"].get("regenerate", {}).get("runtime", 0) or 0) / 60.0
-    if cfg["regenerate"]["backend"] != "server" or not server:
+    server = s.regenerate.server
+    runtime_h = float(s.resources.get("regenerate", {}).get("runtime", 0) or 0) / 60.0
+    if s.regenerate.backend != "server" or not server:
         return {"estimated": False, "why": "the local backend (CPU presets: docs/RESULTS.md has the measured times)"}
     gpus = int(server.get("gpus") or 1)
     tps = gpus * hw["gpu_tflops"] * 1e12 * hw["regenerate_mfu"] / (2.0 * target_params)
@@ -413,21 +346,21 @@ def regeneration_section(cfg: dict, data: dict, target_params: int, hw: dict) ->
             "runtime_hours": runtime_h, "within_runtime": upper <= runtime_h if runtime_h else None}
 
 
-def eval_section(cfg: dict, data: dict, methods: list[str], rates: dict) -> dict:
+def eval_section(s: Settings, data: dict, methods: list[str], rates: dict) -> dict:
     """Prompts per benchmark and rounds / time per method at `rates` (`round_rates`)."""
     from ..data.prompts import data_root, read_turns_jsonl
     from ..paper import TABLE1
 
-    e, root = cfg["eval"], data_root(cfg)
-    tokens = min(int(e["max_new_tokens"]), int(round(data["answer_tokens_per_sample"])))
+    root, paper_name = data_root(s.raw), s.target.paper_name
+    tokens = min(s.eval.max_new_tokens, int(round(data["answer_tokens_per_sample"])))
     benches, per_method = {}, {m: {"rounds": 0.0} for m in methods}
-    for name, b in cfg["data"]["benchmarks"].items():
+    for name, b in s.data.benchmarks.items():
         path = root / b["path"]
         known = [x for x in (len(read_turns_jsonl(path)) if path.exists() else None, b.get("cap")) if x is not None]
         n = min(known) if known else 0
         benches[name] = {"prompts": n, "from": "file" if path.exists() else "cap"}
         for m in methods:
-            tau = TABLE1.get((cfg["target"].get("paper_name"), m, name), DEFAULT_TAU)
+            tau = TABLE1.get((paper_name, m, name), DEFAULT_TAU)
             per_method[m]["rounds"] += n * tokens / tau
     for m, r in per_method.items():
         r["rounds"] = int(round(r["rounds"]))
@@ -436,7 +369,7 @@ def eval_section(cfg: dict, data: dict, methods: list[str], rates: dict) -> dict
     plain = sum(b["prompts"] for b in benches.values()) * tokens
     return {
         "benchmarks": benches, "new_tokens_per_prompt": tokens, "rates_from": rates["from"],
-        "tau_from": "paper Table 1" if cfg["target"].get("paper_name") else f"default tau {DEFAULT_TAU:g}",
+        "tau_from": "paper Table 1" if paper_name else f"default tau {DEFAULT_TAU:g}",
         "methods": per_method,
         "plain_decoding": {"forwards": plain, "forwards_per_s": rates["plain"],
                            "hours": plain / rates["plain"] / 3600.0},
@@ -454,59 +387,64 @@ def _check_positive(flag: str, value, top: Optional[float] = None, whole: bool =
         raise DeepSpecError(f"{flag} {value:g}: must be {want}")
 
 
-def hardware(cfg: dict, gpus=None, gpu_tflops=None, mfu=None, rounds_per_s=None) -> dict:
+def hardware(cfg, gpus=None, gpu_tflops=None, mfu=None, rounds_per_s=None) -> dict:
     """Command-line values, else the preset's plan section (defaults in the schema);
-    each checked: positive, MFU in (0, 1] (one line naming the option)."""
-    p = cfg["plan"]
+    each checked: positive, MFU in (0, 1] (one line naming the option). `cfg`: a
+    config or its Settings."""
+    s = Settings.view(cfg)
+    p = s.plan
     for flag, value, top, whole in (("--gpus", gpus, None, True), ("--gpu-tflops", gpu_tflops, None, False),
                                     ("--mfu", mfu, 1.0, False), ("--eval-rounds-per-s", rounds_per_s, None, False)):
         if value is not None:
             _check_positive(flag, float(value), top, whole)
-    n = gpus if gpus is not None else (p["gpus"] or cfg["train"]["gpus"] or 1)
-    rps = rounds_per_s if rounds_per_s is not None else p["eval_rounds_per_s"]
-    return {"gpus": int(n), "gpu_tflops": float(gpu_tflops if gpu_tflops is not None else p["gpu_tflops"]),
-            "mfu": float(mfu if mfu is not None else p["mfu"]),
+    n = gpus if gpus is not None else (p.gpus or s.train.gpus or 1)
+    rps = rounds_per_s if rounds_per_s is not None else p.eval_rounds_per_s
+    # command-line values may be ints (`hardware(cfg, gpus=8)`): the casts are theirs
+    return {"gpus": int(n), "gpu_tflops": float(gpu_tflops if gpu_tflops is not None else p.gpu_tflops),
+            "mfu": float(mfu if mfu is not None else p.mfu),
             "eval_rounds_per_s": None if rps is None else float(rps),
-            "bandwidth_gbs": float(p["gpu_memory_bandwidth_gbs"]), "decode_efficiency": float(p["decode_bandwidth_efficiency"]),
-            "layer_overhead_ms": float(p["decode_layer_overhead_ms"]), "regenerate_mfu": float(p["regenerate_mfu"])}
+            "bandwidth_gbs": p.gpu_memory_bandwidth_gbs, "decode_efficiency": p.decode_bandwidth_efficiency,
+            "layer_overhead_ms": p.decode_layer_overhead_ms, "regenerate_mfu": p.regenerate_mfu}
 
 
-def build_plan(cfg: dict, hw: dict, offline: bool = False, methods: Optional[list[str]] = None) -> dict:
-    """The whole plan (see the module docstring); nothing is downloaded or run on a device."""
-    facts, facts_from = load_facts(cfg)
-    hub = check_against_hub(facts, cfg["target"]["spec"], offline) if facts_from.startswith("config/targets") else \
+def build_plan(cfg, hw: dict, offline: bool = False, methods: Optional[list[str]] = None) -> dict:
+    """The whole plan (see the module docstring); nothing is downloaded or run on a
+    device. `cfg`: a config or its Settings."""
+    s = Settings.view(cfg)
+    facts, facts_from = load_facts(s.raw)
+    hub = check_against_hub(facts, s.target.spec, offline) if facts_from.startswith("config/targets") else \
         {"checked": False, "reason": f"facts from {facts_from}"}
-    target = meta_target(cfg, facts)
-    target.check_feature_layers(cfg["target"]["feature_layers"])
-    data = data_section(cfg)
-    layers = cfg["target"]["feature_layers"]
-    mb = int(cfg["train"]["micro_batch"])
+    target = meta_target(s.raw, facts)
+    layers = s.target.feature_layers
+    target.check_feature_layers(layers)
+    data = data_section(s)
+    mb = s.train.micro_batch
     fwd = measure_target_forward(target, synthetic_batch(mb, data["tokens_per_sample"], 0, target.vocab_size,
                                                          len(layers), target.hidden_size), layers)
-    online_per_step = fwd * online_target_forwards(cfg["train"], 1)  # fwd: one micro batch's forward
-    names = methods or list(cfg["train"]["methods"])
-    per_method = {m: method_section(m, cfg, target, data) for m in names}
+    online_per_step = fwd * online_target_forwards(s.train, 1)  # fwd: one micro batch's forward
+    names = methods or list(s.train.methods)
+    per_method = {m: method_section(m, s, target, data) for m in names}
     text = target.text_config
     return {
-        "preset": cfg["preset"], "target": {
-            "name": cfg["target"]["name"], "spec": cfg["target"]["spec"], "facts_from": facts_from,
+        "preset": s.preset, "target": {
+            "name": s.target.name, "spec": s.target.spec, "facts_from": facts_from,
             "facts_source": facts.get(SOURCE_KEY), "hub_check": hub, "model_type": text.model_type,
             "num_layers": target.num_layers, "hidden_size": target.hidden_size, "vocab_size": target.vocab_size,
             "params": sum(p.numel() for p in target.model.parameters()),
         },
         "hardware": hw, "data": data,
-        "cache": cache_section(cfg, target, data, online_per_step),
+        "cache": cache_section(s, target, data, online_per_step),
         "drafters": {m: r["params"] for m, r in per_method.items()},
         "training": {"methods": per_method, "target_forward_flops_per_micro_batch": fwd,
                      "target_forward_flops_per_token": fwd / (mb * data["tokens_per_sample"]),
                      "totals": training_totals(per_method, fwd, hw)},
-        "regeneration": regeneration_section(cfg, data, sum(p.numel() for p in target.model.parameters()), hw),
-        "evaluation": {**eval_section(cfg, data, names, round_rates(cfg, sum(p.numel() for p in target.model.parameters()),
-                                                                    target.num_layers, per_method, hw)),
-                       "memory_per_gpu": eval_memory(cfg, sum(p.numel() for p in target.model.parameters()),
+        "regeneration": regeneration_section(s, data, sum(p.numel() for p in target.model.parameters()), hw),
+        "evaluation": {**eval_section(s, data, names, round_rates(s.eval, sum(p.numel() for p in target.model.parameters()),
+                                                                  target.num_layers, per_method, hw)),
+                       "memory_per_gpu": eval_memory(s, sum(p.numel() for p in target.model.parameters()),
                                                      max(r["params"]["trainable"] + r["params"]["frozen_own"]
                                                          for r in per_method.values()),
-                                                     kv_bytes_per_token(facts, cfg["eval"]["dtype"]),
+                                                     kv_bytes_per_token(facts, s.eval.dtype),
                                                      max(r["kv_bytes_per_token"] for r in per_method.values()))},
     }
 
@@ -614,8 +552,9 @@ def cli_plan(argv=None) -> int:
     p.add_argument("--out", default=None, help="output JSON (default: results/<target>/plan.json)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    hw = hardware(cfg, args.gpus, args.gpu_tflops, args.mfu, args.eval_rounds_per_s)
-    plan = build_plan(cfg, hw, offline=args.offline, methods=args.methods)
+    s = Settings.of(cfg)
+    hw = hardware(s, args.gpus, args.gpu_tflops, args.mfu, args.eval_rounds_per_s)
+    plan = build_plan(s, hw, offline=args.offline, methods=args.methods)
     out = Path(args.out) if args.out else RunPaths.of(cfg).plan()
     write_json_atomic(out, plan)
     print(format_plan(plan))

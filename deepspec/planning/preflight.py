@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..architectures import check_model_type, draft_model_type, layer_arch_of
 from ..errors import DeepSpecError
 from ..methods import fig3_methods, fig4_methods, resolve_method
+from ..settings import Settings
 from ..targets.specs import known_config, text_dims, text_fields
 from ..training.recipe import accumulation_steps
 
@@ -18,26 +19,28 @@ def target_num_layers(cfg: dict):
     return None if dims is None else dims.get("num_hidden_layers")
 
 
-def preflight(cfg: dict) -> None:
-    """Raise a one-line DeepSpecError for the first problem found."""
-    methods = list(cfg["train"]["methods"]) + fig3_methods(cfg) + fig4_methods(cfg)
+def preflight(cfg) -> None:
+    """Raise a one-line DeepSpecError for the first problem found. `cfg`: the
+    validated config (the Snakefile's) or its Settings."""
+    s = Settings.view(cfg)
+    methods = list(s.train.methods) + fig3_methods(s.raw) + fig4_methods(s.raw)
     for name in methods:
-        resolve_method(cfg, name)  # an unknown method is a one-line error
-    accumulation_steps(cfg["train"], max(1, int(cfg["train"]["gpus"])))
-    for name in cfg["eval"].get("speed_benchmarks") or []:
-        if name not in cfg["data"]["benchmarks"]:
+        resolve_method(s.raw, name)  # an unknown method is a one-line error
+    accumulation_steps(s.train, max(1, s.train.gpus))
+    for name in s.eval.speed_benchmarks or []:
+        if name not in s.data.benchmarks:
             raise DeepSpecError(f"eval.speed_benchmarks: '{name}' is not a benchmark of this preset "
-                                f"({', '.join(cfg['data']['benchmarks'])})")
-    fields, where = known_config(cfg)
+                                f"({', '.join(s.data.benchmarks)})")
+    fields, where = known_config(s.raw)
     if fields is not None and text_fields(fields).get("model_type") is not None:
         model_type = text_fields(fields)["model_type"]
-        check_model_type(model_type, f"target {cfg['target']['spec']!r} ({where})")
+        check_model_type(model_type, f"target {s.target.spec!r} ({where})")
         for name in methods:  # drafter.layer_arch: layers this target can have
-            base, mcfg = resolve_method(cfg, name)
+            base, mcfg = resolve_method(s.raw, name)
             draft_model_type(model_type, layer_arch_of(mcfg["drafter"], base), f"{name} drafter")
-    n = target_num_layers(cfg)
-    for layer in cfg["target"]["feature_layers"]:
+    n = target_num_layers(s.raw)
+    for layer in s.target.feature_layers:
         if n is not None and not -1 <= int(layer) <= n - 2:
             raise DeepSpecError(f"target.feature_layers: layer {layer} is out of range for the {n}-layer target "
-                                f"{cfg['target']['spec']!r}: use -1 (embeddings) .. {n - 2}; the final layer {n - 1} "
+                                f"{s.target.spec!r}: use -1 (embeddings) .. {n - 2}; the final layer {n - 1} "
                                 "is not allowed (HF stores its post-norm value)")

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -53,8 +54,9 @@ def _number(body: dict, key: str, default, lo: float, hi: float, kind=float):
     return kind(v)
 
 
-def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], dict, int]:
-    """(messages, sampling settings in `generate_batch`'s form, seed) of a
+def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], SimpleNamespace, int]:
+    """(messages, sampling settings in `generate_batch`'s form: the regenerate
+    section's temperature, top_p, top_k, min_p and max_new_tokens, seed) of a
     chat-completions body; BadRequest names the first thing wrong with it."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -72,14 +74,14 @@ def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], dict, in
     if not isinstance(kwargs, dict) or kwargs.get("enable_thinking", False):
         raise BadRequest("only chat_template_kwargs.enable_thinking = false is served (the non-thinking template)")
     top_k = _number(body, "top_k", -1, -1, 2**31 - 1, int)
-    settings = {
-        "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
-        "top_k": 0 if top_k <= 0 else top_k,  # OpenAI/vLLM -1 (or 0) = no top-k; generate_batch: 0
-        "min_p": _number(body, "min_p", 0.0, 0.0, 1.0),
-        "max_new_tokens": _number(body, "max_tokens", max_tokens_limit, 1, max_tokens_limit, int),
-    }
-    if settings["top_p"] <= 0:
+    settings = SimpleNamespace(
+        temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=0 if top_k <= 0 else top_k,  # OpenAI/vLLM -1 (or 0) = no top-k; generate_batch: 0
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        max_new_tokens=_number(body, "max_tokens", max_tokens_limit, 1, max_tokens_limit, int),
+    )
+    if settings.top_p <= 0:
         raise BadRequest("'top_p' must be > 0")
     seed = _number(body, "seed", 0, -(2**63), 2**63 - 1, int)
     return [{"role": m["role"], "content": m["content"]} for m in msgs], settings, seed

@@ -19,6 +19,7 @@ from ..data.conversations import with_system_prompt
 from ..data.prompts import Prompt
 from ..errors import DeepSpecError
 from ..paths import RunPaths
+from ..settings import Regenerate, Settings
 from .sampling import record_seed
 
 log = logging.getLogger(__name__)
@@ -45,11 +46,11 @@ def _chat_url(url: str) -> str:
 
 
 
-def server_urls(regen: dict) -> list[str]:
+def server_urls(regen: Regenerate) -> list[str]:
     """The chat-completions URLs of regenerate.urls (servers already running;
     the server the workflow starts, regenerate.server, is found through its
     status instead: server_status.wait_for_own_server)."""
-    return [_chat_url(u) for u in regen["urls"]]
+    return [_chat_url(u) for u in regen.urls]
 
 
 
@@ -133,12 +134,12 @@ def _post_json(url: str, body: dict, timeout: float) -> dict:
 
 
 
-def _chat(url: str, body: dict, regen: dict) -> tuple[str, bool, int]:
+def _chat(url: str, body: dict, regen: Regenerate) -> tuple[str, bool, int]:
     """One chat completion: (text, cut at max_tokens, completion tokens), with
     retries and exponential backoff on transient errors."""
-    for attempt in range(regen["max_retries"] + 1):
+    for attempt in range(regen.max_retries + 1):
         try:
-            resp = _post_json(url, body, regen["request_timeout_s"])
+            resp = _post_json(url, body, regen.request_timeout_s)
             try:
                 choice = resp["choices"][0]
                 content = choice["message"]["content"]
@@ -149,10 +150,10 @@ def _chat(url: str, body: dict, regen: dict) -> tuple[str, bool, int]:
             tokens = int((resp.get("usage") or {}).get("completion_tokens", 0))
             return content, choice.get("finish_reason") == "length", tokens
         except RECORD_ERRORS as e:
-            if attempt == regen["max_retries"] or not _transient(e):
+            if attempt == regen.max_retries or not _transient(e):
                 raise
-            wait = regen["retry_backoff_s"] * 2**attempt
-            log.info("%s: %s; retrying in %.1f s (%d/%d)", url, _reason(e), wait, attempt + 1, regen["max_retries"])
+            wait = regen.retry_backoff_s * 2**attempt
+            log.info("%s: %s; retrying in %.1f s (%d/%d)", url, _reason(e), wait, attempt + 1, regen.max_retries)
             time.sleep(wait)
     raise AssertionError("unreachable")
 
@@ -173,10 +174,10 @@ class TooLong(ValueError):
 
 
 
-def _answer_with_server(url: str, prompt: Prompt, cfg: dict, history_tokens=None, limit: Optional[int] = None
+def _answer_with_server(url: str, prompt: Prompt, s: Settings, history_tokens=None, limit: Optional[int] = None
                         ) -> tuple[list[dict], int]:
-    regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
-    model = regen.get("model_name") or cfg["target"]["spec"]
+    regen, system = s.regenerate, s.data.system_prompt
+    model = regen.model_name or s.target.spec
     msgs: list[dict] = []
     n = 0
     for turn, text in enumerate(prompt.turns):
@@ -188,12 +189,12 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict, history_tokens=None
         body = {
             "model": model,
             "messages": with_system_prompt(msgs, system),
-            "temperature": regen["temperature"],
-            "top_p": regen["top_p"],
-            "top_k": regen["top_k"] if regen["top_k"] > 0 else -1,
-            "min_p": regen["min_p"],
-            "max_tokens": regen["max_new_tokens"],
-            "seed": record_seed(regen["seed"], prompt.id, turn) & 0x7FFFFFFF,
+            "temperature": regen.temperature,
+            "top_p": regen.top_p,
+            "top_k": regen.top_k if regen.top_k > 0 else -1,
+            "min_p": regen.min_p,
+            "max_tokens": regen.max_new_tokens,
+            "seed": record_seed(regen.seed, prompt.id, turn) & 0x7FFFFFFF,
             "n": 1,
             "chat_template_kwargs": {"enable_thinking": False},
         }
@@ -205,38 +206,39 @@ def _answer_with_server(url: str, prompt: Prompt, cfg: dict, history_tokens=None
 
 
 
-def regenerate_server(cfg, prompts: list[Prompt], write, fail, bar, *, too_long, server_token=None, tokenizer=None) -> int:
-    regen = cfg["regenerate"]
+def regenerate_server(s: Settings, prompts: list[Prompt], write, fail, bar, *, too_long, server_token=None, tokenizer=None
+                      ) -> int:
+    regen = s.regenerate
     own = None  # (status file, token) of the server this run started
-    if regen.get("server"):
+    if regen.server:
         if not server_token:
             raise DeepSpecError("regenerate.server is set: this job talks only to the server its workflow run starts "
                                 "(snakemake passes --server-token); to use a server of your own set "
                                 "regenerate.server=null and regenerate.urls=[http://<host>:<port>/v1]")
         from .server_status import wait_for_own_server
-        own = (RunPaths.of(cfg).server_status(), server_token)
-        urls = [_chat_url(wait_for_own_server(*own, regen["server"]["health_timeout_s"]))]
+        own = (RunPaths.of(s.raw).server_status(), server_token)
+        urls = [_chat_url(wait_for_own_server(*own, regen.server["health_timeout_s"]))]
     else:
         urls = server_urls(regen)
         if not urls:
             raise DeepSpecError("regenerate.backend is 'server' but neither regenerate.server nor regenerate.urls is set "
                                 "(e.g. --set regenerate.urls=[http://localhost:30000])")
-    wait_for_servers(urls, regen["connect_timeout_s"])
-    limit = cfg["data"]["max_prompt_tokens"]
+    wait_for_servers(urls, regen.connect_timeout_s)
+    limit = s.data.max_prompt_tokens
     if tokenizer is None:
         from ..targets.loading import load_tokenizer
-        tokenizer = load_tokenizer(cfg)
+        tokenizer = load_tokenizer(s)
 
     from ..core.target import render_chat
     one_at_a_time = threading.Lock()  # a fast tokenizer is not to be called from many threads at once
 
     def history_tokens(msgs: list[dict]) -> int:
         with one_at_a_time:
-            return len(render_chat(tokenizer, with_system_prompt(msgs, cfg["data"].get("system_prompt")), tokenize=True))
+            return len(render_chat(tokenizer, with_system_prompt(msgs, s.data.system_prompt), tokenize=True))
 
     n_tokens = 0
-    with ThreadPoolExecutor(max_workers=regen["concurrency"] * len(urls)) as pool:
-        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, cfg, history_tokens, limit): (p, urls[k % len(urls)])
+    with ThreadPoolExecutor(max_workers=regen.concurrency * len(urls)) as pool:
+        futs = {pool.submit(_answer_with_server, urls[k % len(urls)], p, s, history_tokens, limit): (p, urls[k % len(urls)])
                 for k, p in enumerate(prompts)}
         for fut in as_completed(futs):
             p, url = futs[fut]
@@ -251,7 +253,7 @@ def regenerate_server(cfg, prompts: list[Prompt], write, fail, bar, *, too_long,
                         if own:
                             from .server_status import own_server_gone
                             gone = lambda: own_server_gone(*own)  # noqa: E731
-                        wait_for_servers([url], regen["connect_timeout_s"], poll_s=0.5 if own else 1.0, gone=gone)
+                        wait_for_servers([url], regen.connect_timeout_s, poll_s=0.5 if own else 1.0, gone=gone)
                     except DeepSpecError:
                         pool.shutdown(wait=False, cancel_futures=True)
                         raise

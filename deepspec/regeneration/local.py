@@ -10,13 +10,14 @@ import torch
 from ..data.conversations import with_system_prompt
 from ..data.prompts import Prompt
 from ..runtime import resolve_precision
+from ..settings import Settings
 from .sampling import generate_batch, record_seed
 
 
-def regenerate_precision(cfg: dict) -> str:
+def regenerate_precision(s: Settings) -> str:
     """The local backend's compute dtype: regenerate.precision resolved on this
     machine (`runtime.resolve_precision`)."""
-    return resolve_precision(cfg["regenerate"]["precision"], cfg["target"]["device"], stage="regenerate")
+    return resolve_precision(s.regenerate.precision, s.target.device, stage="regenerate")
 
 
 
@@ -35,12 +36,12 @@ def sampling_kernels(target) -> contextlib.AbstractContextManager:
 
 
 
-def regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=None) -> int:
+def regenerate_local(s: Settings, prompts: list[Prompt], write, too_long, bar, target=None) -> int:
     from ..targets.loading import target_from_config
 
-    regen, system = cfg["regenerate"], cfg["data"].get("system_prompt")
-    target = target or target_from_config(cfg, dtype=regenerate_precision(cfg))
-    tok, limit = target.tokenizer, cfg["data"]["max_prompt_tokens"]
+    regen, system = s.regenerate, s.data.system_prompt
+    target = target or target_from_config(s, dtype=regenerate_precision(s))
+    tok, limit = target.tokenizer, s.data.max_prompt_tokens
     first = {p.id: len(target.chat_ids(with_system_prompt([{"role": "user", "content": p.turns[0]}], system))) for p in prompts}
     order = sorted(prompts, key=lambda p: (first[p.id], p.id))
     n_tokens, shown = 0, time.perf_counter()
@@ -52,8 +53,8 @@ def regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=No
             shown = time.perf_counter()
             bar.set_postfix_str(f"{n_tokens} tok, {n_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f} tok/s")
 
-    for b in range(0, len(order), regen["batch_size"]):
-        batch = order[b : b + regen["batch_size"]]
+    for b in range(0, len(order), regen.batch_size):
+        batch = order[b : b + regen.batch_size]
         convs = {p.id: [] for p in batch}
         failed: dict[str, str] = {}
         for turn in range(max(len(p.turns) for p in batch)):
@@ -70,7 +71,7 @@ def regenerate_local(cfg, prompts: list[Prompt], write, too_long, bar, target=No
                 ids.append(x)
             if not rows:
                 continue
-            gens = [torch.Generator().manual_seed(record_seed(regen["seed"], p.id, turn)) for p in rows]
+            gens = [torch.Generator().manual_seed(record_seed(regen.seed, p.id, turn)) for p in rows]
             with sampling_kernels(target):
                 outs = generate_batch(target.model, ids, gens, regen, eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
             for p, o in zip(rows, outs):

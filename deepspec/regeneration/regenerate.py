@@ -60,7 +60,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 
 from ..config import rule_settings, settings_fingerprint
@@ -68,36 +68,38 @@ from ..errors import DeepSpecError
 from ..files import JsonlAppender, ResumableLog, file_lock, recover_jsonl
 from ..paths import RunPaths, errors_path, settings_path
 from ..data.prompts import Prompt, load_train_prompts
+from ..settings import Settings
 from .client import regenerate_server, wait_for_exit
 from .local import regenerate_local, regenerate_precision
 
 log = logging.getLogger(__name__)
 
 
-def regenerate(cfg: dict, out: Optional[str | os.PathLike] = None, *, prompts: Optional[list[Prompt]] = None, target=None,
-               server_token: Optional[str] = None) -> dict:
+def regenerate(cfg: Settings | Mapping, out: Optional[str | os.PathLike] = None, *, prompts: Optional[list[Prompt]] = None,
+               target=None, server_token: Optional[str] = None) -> dict:
     """Regenerate the answers of `prompts` (default: the preset's training prompts)
     into `out`; returns stats {done, skipped, failed, too_long, new_tokens, seconds,
     tokens_per_s}. With regenerate.server, `server_token` is the token of the
     server this run started (regeneration/supervisor.py). One regeneration of `out` at a
     time: a second one stops in one line (a lock beside it)."""
-    out = Path(out) if out else RunPaths.of(cfg).conversations()
+    s = Settings.view(cfg)
+    out = Path(out) if out else RunPaths.of(s.raw).conversations()
     with file_lock(out.with_name(out.name + ".lock"), busy=f"another regeneration is writing {out}", remove=True):
-        return _regenerate(cfg, out, prompts=prompts, target=target, server_token=server_token)
+        return _regenerate(s, out, prompts=prompts, target=target, server_token=server_token)
 
 
-def _regenerate(cfg: dict, out: Path, *, prompts, target, server_token) -> dict:
+def _regenerate(s: Settings, out: Path, *, prompts, target, server_token) -> dict:
     partial = out.with_name(out.name + ".partial")
-    prompts = load_train_prompts(cfg) if prompts is None else prompts
+    prompts = load_train_prompts(s) if prompts is None else prompts
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):  # load_train_prompts names the files; this is for prompts given here
         dup = next(i for k, i in enumerate(ids) if i in ids[:k])
         raise DeepSpecError(f"duplicate prompt id '{dup}' in the training prompts")
     # records made under other regeneration settings are never reused; the settings and the compute
     # dtype this machine regenerates in (local backend) are recorded beside `out`, for provenance
-    used = regenerate_precision(cfg) if cfg["regenerate"]["backend"] == "local" else "server"
-    progress = ResumableLog(partial, settings_fingerprint(cfg, "regenerate"), sidecar=settings_path(out), stale=(out,),
-                            record={"settings": rule_settings(cfg, "regenerate"), "precision": used})
+    used = regenerate_precision(s) if s.regenerate.backend == "local" else "server"
+    progress = ResumableLog(partial, settings_fingerprint(s.raw, "regenerate"), sidecar=settings_path(out), stale=(out,),
+                            record={"settings": rule_settings(s.raw, "regenerate"), "precision": used})
     if out.exists():  # reopen a finished file to add what is missing (e.g. a larger cap)
         done = recover_jsonl(out)
         if done.issuperset(ids):
@@ -109,11 +111,11 @@ def _regenerate(cfg: dict, out: Path, *, prompts, target, server_token) -> dict:
         os.replace(out, partial)
     done = progress.ids()
     todo = [p for p in prompts if p.id not in done]
-    log.info("regenerating %d of %d records (%d already done) with backend %s", len(todo), len(ids), len(ids) - len(todo), cfg["regenerate"]["backend"])
+    log.info("regenerating %d of %d records (%d already done) with backend %s", len(todo), len(ids), len(ids) - len(todo), s.regenerate.backend)
     t0 = time.perf_counter()
-    n_tokens, failed, too_long = _run_backend(cfg, todo, progress, errors_path(out), target, server_token)
+    n_tokens, failed, too_long = _run_backend(s, todo, progress, errors_path(out), target, server_token)
     secs = time.perf_counter() - t0
-    budget = cfg["regenerate"]["max_failed_fraction"]
+    budget = s.regenerate.max_failed_fraction
     if failed > budget * len(ids):
         raise DeepSpecError(f"{failed} of {len(ids)} records failed (regenerate.max_failed_fraction = {budget}); reasons in "
                             f"{errors_path(out)}; the {len(ids) - failed - too_long} done are kept in {partial} and a rerun "
@@ -137,7 +139,7 @@ def _regenerate(cfg: dict, out: Path, *, prompts, target, server_token) -> dict:
     return stats
 
 
-def _run_backend(cfg: dict, todo: list[Prompt], progress: ResumableLog, errors_file: Path, target, server_token=None
+def _run_backend(s: Settings, todo: list[Prompt], progress: ResumableLog, errors_file: Path, target, server_token=None
                  ) -> tuple[int, int, int]:
     """Regenerate `todo`, appending records to `progress` and failures and
     over-long records to `errors_file`; returns (new tokens, failed records,
@@ -164,11 +166,11 @@ def _run_backend(cfg: dict, todo: list[Prompt], progress: ResumableLog, errors_f
         with tqdm(total=len(todo), desc="regenerate", unit="rec", dynamic_ncols=True) as bar:
             if not todo:
                 return 0, 0, 0
-            if cfg["regenerate"]["backend"] == "server":
-                n = regenerate_server(cfg, todo, progress.append, fail, bar, too_long=too_long, server_token=server_token,
+            if s.regenerate.backend == "server":
+                n = regenerate_server(s, todo, progress.append, fail, bar, too_long=too_long, server_token=server_token,
                                        tokenizer=target.tokenizer if target is not None else None)
             else:
-                n = regenerate_local(cfg, todo, progress.append, too_long, bar, target=target)
+                n = regenerate_local(s, todo, progress.append, too_long, bar, target=target)
             return n, failed, skipped
     finally:
         progress.close()
@@ -190,20 +192,20 @@ def cli_regenerate(argv) -> int:
     p.add_argument("--server-token", help="with regenerate.server: the token of the server this workflow run started "
                                           "(snakemake passes it); no other server is used")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
-    prompts = load_train_prompts(cfg)
+    s = Settings.of(config_from_args(args))
+    prompts = load_train_prompts(s)
     if args.limit:
         prompts = prompts[: args.limit]
     from .shards import merge_shards, parse_shard, shard_of
     if args.merge:
         if args.wait_server_exit:
             wait_for_exit(args.wait_server_exit)
-        merge_shards(cfg, args.merge, args.out, prompts=prompts)
+        merge_shards(s, args.merge, args.out, prompts=prompts)
         return 0
     out = args.out
     if args.shard:
         shard, shards = parse_shard(args.shard)
         prompts = shard_of(prompts, shard, shards)
-        out = out or RunPaths.of(cfg).conversations_shard(shard, shards)
-    regenerate(cfg, out, prompts=prompts, server_token=args.server_token)
+        out = out or RunPaths.of(s.raw).conversations_shard(shard, shards)
+    regenerate(s, out, prompts=prompts, server_token=args.server_token)
     return 0

@@ -5,13 +5,13 @@ OpenAI-compatible test server) decode with it."""
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
 from ..core.target import cache_kwarg
 from ..core.verify import sample
-
+from ..settings import Regenerate
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,11 +40,13 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits, ids
 
 
-def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], regen: dict) -> torch.Tensor:
-    """One token per row, row r drawn with generators[r]; greedy when T == 0."""
-    if regen["temperature"] <= 0:
+def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], regen: Regenerate) -> torch.Tensor:
+    """One token per row, row r drawn with generators[r]; greedy when T == 0.
+    `regen`: the regenerate section, or anything with its temperature, top_k,
+    top_p and min_p (the chat server's per-request settings)."""
+    if regen.temperature <= 0:
         return logits.argmax(-1)
-    cand, ids = filter_logits(logits, regen["temperature"], regen["top_k"], regen["top_p"], regen["min_p"])
+    cand, ids = filter_logits(logits, regen.temperature, regen.top_k, regen.top_p, regen.min_p)
     # one float64 uniform per row from that row's generator (core.verify.sample)
     return ids.gather(-1, sample(torch.softmax(cand, dim=-1), list(generators))[:, None])[:, 0]
 
@@ -54,7 +56,7 @@ def generate_batch(
     model,
     prompts: list[list[int]],
     generators: Sequence[torch.Generator],
-    regen: dict,
+    regen: Regenerate,
     *,
     eos_ids: Sequence[int],
     pad_id: int,
@@ -63,11 +65,15 @@ def generate_batch(
     """Sample continuations of left-padded `prompts` with a KV cache.
 
     Each row stops at its first EOS (included in the result) or after
-    regen['max_new_tokens']; finished rows are dropped from the batch (and its
+    regen.max_new_tokens; finished rows are dropped from the batch (and its
     cache) so they cost nothing more. `on_step(n)` reports n new tokens.
+    `regen`: the regenerate section (a config's mapping of it is read as one),
+    or anything with its sampling settings (`sample_next`) and max_new_tokens.
     """
     from transformers import DynamicCache
 
+    if isinstance(regen, Mapping):  # a config's regenerate mapping (benchmarks/bench_precision.py)
+        regen = Regenerate.of(regen)
     device = next(model.parameters()).device
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -85,7 +91,7 @@ def generate_batch(
     gens = list(generators)
     results: list[list[int]] = [[] for _ in range(B)]
     eos = set(int(e) for e in eos_ids)
-    for step in range(regen["max_new_tokens"]):
+    for step in range(regen.max_new_tokens):
         toks = sample_next(out.logits[:, -1], gens, regen)
         keep = []
         for j, (r, t) in enumerate(zip(alive, toks.tolist())):
@@ -94,7 +100,7 @@ def generate_batch(
                 keep.append(j)
         if on_step:
             on_step(len(alive))
-        if not keep or step == regen["max_new_tokens"] - 1:
+        if not keep or step == regen.max_new_tokens - 1:
             break
         if len(keep) < len(alive):
             idx = torch.tensor(keep, device=device)

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ..config import rule_settings, settings_fingerprint
 from ..errors import DeepSpecError
@@ -20,6 +20,7 @@ from ..files import atomic_path, read_json, require_file, write_json_atomic
 from ..paths import RunPaths
 from ..data.prompts import Prompt, load_train_prompts
 from ..paths import errors_path, settings_path
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def shard_of(prompts: list[Prompt], shard: int, shards: int) -> list[Prompt]:
     return prompts[shard::shards]
 
 
-def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optional[str | os.PathLike] = None, *,
+def merge_shards(cfg: Settings | Mapping, shard_files: Sequence[str | os.PathLike], out: Optional[str | os.PathLike] = None, *,
                  prompts: Optional[list[Prompt]] = None) -> int:
     """The records of the shards' files as one conversations file `out`, in the
     order of `prompts`; their failures (and records skipped as too long)
@@ -56,10 +57,11 @@ def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optio
     (1.2 M records of 5 KB: ~20 MB of index, not the ~34 GB of one joined string)."""
     import numpy as np
 
-    out = Path(out) if out else RunPaths.of(cfg).conversations()
-    ids = [p.id for p in (load_train_prompts(cfg) if prompts is None else prompts)]
+    s = Settings.view(cfg)
+    out = Path(out) if out else RunPaths.of(s.raw).conversations()
+    ids = [p.id for p in (load_train_prompts(s) if prompts is None else prompts)]
     rank = {pid: i for i, pid in enumerate(ids)}
-    fp = settings_fingerprint(cfg, "regenerate")
+    fp = settings_fingerprint(s.raw, "regenerate")
     files: list[tuple[Path, bool]] = []  # (file, holds records: True / errors: False)
     src = np.full(len(ids), -1, dtype=np.int32)
     off = np.zeros(len(ids), dtype=np.int64)
@@ -113,7 +115,7 @@ def merge_shards(cfg: dict, shard_files: Sequence[str | os.PathLike], out: Optio
     finally:
         for h in handles:
             h.close()
-    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(cfg, "regenerate"),
+    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(s.raw, "regenerate"),
                                            "precision": ", ".join(str(u) for u in used) if len(used) > 1 else (used or [None])[0]})
     log.info("merged %d shards: %d records, %d failed or skipped -> %s", len(shard_files), n_recs, n_errs, out)
     return n_recs

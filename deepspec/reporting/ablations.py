@@ -17,22 +17,24 @@ import pandas as pd
 from ..errors import DeepSpecError
 from ..files import pyplot, read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
+from ..settings import Settings
 from .. import paper
 from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
 
 log = logging.getLogger(__name__)
 
 
-def tau_table(cfg, methods: list[str]) -> pd.DataFrame:
+def tau_table(s: Settings, methods: list[str]) -> pd.DataFrame:
     """tau with its CI per variant and benchmark, from evaluate's summaries."""
-    paths, rows = RunPaths.of(cfg), []
+    paths, rows = RunPaths.of(s.raw), []
     for method in methods:
-        base, vcfg = resolve_method(cfg, method)
-        for bench, spec in cfg["data"]["benchmarks"].items():
-            s = read_json(paths.summary(method, bench), f"evaluation summary not found: {paths.summary(method, bench)}")
-            rows.append(dict(method=method, benchmark=bench, domain=spec["domain"], tau=s["tau"],
-                             tau_ci_low=s["tau_ci_low"], tau_ci_high=s["tau_ci_high"],
-                             block_size=vcfg["drafter"]["block_size"], layers=vcfg["drafter"]["num_layers"].get(base)))
+        base, vcfg = resolve_method(s.raw, method)
+        variant = Settings.of(vcfg).drafter  # the variant's drafter section (block size, depth)
+        for bench, spec in s.data.benchmarks.items():
+            summary = read_json(paths.summary(method, bench), f"evaluation summary not found: {paths.summary(method, bench)}")
+            rows.append(dict(method=method, benchmark=bench, domain=spec["domain"], tau=summary["tau"],
+                             tau_ci_low=summary["tau_ci_low"], tau_ci_high=summary["tau_ci_high"],
+                             block_size=variant.block_size, layers=variant.num_layers.get(base)))
     return pd.DataFrame(rows)
 
 
@@ -40,10 +42,10 @@ def _save(fig, pdf: Path) -> None:
     save_figure(fig, pdf, pdf.with_suffix(".png"))
 
 
-def fig3(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
-    df = tau_table(cfg, fig3_methods(cfg))
+def fig3(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    df = tau_table(s, fig3_methods(s.raw))
     plt = pyplot()
-    benches = list(cfg["data"]["benchmarks"])
+    benches = list(s.data.benchmarks)
     methods = list(dict.fromkeys(df["method"]))
     fig, ax = plt.subplots(figsize=(10, 3.4))
     width = 0.8 / len(methods)
@@ -61,8 +63,8 @@ def fig3(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
     return df
 
 
-def fig4(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
-    df = tau_table(cfg, fig4_methods(cfg))
+def fig4(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    df = tau_table(s, fig4_methods(s.raw))
     heads = {"dspark": "DSpark (Markov)", "dspark_rnn": "DSpark (RNN)", "dflash": "DFlash"}
     df["head"] = df["method"].map(lambda m: heads[variant_base(m)])
     df["draft_length"] = df["block_size"] + 1
@@ -83,36 +85,36 @@ def fig4(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
     return df
 
 
-def _per_benchmark_files(cfg, suffix: str) -> dict[str, pd.DataFrame]:
-    d = RunPaths.of(cfg).eval_dir() / "dspark"
+def _per_benchmark_files(s: Settings, suffix: str) -> dict[str, pd.DataFrame]:
+    d = RunPaths.of(s.raw).eval_dir() / "dspark"
     found = {p.name[: -len(suffix)]: pd.read_csv(p) for p in sorted(d.glob(f"*{suffix}"))}
     if not found:
         raise DeepSpecError(f"no {suffix} files under {d} (run the schedule rule first)")
     return found
 
 
-def fig5(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
-    sweeps = _per_benchmark_files(cfg, ".sweep.csv")
+def fig5(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    sweeps = _per_benchmark_files(s, ".sweep.csv")
     plt = pyplot()
     fig, axes = plt.subplots(1, len(sweeps), figsize=(4.2 * len(sweeps), 3.2), squeeze=False)
-    for ax, (bench, s) in zip(axes[0], sweeps.items()):
-        x = np.arange(len(s))
-        ax.bar(x - 0.2, s["proposed"], 0.4, label="tokens per step", color="#9ecae1")
-        ax.bar(x + 0.2, s["accepted"], 0.4, label="accepted per step", color="#3182bd")
-        ax.set_xticks(x, [f"{t:.1f}" for t in s["threshold"]], fontsize=7)
+    for ax, (bench, sweep) in zip(axes[0], sweeps.items()):
+        x = np.arange(len(sweep))
+        ax.bar(x - 0.2, sweep["proposed"], 0.4, label="tokens per step", color="#9ecae1")
+        ax.bar(x + 0.2, sweep["accepted"], 0.4, label="accepted per step", color="#3182bd")
+        ax.set_xticks(x, [f"{t:.1f}" for t in sweep["threshold"]], fontsize=7)
         ax.set_xlabel("Confidence threshold")
         ax.set_title(paper.BENCHMARK_LABEL.get(bench, bench))
         ax2 = ax.twinx()
-        ax2.plot(x, 100 * s["acceptance_rate"], color="#d62728", marker="o", ms=3)
+        ax2.plot(x, 100 * sweep["acceptance_rate"], color="#d62728", marker="o", ms=3)
         ax2.set_ylabel("Acceptance rate (%)", color="#d62728")
     axes[0][0].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     _save(fig, out_pdf)
-    return pd.concat([s.assign(benchmark=b) for b, s in sweeps.items()], ignore_index=True)
+    return pd.concat([sweep.assign(benchmark=b) for b, sweep in sweeps.items()], ignore_index=True)
 
 
-def fig6(cfg, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
-    cals = _per_benchmark_files(cfg, ".calibration.csv")
+def fig6(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
+    cals = _per_benchmark_files(s, ".calibration.csv")
     plt = pyplot()
     fig, axes = plt.subplots(1, len(cals), figsize=(4.2 * len(cals), 3.2), squeeze=False)
     for ax, (bench, c) in zip(axes[0], cals.items()):
@@ -143,10 +145,10 @@ def cli_plot(argv) -> int:
     p.add_argument("--pdf", help="figure output, a PNG is written beside it (default figures/<figure>.pdf)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    paths = RunPaths.of(cfg)
+    s, paths = Settings.of(cfg), RunPaths.of(cfg)
     out_csv = Path(args.csv) if args.csv else paths.table(f"{args.figure}.csv")
     out_pdf = Path(args.pdf) if args.pdf else paths.figure(f"{args.figure}.pdf")
-    df = FIGURES[args.figure](cfg, out_csv, out_pdf)
+    df = FIGURES[args.figure](s, out_csv, out_pdf)
     write_csv_atomic(df, out_csv)
     log.info("wrote %s and %s", out_csv, out_pdf)
     return 0

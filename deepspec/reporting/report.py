@@ -27,6 +27,7 @@ from ..errors import DeepSpecError
 from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
 from .run_record import collect as collect_provenance, provenance_markdown
 from ..paths import RunPaths
+from ..settings import Settings
 from .. import paper
 from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
 from ..data.prompts import speed_benchmarks
@@ -64,16 +65,18 @@ def _flat(d, prefix=""):
 
 def check_settings(cfg, summary: dict, path, rule: str) -> None:
     """Refuse, in one line, an evaluation (rule "evaluate") or baseline summary made
-    with other settings than `cfg`'s, which Table 1 and REPORT.md state: e.g. one
-    method re-evaluated with another eval.max_new_tokens. The summary records its
-    settings (evaluation.evaluate.evaluation_settings / baseline_settings); one
-    without them is checked on the temperature and max_new_tokens it records."""
+    with other settings than `cfg`'s (a config or its Settings), which Table 1 and
+    REPORT.md state: e.g. one method re-evaluated with another eval.max_new_tokens.
+    The summary records its settings (evaluation.evaluate.evaluation_settings /
+    baseline_settings); one without them is checked on the temperature and
+    max_new_tokens it records."""
     from ..evaluation.evaluate import baseline_settings, evaluation_settings
 
-    want = evaluation_settings(cfg) if rule == "evaluate" else baseline_settings(cfg)
+    s = Settings.view(cfg)
+    want = evaluation_settings(s.raw) if rule == "evaluate" else baseline_settings(s.raw)
     got = summary.get("settings")
     if got is None:
-        want = {f"eval.{k}": cfg["eval"][k] for k in ("temperature", "max_new_tokens") if k in summary}
+        want = {f"eval.{k}": getattr(s.eval, k) for k in ("temperature", "max_new_tokens") if k in summary}
         got = {f"eval.{k}": summary[k] for k in ("temperature", "max_new_tokens") if k in summary}
     want, got = dict(_flat(json_safe(want))), dict(_flat(got))
     for key in sorted(set(want) | set(got)):
@@ -83,11 +86,11 @@ def check_settings(cfg, summary: dict, path, rule: str) -> None:
                                 f"(snakemake --forcerun {rule})")
 
 
-def _baseline_tps(paths: RunPaths, bench: str, which: str, cfg=None) -> float:
+def _baseline_tps(paths: RunPaths, bench: str, which: str, s: Settings | None = None) -> float:
     path = paths.baseline(bench)
     summary = read_json(path, default={})
-    if cfg is not None and summary:
-        check_settings(cfg, summary, path, "baseline")
+    if s is not None and summary:
+        check_settings(s, summary, path, "baseline")
     b = summary.get(which, {})
     return float(b.get("tokens_per_s", np.nan)) if isinstance(b, dict) else np.nan
 
@@ -98,14 +101,16 @@ def _nan(v) -> float:
 
 def build_table1(cfg) -> pd.DataFrame:
     """One row per method x benchmark from evaluate's summaries (tau and its CI
-    are computed there, once), plus the drafter-free baselines' tokens/s."""
-    t, paths = cfg["target"]["name"], RunPaths.of(cfg)
+    are computed there, once), plus the drafter-free baselines' tokens/s. `cfg`:
+    a config or its Settings."""
+    st = Settings.view(cfg)
+    t, paths = st.target.name, RunPaths.of(st.raw)
     rows = []
-    for bench, spec in cfg["data"]["benchmarks"].items():
-        plain = _baseline_tps(paths, bench, "plain", cfg)
-        for method in cfg["train"]["methods"]:
+    for bench, spec in st.data.benchmarks.items():
+        plain = _baseline_tps(paths, bench, "plain", st)
+        for method in st.train.methods:
             s = read_json(require_file(paths.summary(method, bench), "evaluation output", _RUN_EVALUATE))
-            check_settings(cfg, s, paths.summary(method, bench), "evaluate")
+            check_settings(st, s, paths.summary(method, bench), "evaluate")
             tps = float(_nan(s.get("tokens_per_s", np.nan)))
             # the speedup over plain decoding of the same prompts, timed back to back (evaluate), else
             # over the baseline job's separate timing of them
@@ -121,7 +126,7 @@ def build_table1(cfg) -> pd.DataFrame:
                              speedup_alg1_ci_high=alg1.get("ci_high", np.nan),
                              tau_selfcheck=_nan(s["tau_selfcheck"]),
                              skipped_prompts=s.get("n_skipped_prompts", 0)))
-        for which in cfg["eval"]["baselines"]:
+        for which in st.eval.baselines:
             tps = _baseline_tps(paths, bench, which)
             if not np.isnan(tps):
                 rows.append(dict(target=t, method=which, benchmark=bench, domain=spec["domain"],
@@ -130,7 +135,7 @@ def build_table1(cfg) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"])
 
 
-def speed_claims(cfg) -> list[str]:
+def speed_claims(s: Settings) -> list[str]:
     """Per drafter, its speedup over plain decoding at batch size 1 pooled over
     every timed prompt (evaluate decodes each both ways back to back): the ratio
     of the pooled tokens/s with a paired-bootstrap 95 % interval over prompts, and
@@ -140,17 +145,17 @@ def speed_claims(cfg) -> list[str]:
     Empty when nothing was timed both ways."""
     from ..evaluation.evaluate import interleaved_speedup
 
-    paths, out = RunPaths.of(cfg), []
-    for method in cfg["train"]["methods"]:
+    paths, out = RunPaths.of(s.raw), []
+    for method in s.train.methods:
         samples, strata = [], []
-        for bench in speed_benchmarks(cfg):
+        for bench in speed_benchmarks(s.raw):
             got = read_json(paths.summary(method, bench), default={}).get("samples") or []
             samples += got
             strata += [bench] * len(got)
         label = paper.METHOD_LABEL.get(method, method)
-        for policy, how in [("fixed", f"all {cfg['drafter']['block_size']} drafts verified"),
+        for policy, how in [("fixed", f"all {s.drafter.block_size} drafts verified"),
                             ("alg1", "Algorithm 1 choosing the verified length")]:
-            sp = interleaved_speedup(samples, cfg["eval"]["n_boot"], cfg["eval"]["seed"], policy, strata)
+            sp = interleaved_speedup(samples, s.eval.n_boot, s.eval.seed, policy, strata)
             if sp is None:
                 continue
             faster = bool(sp["ci_low"] > 1)  # as the claims: holds when the interval excludes 1 on the claimed side
@@ -163,13 +168,14 @@ def speed_claims(cfg) -> list[str]:
 
 def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
     """Per method and domain, the per-round records of the domain's benchmarks
-    (in the preset's order, the same for every method)."""
-    paths = RunPaths.of(cfg)
+    (in the preset's order, the same for every method). `cfg`: a config or its Settings."""
+    s = Settings.view(cfg)
+    paths = RunPaths.of(s.raw)
     domains: dict[str, list[str]] = {}
-    for bench, spec in cfg["data"]["benchmarks"].items():
+    for bench, spec in s.data.benchmarks.items():
         domains.setdefault(spec["domain"], []).append(bench)
     return {m: {d: [read_records(paths, m, b) for b in benches] for d, benches in domains.items()}
-            for m in cfg["train"]["methods"]}
+            for m in s.train.methods}
 
 
 def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
@@ -193,31 +199,33 @@ def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
 def build_fig2(cfg, gamma: int | None = None, records: dict | None = None) -> pd.DataFrame:
     """Figure 2 per method and domain (`core.acceptance.domain_position_table`:
     each benchmark's conditional acceptance averaged over the domain, count and
-    Rao-Blackwellised estimates, bootstrap intervals of the average)."""
-    gamma = gamma or cfg["drafter"]["block_size"]
-    records = records or load_records(cfg)
+    Rao-Blackwellised estimates, bootstrap intervals of the average). `cfg`: a
+    config or its Settings."""
+    s = Settings.view(cfg)
+    gamma = gamma or s.drafter.block_size
+    records = records or load_records(s)
     parts = []
     for method, by_domain in records.items():
         for domain, recs in by_domain.items():
-            table = domain_position_table(recs, gamma, n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
-            parts.append(table.assign(target=cfg["target"]["name"], method=method, domain=domain))
+            table = domain_position_table(recs, gamma, n_boot=s.eval.n_boot, seed=s.eval.seed)
+            parts.append(table.assign(target=s.target.name, method=method, domain=domain))
     return pd.concat(parts, ignore_index=True)[FIG2_COLUMNS + FIG2_RB_COLUMNS]
 
 
-def table1_markdown(t1: pd.DataFrame, cfg) -> str:
+def table1_markdown(t1: pd.DataFrame, s: Settings) -> str:
     """The paper's wide layout: one row per method, benchmarks as columns,
     plus the macro mean; the paper's value beside ours where it has one."""
-    paper_name = cfg["target"].get("paper_name")
-    benches = [b for b in paper.BENCHMARK_ORDER if b in cfg["data"]["benchmarks"]] + \
-        [b for b in cfg["data"]["benchmarks"] if b not in paper.BENCHMARK_ORDER]
+    paper_name = s.target.paper_name
+    benches = [b for b in paper.BENCHMARK_ORDER if b in s.data.benchmarks] + \
+        [b for b in s.data.benchmarks if b not in paper.BENCHMARK_ORDER]
     head = ["Drafter"] + [paper.BENCHMARK_LABEL.get(b, b) for b in benches] + ["Macro", "Speedup"]
-    lines = [f"**{cfg['target']['name']}**: accepted length τ per round (bonus included), T = "
-             f"{cfg['eval']['temperature']}, block {cfg['drafter']['block_size']}"
+    lines = [f"**{s.target.name}**: accepted length τ per round (bonus included), T = "
+             f"{_as_written(s, 'eval', 'temperature')}, block {s.drafter.block_size}"
              + (f"; paper value ({paper_name}) in parentheses" if paper_name else "")
-             + f"; speedup over plain decoding at batch size 1, {_speed_scope(cfg)} (not in the paper)", "",
+             + f"; speedup over plain decoding at batch size 1, {_speed_scope(s)} (not in the paper)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     drafts = t1[t1["tau"].notna()]
-    for method in cfg["train"]["methods"]:
+    for method in s.train.methods:
         d = drafts[drafts["method"] == method].set_index("benchmark")
         cells = []
         for b in benches:
@@ -295,14 +303,14 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     plt.close(fig)
 
 
-def training_logs(cfg) -> dict[str, pd.DataFrame]:
+def training_logs(s: Settings) -> dict[str, pd.DataFrame]:
     """Each trained drafter's train_log.csv (the train rule's), in train.methods'
     order. A released checkpoint (eval.released_checkpoints) was not trained here
     and has none; a trained drafter whose log is missing or unreadable is left
     out with a warning."""
-    paths, released = RunPaths.of(cfg), cfg["eval"]["released_checkpoints"]
+    paths, released = RunPaths.of(s.raw), s.eval.released_checkpoints
     logs = {}
-    for method in (m for m in cfg["train"]["methods"] if m not in released):
+    for method in (m for m in s.train.methods if m not in released):
         path = paths.drafter_dir(method) / LOG_NAME
         try:
             logs[method] = pd.read_csv(path)
@@ -339,13 +347,13 @@ def plot_training(logs: dict[str, pd.DataFrame], pdf: Path, png: Path | None = N
     plt.close(fig)
 
 
-def training_markdown(cfg, logs: dict[str, pd.DataFrame], figure: Path, report: Path) -> list[str]:
+def training_markdown(s: Settings, logs: dict[str, pd.DataFrame], figure: Path, report: Path) -> list[str]:
     """REPORT.md's "Training" section: the training figure (linked relative to
     the report), what its lines are, each drafter's first and last logged values,
     the released checkpoints that were not trained, and where TensorBoard finds
     every column of the logs."""
-    released = [m for m in cfg["train"]["methods"] if m in cfg["eval"]["released_checkpoints"]]
-    drafters_dir = RunPaths.of(cfg).drafter_dir("_").parent
+    released = [m for m in s.train.methods if m in s.eval.released_checkpoints]
+    drafters_dir = RunPaths.of(s.raw).drafter_dir("_").parent
     lines = ["## Training", "", f"![training curves]({Path(os.path.relpath(figure, report.parent)).as_posix()})", "",
              "Each trained drafter's `train_log.csv` against the optimiser step: the loss (each method's own "
              "objective, so its level does not compare across methods), c*₁ (the expected acceptance "
@@ -381,32 +389,38 @@ def _estimator_notes(fig2: pd.DataFrame) -> list[str]:
     return out
 
 
-def _speed_scope(cfg) -> str:
+def _speed_scope(s: Settings) -> str:
     """Which prompts the speedup was timed on (eval.speed_prompts of eval.speed_benchmarks)."""
-    timed, n = speed_benchmarks(cfg), cfg["eval"]["speed_prompts"]
+    timed, n = speed_benchmarks(s.raw), s.eval.speed_prompts
     if not timed:
         return "not timed (eval.speed_prompts is 0)"
-    which = "every benchmark" if len(timed) == len(cfg["data"]["benchmarks"]) else \
+    which = "every benchmark" if len(timed) == len(s.data.benchmarks) else \
         ", ".join(paper.BENCHMARK_LABEL.get(b, b) for b in timed)
     return f"timed on the first {n} prompts of {which}" if n != 1 else f"timed on the first prompt of {which}"
 
 
-def _draft_layers(cfg) -> str:
+def _draft_layers(s: Settings) -> str:
     """drafter.layer_arch in words: whose layer classes each method's draft layers are."""
     from ..architectures import layer_arch_of
     from ..methods import resolve_method
 
     names = {"target": "the target's layer type", "qwen3": "Qwen3 layers"}
     per = {}
-    for m in cfg["train"]["methods"]:
-        base, mcfg = resolve_method(cfg, m)
+    for m in s.train.methods:
+        base, mcfg = resolve_method(s.raw, m)
         per.setdefault(names[layer_arch_of(mcfg["drafter"], base)], []).append(m)
     if len(per) == 1:
         return f"draft layers: {next(iter(per))}"
     return "draft layers: " + "; ".join(f"{', '.join(ms)}: {what}" for what, ms in per.items())
 
 
-def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None,
+def _as_written(s: Settings, section: str, key: str):
+    """A number as the preset wrote it (1, not the typed 1.0): what REPORT.md and
+    table1.md have always printed."""
+    return s.raw[section][key]
+
+
+def write_report(s: Settings, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: list | None = None,
                  provenance: dict | None = None, training: list[str] | None = None) -> None:
     """REPORT.md; `training`: its "Training" section (`training_markdown`)."""
     drafts = t1[t1["tau"].notna()]
@@ -415,19 +429,19 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
     att = fig2.pivot_table(index=["method", "domain"], columns="position", values="attempts")
     has_rb = fig2_curves(fig2)[1] != "count"
     lines = [
-        f"# DeepSpec replication report: {cfg['target']['name']}", "",
-        f"Preset `{cfg['preset']}`: {cfg.get('description', '')}", "",
+        f"# DeepSpec replication report: {s.target.name}", "",
+        f"Preset `{s.preset}`: {s.description}", "",
         "## Setup", "",
-        f"- Target `{cfg['target']['spec']}`, feature layers {cfg['target']['feature_layers']}, dtype {cfg['target']['dtype']}.",
-        f"- Drafters: {', '.join(cfg['train']['methods'])}; block {cfg['drafter']['block_size']}, layers "
-        f"{cfg['drafter']['num_layers']} ({_draft_layers(cfg)}), Markov rank {cfg['drafter']['markov_rank']}.",
-        f"- Training: {cfg['train']['epochs']} epochs, global batch {cfg['train']['global_batch']}, lr {cfg['train']['lr']}, "
-        f"{cfg['train']['num_anchors']} anchors per sequence.",
-        f"- Evaluation: T = {cfg['eval']['temperature']}, max new tokens {cfg['eval']['max_new_tokens']}, caps "
-        + ", ".join(f"{b} {s['cap']}" for b, s in cfg["data"]["benchmarks"].items()) + ".", "",
-        "## Table 1", "", table1_markdown(t1, cfg), "",
+        f"- Target `{s.target.spec}`, feature layers {s.target.feature_layers}, dtype {s.target.dtype}.",
+        f"- Drafters: {', '.join(s.train.methods)}; block {s.drafter.block_size}, layers "
+        f"{s.drafter.num_layers} ({_draft_layers(s)}), Markov rank {s.drafter.markov_rank}.",
+        f"- Training: {_as_written(s, 'train', 'epochs')} epochs, global batch {s.train.global_batch}, "
+        f"lr {_as_written(s, 'train', 'lr')}, {s.train.num_anchors} anchors per sequence.",
+        f"- Evaluation: T = {_as_written(s, 'eval', 'temperature')}, max new tokens {s.eval.max_new_tokens}, caps "
+        + ", ".join(f"{b} {spec['cap']}" for b, spec in s.data.benchmarks.items()) + ".", "",
+        "## Table 1", "", table1_markdown(t1, s), "",
         "Macro means (τ, the self-check 1 + Σ_k Π_{i≤k} c_k from the measured conditional rates, and speedup "
-        f"over plain decoding at batch size 1, {_speed_scope(cfg)}):", "", macro.round(3).to_string(), "",
+        f"over plain decoding at batch size 1, {_speed_scope(s)}):", "", macro.round(3).to_string(), "",
         "## Figure 2: conditional acceptance per draft position", "",
         "Count estimate (accepted / attempts, as the paper):", "", f2.to_string(), "",
         "Attempts (rounds that reached the position):", "", att.to_string(), "",
@@ -453,9 +467,9 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
            "round verifies the prefix that maximises (1 + Σ_{j≤ℓ} Π_{i≤j} σ(c_i)) · SPS(1 + ℓ), SPS this "
            "machine's batch-1 verification speed over 1 + ℓ tokens, profiled at the evaluation's start; "
            "those rounds are timed only (τ and Figure 2 verify full proposals, as the paper's Table 1).", "",
-           *[f"- {c}" for c in speed], ""] if (speed := speed_claims(cfg)) else []),
+           *[f"- {c}" for c in speed], ""] if (speed := speed_claims(s)) else []),
         *(training or []),
-        *served_markdown(cfg),
+        *served_markdown(s),
         *(provenance_markdown(provenance) if provenance else []),
     ]
     write_text_atomic(path, "\n".join(lines))
@@ -464,9 +478,10 @@ def write_report(cfg, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, claims: 
 def served_markdown(cfg) -> list[str]:
     """REPORT.md's "Served in vLLM" section from the serve-check records that exist
     (results/<target>/serve/<method>.json): the greedy checks, and tau in vLLM beside
-    ours on the same prompts at the evaluation temperature."""
-    paths = RunPaths.of(cfg)
-    recs = {m: read_json(paths.serve_check(m)) for m in cfg["train"]["methods"] if paths.serve_check(m).exists()}
+    ours on the same prompts at the evaluation temperature. `cfg`: a config or its Settings."""
+    st = Settings.view(cfg)
+    paths = RunPaths.of(st.raw)
+    recs = {m: read_json(paths.serve_check(m)) for m in st.train.methods if paths.serve_check(m).exists()}
     if not recs:
         return []
     yes = {True: "yes", False: "**no**"}
@@ -530,22 +545,23 @@ def cli_report(argv) -> int:
         p.add_argument(f"--{flag}", help="output path (default: under the preset's results / figures directory)")
     args = p.parse_args(argv)
     cfg = config_from_args(args)
+    s = Settings.of(cfg)
     paths = RunPaths.of(cfg)
     out = {flag: Path(getattr(args, flag.replace("-", "_")) or default(paths)) for flag, default in OUTPUTS.items()}
-    t1 = build_table1(cfg)
-    records = load_records(cfg)
-    fig2 = build_fig2(cfg, records=records)
-    claims, _ = judge_claims(records, cfg["drafter"]["block_size"], n_boot=cfg["eval"]["n_boot"], seed=cfg["eval"]["seed"])
+    t1 = build_table1(s)
+    records = load_records(s)
+    fig2 = build_fig2(s, records=records)
+    claims, _ = judge_claims(records, s.drafter.block_size, n_boot=s.eval.n_boot, seed=s.eval.seed)
     write_csv_atomic(t1, out["table1"])
     write_csv_atomic(fig2, out["fig2-csv"])
-    write_text_atomic(out["table1-md"], table1_markdown(t1, cfg))
-    plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{cfg['target']['name']}: conditional acceptance per position",
-              paper_reference=cfg["target"].get("paper_name") is not None, claims_line=figure_line(claims))
-    provenance = collect_provenance(cfg)  # code, packages, hardware, dtypes, hub commits (deepspec/provenance.py)
+    write_text_atomic(out["table1-md"], table1_markdown(t1, s))
+    plot_fig2(fig2, out["fig2-pdf"], out["fig2-png"], title=f"{s.target.name}: conditional acceptance per position",
+              paper_reference=s.target.paper_name is not None, claims_line=figure_line(claims))
+    provenance = collect_provenance(s)  # code, packages, hardware, dtypes, hub commits (deepspec/provenance.py)
     write_json_atomic(out["provenance"], json_safe(provenance))
-    logs = training_logs(cfg)
-    plot_training(logs, out["training-pdf"], out["training-png"], title=f"{cfg['target']['name']}: training curves")
-    write_report(cfg, t1, fig2, out["report"], claims, provenance,
-                 training_markdown(cfg, logs, out["training-png"], out["report"]))
+    logs = training_logs(s)
+    plot_training(logs, out["training-pdf"], out["training-png"], title=f"{s.target.name}: training curves")
+    write_report(s, t1, fig2, out["report"], claims, provenance,
+                 training_markdown(s, logs, out["training-png"], out["report"]))
     log.info("wrote %s, %s, %s, %s", out["table1"], out["fig2-pdf"], out["training-pdf"], out["report"])
     return 0

@@ -1,9 +1,9 @@
 """The provenance record of a run (the report rule): results/provenance.json
 and REPORT.md's "Provenance" section.
 
-`collect(cfg)` gathers package versions, the git commit and dirty state of the
-checkout the package runs from, this machine's hardware, the dtypes, and the
-records the preparation steps wrote (deepspec.provenance: the target's
+`collect(s)` (a run's Settings) gathers package versions, the git commit and
+dirty state of the checkout the package runs from, this machine's hardware, the
+dtypes, and the records the preparation steps wrote (deepspec.provenance: the target's
 ``deepspec_source.json``, the data root's ``SOURCES.json``, the converted
 released drafters' ``deepspec_source``, ``train_summary.json``'s precision and
 the evaluation summaries' ``environment``). Nothing large is hashed here: the
@@ -17,22 +17,23 @@ from pathlib import Path
 
 from ..provenance import (DATA_SOURCES_FILE, SOURCE_FILE, code_state, hardware, is_commit, now_utc, packages,
                           read_record, snapshot_commit)
+from ..settings import Settings
 
 
-def _target(cfg: dict) -> dict:
+def _target(s: Settings) -> dict:
     from ..paths import RunPaths
 
-    t = cfg["target"]
-    path = RunPaths.of(cfg).target_checkpoint() / SOURCE_FILE
+    t = s.target
+    path = RunPaths.of(s.raw).target_checkpoint() / SOURCE_FILE
     rec = read_record(path)
     if rec is None:
-        return {"spec": t["spec"], "revision": t.get("revision"), "recorded": False,
+        return {"spec": t.spec, "revision": t.revision, "recorded": False,
                 "note": f"{path} missing: the target was prepared before provenance was recorded "
                         "(delete the prepared target and rerun prepare_target to record it)"}
     return {**rec, "recorded": True}
 
 
-def _data(cfg: dict) -> dict:
+def _data(s: Settings) -> dict:
     """Per prompt file the preset reads: its source (with the preset's
     data.sources applied), its sha256 now (prompt files are small: hashed here)
     against the reference copy's, and the commit it came from: the one
@@ -43,12 +44,12 @@ def _data(cfg: dict) -> dict:
     from ..data.sources import needed_files, read_sums, source_for
     from ..files import sha256_file
 
-    root = data_root(cfg)
+    root = data_root(s.raw)
     built = read_record(root / DATA_SOURCES_FILE) or {}
     sums = read_sums(root)
     out = {}
-    for rel in needed_files(cfg):
-        src, path = source_for(cfg, rel), root / rel
+    for rel in needed_files(s.raw):
+        src, path = source_for(s.raw, rel), root / rel
         sha = sha256_file(path) if path.exists() else None
         rec = built.get(rel) if (built.get(rel) or {}).get("sha256") == sha and sha else None
         reference = (sha == src.sha256) if src is not None and src.sha256 and sha else None
@@ -65,7 +66,7 @@ def _data(cfg: dict) -> dict:
                          + (", and the source pins no commit)" if src is None or not is_commit(src.revision)
                             else ", and not identical to the reference copy)"))
         out[rel] = entry
-    hub_entries = list(cfg["data"]["train"]) + list(cfg["data"]["benchmarks"].values())
+    hub_entries = list(s.data.train) + list(s.data.benchmarks.values())
     for e in hub_entries:  # hub: sources are read through `datasets` at run time, at the default branch
         if e["path"].startswith("hub:"):
             out[e["path"]] = {"source": e["path"][4:], "revision": None, "sha256": None, "matches_reference": None,
@@ -73,7 +74,7 @@ def _data(cfg: dict) -> dict:
     return out
 
 
-def _drafters(cfg: dict) -> dict:
+def _drafters(s: Settings) -> dict:
     """Per method of Table 1: the drafter evaluate used (its summaries'
     `drafter`); for a released checkpoint the hub id and the commit it was
     converted from, for a trained one what training recorded (device,
@@ -82,22 +83,22 @@ def _drafters(cfg: dict) -> dict:
     code commit, machine; [] when none did)."""
     from ..paths import RunPaths
 
-    paths = RunPaths.of(cfg)
-    released = cfg["eval"]["released_checkpoints"]
+    paths = RunPaths.of(s.raw)
+    released = s.eval.released_checkpoints
     out = {}
-    for method in cfg["train"]["methods"]:
-        summaries = [read_record(paths.summary(method, b)) or {} for b in cfg["data"]["benchmarks"]]
-        used = sorted({s["drafter"] for s in summaries if s.get("drafter")})
+    for method in s.train.methods:
+        summaries = [read_record(paths.summary(method, b)) or {} for b in s.data.benchmarks]
+        used = sorted({sm["drafter"] for sm in summaries if sm.get("drafter")})
         entry: dict = {"drafter": used, "released": released.get(method)}
         if method in released:
             sources = [(read_record(Path(u) / "config.json") or {}).get("deepspec_source") or {} for u in used]
-            entry["checkpoints"] = [{"checkpoint": s.get("checkpoint"),
-                                     "commit": s.get("commit") or snapshot_commit(s.get("checkpoint") or "")}
-                                    for s in sources]
+            entry["checkpoints"] = [{"checkpoint": src.get("checkpoint"),
+                                     "commit": src.get("commit") or snapshot_commit(src.get("checkpoint") or "")}
+                                    for src in sources]
         else:
             summary = read_record(paths.drafter_dir(method) / "train_summary.json") or {}
             entry["training"] = {**summary["precision"], "code": summary.get("code")} if summary.get("precision") else None
-        entry["evaluation"] = _distinct([s["environment"] for s in summaries if s.get("environment")])
+        entry["evaluation"] = _distinct([sm["environment"] for sm in summaries if sm.get("environment")])
         out[method] = entry
     return out
 
@@ -110,16 +111,16 @@ def _distinct(items: list) -> list:
     return uniq
 
 
-def dtypes(cfg: dict) -> dict:
+def dtypes(s: Settings) -> dict:
     """The dtypes the preset asks for: the target's (training features,
     regeneration, evaluation), the offline cache's storage dtype; what training
     and evaluation measured is per drafter (`drafters`)."""
-    return {"target": cfg["target"]["dtype"],
-            "cache": cfg["cache"]["dtype"] if cfg["cache"]["mode"] == "offline" else None,
-            "cache_mode": cfg["cache"]["mode"]}
+    return {"target": s.target.dtype,
+            "cache": s.cache.dtype if s.cache.mode == "offline" else None,
+            "cache_mode": s.cache.mode}
 
 
-def precision(cfg: dict) -> dict:
+def precision(s: Settings) -> dict:
     """Per CPU/GPU stage, the precision setting (auto | float32 | bfloat16), what
     this machine resolves it to with the reason (`runtime.resolve_precision`) and
     what the stage's outputs recorded they computed in: the regeneration shards'
@@ -130,7 +131,7 @@ def precision(cfg: dict) -> dict:
     from ..paths import RunPaths
     from ..runtime import bf16_matmul_support, resolve_precision
 
-    paths, dev = RunPaths.of(cfg), cfg["target"]["device"]
+    paths, dev = RunPaths.of(s.raw), s.target.device
 
     def recorded(files, read):
         got = []
@@ -147,29 +148,29 @@ def precision(cfg: dict) -> dict:
 
     shards = [settings_path(paths.conversations())]  # the merged shards' (regeneration/shards.py:merge_shards)
     mixed = {"bf16": "bfloat16", "no": "float32", "fp16": "float16"}
-    train_files = [paths.drafter_dir(m) / "train_summary.json" for m in cfg["train"]["methods"]]
+    train_files = [paths.drafter_dir(m) / "train_summary.json" for m in s.train.methods]
     out = {"bf16_matmul_support": list(bf16_matmul_support("cuda" if str(dev).startswith("cuda") else "cpu"))}
     for stage, setting, files, read in (
-            ("regenerate", cfg["regenerate"]["precision"], shards, lambda r: r.get("precision")),
-            ("cache", cfg["cache"]["precision"], [paths.cache_dir() / "manifest.json"], lambda r: r.get("compute_dtype")),
-            ("train", cfg["train"]["precision"], train_files,
+            ("regenerate", s.regenerate.precision, shards, lambda r: r.get("precision")),
+            ("cache", s.cache.precision, [paths.cache_dir() / "manifest.json"], lambda r: r.get("compute_dtype")),
+            ("train", s.train.precision, train_files,
              lambda r: mixed.get(r["precision"]["mixed_precision"], r["precision"]["mixed_precision"]))):
         out[stage] = {"setting": setting, "here": resolve_precision(setting, dev, stage=stage),
                       "recorded": recorded(files, read)}
     from ..evaluation.evaluate import eval_dtype
 
-    evals = [paths.summary(m, b) for m in cfg["train"]["methods"] for b in cfg["data"]["benchmarks"]]
-    out["evaluate"] = {"setting": cfg["eval"]["precision"], "here": eval_dtype(cfg), "recorded": recorded(
+    evals = [paths.summary(m, b) for m in s.train.methods for b in s.data.benchmarks]
+    out["evaluate"] = {"setting": s.eval.precision, "here": eval_dtype(s.raw), "recorded": recorded(
         evals, lambda r: r["environment"]["target_dtype"])}
     return out
 
 
-def collect(cfg: dict) -> dict:
+def collect(s: Settings) -> dict:
     """The provenance record of a run (results/provenance.json)."""
-    return {"written_at": now_utc(), "preset": cfg["preset"], "target_name": cfg["target"]["name"],
-            "code": code_state(), "packages": packages(), "hardware": hardware(), "dtypes": dtypes(cfg),
-            "precision": precision(cfg),
-            "target": _target(cfg), "data": _data(cfg), "drafters": _drafters(cfg)}
+    return {"written_at": now_utc(), "preset": s.preset, "target_name": s.target.name,
+            "code": code_state(), "packages": packages(), "hardware": hardware(), "dtypes": dtypes(s),
+            "precision": precision(s),
+            "target": _target(s), "data": _data(s), "drafters": _drafters(s)}
 
 
 # ---------------------------------------------------------------- REPORT.md

@@ -56,6 +56,7 @@ from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
 from ..paths import RunPaths
+from ..settings import Eval, Serve, Settings
 from ..vllm_env import check_vllm_version, installed_vllm_version, vllm_bin_path, vllm_python
 
 log = logging.getLogger(__name__)
@@ -318,22 +319,24 @@ def our_records(paths: RunPaths, method: str, benches: list[str]) -> pd.DataFram
     return pd.concat(frames, ignore_index=True)
 
 
-def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, *, greedy: list, sampled: list | None,
-                      records: pd.DataFrame | None, feature_layers, max_new_tokens: int, temperature: float, seed: int,
-                      n_boot: int, kv_cache_gb: int, max_model_len: int, tokenizer: bool = True,
-                      dtype: str = "float32") -> dict:
+def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, *, ev: Eval, serve: Serve,
+                      greedy: list, sampled: list | None, records: pd.DataFrame | None, feature_layers,
+                      max_model_len: int, tokenizer: bool = True) -> dict:
     """Export `drafter` for vLLM at `export`, decode `greedy` ([(sample id, token ids)])
     in vLLM (plain and speculative) and in our code, and, given `sampled` prompts and
-    our `records` of them, vLLM's speculative decoding at `temperature` against
-    those records. The result dict of the module docstring (`passed` included)."""
+    our `records` of them, vLLM's speculative decoding at eval.temperature against
+    those records. eval: max_new_tokens, temperature, seed, n_boot, dtype (what vLLM
+    and our code run target and drafter in); serve: kv_cache_gb. The result dict
+    of the module docstring (`passed` included)."""
     from ..core.decode import plain_generate, speculative_generate
     from ..formats.export import export_for_engine
 
     spec = export_for_engine(drafter, target, "vllm", export, overwrite=True)
     K = int(spec["num_speculative_tokens"])
     spec = dict(spec, model=str(Path(export).resolve()))
-    base = {"target": str(Path(target_dir).resolve()), "max_tokens": max_new_tokens, "dtype": dtype, "seed": seed,
-            "max_model_len": max_model_len, "kv_cache_gb": int(kv_cache_gb), "skip_tokenizer_init": not tokenizer}
+    base = {"target": str(Path(target_dir).resolve()), "max_tokens": ev.max_new_tokens, "dtype": ev.dtype,
+            "seed": ev.seed, "max_model_len": max_model_len, "kv_cache_gb": serve.kv_cache_gb,
+            "skip_tokenizer_init": not tokenizer}
     if torch.cuda.is_available():  # our target and drafter already hold GPU memory: vLLM takes what is free
         free, total = torch.cuda.mem_get_info()
         base["gpu_memory_utilization"] = round(max(0.05, free / total - 0.05), 3)
@@ -344,32 +347,32 @@ def serve_and_compare(py: str, target, target_dir: Path, drafter, export: Path, 
                            keep_dir=keep)
         runs = [dict(base, prompts=[ids for _, ids in greedy], temperature=0.0, speculative_config=spec)]
         if sampled:
-            runs.append(dict(base, prompts=[ids for _, ids in sampled], temperature=temperature,
+            runs.append(dict(base, prompts=[ids for _, ids in sampled], temperature=ev.temperature,
                              speculative_config=dict(spec, draft_sample_method="probabilistic")))
         v_spec = [run_vllm(py, r, work, f"speculative{i}", keep_dir=keep) for i, r in enumerate(runs)]
     gen = torch.Generator()
     ours_plain, ours_spec = [], []
     t0 = time.perf_counter()
     for _, ids in greedy:
-        ours_plain.append(plain_generate(target, ids, max_new_tokens=max_new_tokens, temperature=0.0, generator=gen))
+        ours_plain.append(plain_generate(target, ids, max_new_tokens=ev.max_new_tokens, temperature=0.0, generator=gen))
         ours_spec.append(speculative_generate(target, drafter, ids, feature_layers=feature_layers,
-                                              max_new_tokens=max_new_tokens, temperature=0.0, generator=gen))
+                                              max_new_tokens=ev.max_new_tokens, temperature=0.0, generator=gen))
     log.info("deepspec greedy decoding of %d prompts: %.0f s", len(greedy), time.perf_counter() - t0)
-    tol = NEAR_TIE.get(dtype, NEAR_TIE["bfloat16"])
+    tol = NEAR_TIE.get(ev.dtype, NEAR_TIE["bfloat16"])
     tie = near_tie_replay(target, drafter, [ids for _, ids in greedy], feature_layers=feature_layers,
-                          max_new_tokens=max_new_tokens, tolerance=tol)
+                          max_new_tokens=ev.max_new_tokens, tolerance=tol)
     target_tie = target_margins(target, [ids for _, ids in greedy], [o.tokens for o in ours_plain], tolerance=tol)
     g = compare_greedy(ours_plain, ours_spec, v_plain, v_spec[0], near_tie=tie, target_tie=target_tie)
     g["tau_deepspec"] = 1.0 + float(np.mean([r["accepted"] for o in ours_spec for r in o.rounds])) if g["rounds"] else None
     g["tau_vllm"] = _tau(v_spec[0])
     patches = sorted({x for a in [v_plain, *v_spec] for x in a.get("patches", [])})  # vllm_run.fix_cpu_expand
     res = {"engine": "vllm", "vllm_version": v_plain["vllm_version"], "vllm_patches": patches, "export": str(export),
-           "speculative_config": {k: v for k, v in spec.items() if k != "model"}, "max_new_tokens": max_new_tokens,
+           "speculative_config": {k: v for k, v in spec.items() if k != "model"}, "max_new_tokens": ev.max_new_tokens,
            "greedy": g}
     if sampled:
         theirs = vllm_records(v_spec[1], [sid for sid, _ in sampled], K)
-        s = compare_sampled(records, theirs, K, n_boot=n_boot, seed=seed)
-        res["sampled"] = dict(s, temperature=temperature, prompts=len(sampled), tau_vllm=_tau(v_spec[1]),
+        s = compare_sampled(records, theirs, K, n_boot=ev.n_boot, seed=ev.seed)
+        res["sampled"] = dict(s, temperature=ev.temperature, prompts=len(sampled), tau_vllm=_tau(v_spec[1]),
                               tau_deepspec=1.0 + float(records["accepted"].mean()),
                               benchmarks=tau_by_benchmark(records, theirs))
     res["passed"] = bool(g["lossless"] and g["rounds_identical"] and (res.get("sampled") or {}).get("agree") is not False)
@@ -390,40 +393,37 @@ def cli_serve_check(argv) -> int:
                    "check fails (the DAG's rule: REPORT.md shows it)")
     p.add_argument("--vllm-python", default=None, help="the Python with vLLM (default $DEEPSPEC_VLLM_PYTHON, else this one)")
     args = p.parse_args(argv)
-    cfg = config_from_args(args)
-    py = vllm_python(args.vllm_python or cfg["serve"]["vllm_python"])
+    s = Settings.of(config_from_args(args))
+    py = vllm_python(args.vllm_python or s.serve.vllm_python)
     from ..data.prompts import benchmark_prompt_set
     from ..evaluation.evaluate import drafter_path, eval_drafter, eval_target, feature_layers
 
-    paths = RunPaths.of(cfg)
+    paths = RunPaths.of(s.raw)
     out = Path(args.out) if args.out else paths.serve_check(args.method)
-    if cfg["target"]["device"] == "cpu" and args.method != "eagle3":
+    if s.target.device == "cpu" and args.method != "eagle3":
         raise DeepSpecError(f"vLLM runs {args.method} only in its model runner V2, which needs a GPU: serve-check "
                             f"{args.method} on a GPU machine (eagle3 runs on CPU)")
     check_vllm_version(installed_vllm_version(py), py)
     tdir = paths.target_checkpoint()
     if not (tdir / "config.json").exists():
         raise DeepSpecError(f"no prepared target at {tdir}: run `python -m deepspec prepare-target` first")
-    target = eval_target(cfg, cfg["eval"]["dtype"])  # target and drafter in eval.dtype, the dtype vLLM runs them in
-    drafter = eval_drafter(args.drafter or drafter_path(cfg, args.method), target, cfg)
+    target = eval_target(s, s.eval.dtype)  # target and drafter in eval.dtype, the dtype vLLM runs them in
+    drafter = eval_drafter(args.drafter or drafter_path(s, args.method), target, s)
     if drafter.method != args.method:
         raise DeepSpecError(f"{args.drafter} is a {drafter.method} drafter, not {args.method}")
-    benches = list(cfg["data"]["benchmarks"])
-    sets = {b: benchmark_prompt_set(cfg, target, b)[0] for b in benches}
-    n_greedy = args.prompts if args.prompts is not None else cfg["serve"]["greedy_prompts"]
+    benches = list(s.data.benchmarks)
+    sets = {b: benchmark_prompt_set(s.raw, target, b)[0] for b in benches}
+    n_greedy = args.prompts if args.prompts is not None else s.serve.greedy_prompts
     greedy = [(f"{b}/{pr.id}", ids) for b in benches for pr, ids in sets[b][:n_greedy]]
     allp = [(f"{b}/{pr.id}", ids) for b in benches for pr, ids in sets[b]]
     out.parent.mkdir(parents=True, exist_ok=True)
     records = None
-    if not args.no_sampled and float(cfg["eval"]["temperature"]) > 0:
+    if not args.no_sampled and s.eval.temperature > 0:
         records = our_records(paths, args.method, benches)
-    res = serve_and_compare(py, target, tdir, drafter, out.parent / f"{args.method}.vllm", greedy=greedy,
-                            sampled=allp if records is not None else None, records=records,
-                            feature_layers=feature_layers(cfg, drafter), max_new_tokens=int(cfg["eval"]["max_new_tokens"]),
-                            temperature=float(cfg["eval"]["temperature"]), seed=int(cfg["eval"]["seed"]),
-                            n_boot=int(cfg["eval"]["n_boot"]), kv_cache_gb=cfg["serve"]["kv_cache_gb"],
-                            max_model_len=int(cfg["data"]["max_prompt_tokens"]) + int(cfg["eval"]["max_new_tokens"]) + 16,
-                            dtype=cfg["eval"]["dtype"])
+    res = serve_and_compare(py, target, tdir, drafter, out.parent / f"{args.method}.vllm", ev=s.eval, serve=s.serve,
+                            greedy=greedy, sampled=allp if records is not None else None, records=records,
+                            feature_layers=feature_layers(s, drafter),
+                            max_model_len=s.data.max_prompt_tokens + s.eval.max_new_tokens + 16)
     res["method"] = args.method
     g = res["greedy"]
     write_json_atomic(out, res)

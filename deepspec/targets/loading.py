@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_dir, read_json, write_json_atomic
 from ..provenance import SOURCE_FILE, file_record, read_record, target_record
 from ..runtime import keep_large_allocations_on_heap
+from ..settings import Settings
 from .tiny import TINY_SPECS, build_tiny
 
 log = logging.getLogger(__name__)
@@ -210,40 +211,42 @@ def load_target(
     return Target(model=model, tokenizer=tok, target_id=spec, revision=revision, eos_token_ids=eos_ids_of(model, tok))
 
 
-def target_from_config(cfg: dict, *, device: Optional[str] = None, prepare: bool = True,
+def target_from_config(cfg: Settings | Mapping, *, device: Optional[str] = None, prepare: bool = True,
                        dtype: Optional[str] = None) -> Target:
     """The preset's target, from its prepared checkpoint when there is one, in
     `dtype` (default target.dtype; evaluation passes eval.dtype)."""
-    t = cfg["target"]
-    dev = device or t["device"]
+    s = Settings.view(cfg)
+    t = s.target
+    dev = device or t.device
     if dev == "cuda" and not torch.cuda.is_available():
         raise DeepSpecError("target.device is 'cuda' but no GPU is visible (set --set target.device=cpu)")
     if dev == "cpu":
         keep_large_allocations_on_heap()  # CPU runs: no page faults per large temporary
     target = load_target(
-        t["spec"],
-        path=paths.RunPaths.of(cfg).target_checkpoint(),
-        dtype=dtype or t["dtype"],
+        t.spec,
+        path=paths.RunPaths.of(s.raw).target_checkpoint(),
+        dtype=dtype or t.dtype,
         device=dev,
-        revision=t.get("revision"),
+        revision=t.revision,
         prepare=prepare,
     )
-    target.check_feature_layers(t["feature_layers"])
-    target.packed_matmuls = t["cpu_matmul"] == "onednn"
+    target.check_feature_layers(t.feature_layers)
+    target.packed_matmuls = t.cpu_matmul == "onednn"
     return target
 
 
-def load_tokenizer(cfg: dict):
+def load_tokenizer(cfg: Settings | Mapping):
     """The target's tokenizer without loading the model (prepared checkpoint first)."""
     from transformers import AutoTokenizer
 
-    t = cfg["target"]
-    path = paths.RunPaths.of(cfg).target_checkpoint()
-    src = str(path) if (path / "tokenizer_config.json").exists() else t["spec"]
+    s = Settings.view(cfg)
+    t = s.target
+    path = paths.RunPaths.of(s.raw).target_checkpoint()
+    src = str(path) if (path / "tokenizer_config.json").exists() else t.spec
     try:
-        tok = AutoTokenizer.from_pretrained(src, **({"revision": t["revision"]} if t.get("revision") and src == t["spec"] else {}))
+        tok = AutoTokenizer.from_pretrained(src, **({"revision": t.revision} if t.revision and src == t.spec else {}))
     except OSError as e:
-        raise DeepSpecError(f"cannot load the tokenizer of target {t['spec']!r} from {src}: {str(e).splitlines()[0]}") from None
+        raise DeepSpecError(f"cannot load the tokenizer of target {t.spec!r} from {src}: {str(e).splitlines()[0]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -15,13 +15,14 @@ import logging
 import math
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from ..architectures import check_model_type
 from ..config import REPO_ROOT
 from ..errors import DeepSpecError
 from ..paths import RunPaths
 from ..runtime import hub_offline
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -34,24 +35,25 @@ def facts_path(name: str) -> Path:
     return FACTS_DIR / f"{name}.json"
 
 
-def known_config(cfg: dict) -> tuple[Optional[dict], str]:
+def known_config(cfg: Settings | Mapping) -> tuple[Optional[dict], str]:
     """(config.json fields, where they come from) of the preset's target, known
     without loading it: the prepared checkpoint's config.json, the shipped facts
     (by target name, then by builtin spec), or a builtin tiny spec's config (with
     SmolLM2's vocabulary); (None, "") when none of them knows it."""
-    t = cfg["target"]
-    prepared = RunPaths.of(cfg).target_checkpoint() / "config.json"
+    s = Settings.view(cfg)
+    t = s.target
+    prepared = RunPaths.of(s.raw).target_checkpoint() / "config.json"
     if prepared.exists():
         return json.loads(prepared.read_text()), str(prepared)
-    shipped = facts_path(t["name"])
-    for path in (shipped, facts_path(t["spec"]) if "/" not in t["spec"] else shipped):  # by name, then builtin spec
+    shipped = facts_path(t.name)
+    for path in (shipped, facts_path(t.spec) if "/" not in t.spec else shipped):  # by name, then builtin spec
         if path.exists():
             return json.loads(path.read_text()), str(path.relative_to(REPO_ROOT))
     from .tiny import TINY_SPECS, tiny_config
 
-    if t["spec"] in TINY_SPECS:
+    if t.spec in TINY_SPECS:
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
-        c = tiny_config(TINY_SPECS[t["spec"]], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
+        c = tiny_config(TINY_SPECS[t.spec], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
         return c.to_dict(), "deepspec/targets/loading.py:tiny_config (vocabulary of SmolLM2)"
     return None, ""
@@ -62,18 +64,19 @@ def text_fields(fields: dict) -> dict:
     return fields.get("text_config") or fields
 
 
-def text_dims(cfg: dict, download: bool = False) -> Optional[dict]:
+def text_dims(cfg: Settings | Mapping, download: bool = False) -> Optional[dict]:
     """The target's text-decoder config fields without loading its weights:
     `known_config`, else the hub's config.json of target.spec (from the local hub
     cache only unless `download`); None when it cannot be known."""
-    fields, _ = known_config(cfg)
+    s = Settings.view(cfg)
+    fields, _ = known_config(s)
     if fields is not None:
         return text_fields(fields)
     from transformers import AutoConfig
 
-    t = cfg["target"]
+    t = s.target
     try:
-        return AutoConfig.from_pretrained(t["spec"], revision=t.get("revision"),
+        return AutoConfig.from_pretrained(t.spec, revision=t.revision,
                                           local_files_only=not download).get_text_config().to_dict()
     except Exception:
         if download:
@@ -81,14 +84,15 @@ def text_dims(cfg: dict, download: bool = False) -> Optional[dict]:
         return None  # not cached here: checked when the target is loaded
 
 
-def load_facts(cfg: dict) -> tuple[dict, str]:
+def load_facts(cfg: Settings | Mapping) -> tuple[dict, str]:
     """(config.json fields, where they come from) of the preset's target (`known_config`)."""
-    facts, where = known_config(cfg)
+    s = Settings.view(cfg)
+    facts, where = known_config(s)
     if facts is not None:
         return facts, where
-    t = cfg["target"]
-    raise DeepSpecError(f"plan: no architecture facts for target {t['name']!r}: add "
-                        f"{facts_path(t['name']).relative_to(REPO_ROOT)} (the fields of {t['spec']}'s config.json) "
+    t = s.target
+    raise DeepSpecError(f"plan: no architecture facts for target {t.name!r}: add "
+                        f"{facts_path(t.name).relative_to(REPO_ROOT)} (the fields of {t.spec}'s config.json) "
                         "or prepare the target first")
 
 
@@ -149,7 +153,7 @@ def target_config(facts: dict):
     return AutoConfig.for_model(model_type, **fields)
 
 
-def meta_target(cfg: dict, facts: dict, dtype=None):
+def meta_target(cfg: Settings | Mapping, facts: dict, dtype=None):
     """A random-weight target (core.target.Target) of the preset's architecture
     on the meta device, in `dtype` (bfloat16 by default)."""
     import torch
@@ -163,4 +167,5 @@ def meta_target(cfg: dict, facts: dict, dtype=None):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.requires_grad_(False)
-    return Target(model=model, tokenizer=None, target_id=cfg["target"]["spec"], eos_token_ids=eos_ids(config.eos_token_id))
+    return Target(model=model, tokenizer=None, target_id=Settings.view(cfg).target.spec,
+                  eos_token_ids=eos_ids(config.eos_token_id))

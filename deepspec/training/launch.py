@@ -27,11 +27,12 @@ import subprocess
 from typing import Mapping, Sequence
 
 from ..errors import DeepSpecError
+from ..settings import Train
 
 log = logging.getLogger(__name__)
 
 
-def launcher(train_cfg: dict, port: str | int | None = None, cpus: int | None = None) -> str:
+def launcher(train: Train | Mapping, port: str | int | None = None, cpus: int | None = None) -> str:
     """The command prefix the train rule puts before `-m deepspec train ...`
     (without the CUDA_VISIBLE_DEVICES prefix, which the rule adds). `port` is
     the rendezvous port (default train.main_process_port; the rule passes
@@ -43,8 +44,9 @@ def launcher(train_cfg: dict, port: str | int | None = None, cpus: int | None = 
     step (`srun -n1 --cpus-per-task=T`), it would otherwise inherit that step's
     SLURM_NTASKS=1 and SLURM_CPUS_PER_TASK, and Slurm may then start one task on
     one node instead of one per node."""
-    gpus, procs, nodes = int(train_cfg["gpus"]), int(train_cfg["processes"]), int(train_cfg["nodes"])
-    port = train_cfg["main_process_port"] if port is None else port
+    t = Train.view(train)
+    gpus, procs, nodes = t.gpus, t.processes, t.nodes
+    port = t.main_process_port if port is None else port
     if nodes > 1:
         if gpus < 1:
             raise DeepSpecError("train.nodes > 1 needs train.gpus (GPUs per node) >= 1")
@@ -70,7 +72,7 @@ def free_port() -> int:
 LAUNCHED = ("WORLD_SIZE", "LOCAL_RANK")  # set by torchrun and accelerate launch in every process they start
 
 
-def direct_command(train_cfg: dict, env: Mapping[str, str], args: Sequence[str], port: int) -> list[str] | None:
+def direct_command(train: Train | Mapping, env: Mapping[str, str], args: Sequence[str], port: int) -> list[str] | None:
     """`deepspec train` run by hand (not under a launcher): the command that
     starts its processes as the train rule would (train.gpus > 1, or
     train.processes > 1 on CPU), with `args` after `-m deepspec train`; None
@@ -80,12 +82,13 @@ def direct_command(train_cfg: dict, env: Mapping[str, str], args: Sequence[str],
 
     if any(env.get(k) for k in LAUNCHED):
         return None
-    prefix = launcher(train_cfg, port)
+    t = Train.view(train)
+    prefix = launcher(t, port)
     if prefix == "python":
         return None
     tail = ["-m", "deepspec", "train", *args]
-    if int(train_cfg["nodes"]) > 1:
-        raise DeepSpecError(f"train.nodes {train_cfg['nodes']} > 1 runs inside a SLURM allocation: run the Snakemake "
+    if t.nodes > 1:
+        raise DeepSpecError(f"train.nodes {t.nodes} > 1 runs inside a SLURM allocation: run the Snakemake "
                             f"train rule, or in the allocation `{prefix} {shlex.join(tail)}`")
     return [sys.executable if w == "python" else w for w in shlex.split(prefix)] + tail
 

@@ -51,9 +51,10 @@ import logging
 import os
 import shutil
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -62,6 +63,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_dir, write_json_atomic
 from ..provenance import code_commit
 from ..runtime import resolve_precision
+from ..settings import Train
 from .recipe import (
     StepSampler,
     accumulation_steps,
@@ -80,7 +82,7 @@ from .checkpoints import (
     training_lock,
 )
 
-from .state import StepFn, TrainRun, TrainSettings
+from .state import StepFn, TrainRun
 from .stopping import StopOnSigterm, TrainingStopped, any_process, warn_if_sigterm_checkpoint_may_be_cut
 from .train_log import TB_DIR, TrainLog, finish_tensorboard, start_tensorboard, tensorboard_available
 
@@ -172,7 +174,7 @@ def train(
     model: torch.nn.Module,
     dataset,
     step_fn: StepFn,
-    train_cfg: dict,
+    train: Train | Mapping,
     out_dir: str | os.PathLike,
     *,
     collate_fn: Callable[[list], dict],
@@ -195,18 +197,19 @@ def train(
     from accelerate import PartialState
 
     out = Path(out_dir)
+    settings = Train.view(train)
     state = PartialState(cpu=_use_cpu(device))
     with training_lock(out, enabled=state.is_main_process):
-        return _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device,
-                             fingerprint or training_fingerprint(_result_settings(train_cfg), len(dataset)), counters)
+        return _train_locked(model, dataset, step_fn, settings, out, collate_fn, resume, device,
+                             fingerprint or training_fingerprint(_result_settings(settings), len(dataset)), counters)
 
 
-def _result_settings(train_cfg: dict) -> dict:
+def _result_settings(settings: Train) -> dict:
     """The train settings that change the result (not checkpoint cadence, GPU count)."""
-    return {k: v for k, v in train_cfg.items() if f"train.{k}" not in EXECUTION_KEYS}
+    return {k: v for k, v in dataclasses.asdict(settings).items() if f"train.{k}" not in EXECUTION_KEYS}
 
 
-def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, device, fingerprint,
+def _train_locked(model, dataset, step_fn, settings: Train, out, collate_fn, resume, device, fingerprint,
                   counters=None) -> TrainResult:
     from accelerate import PartialState
 
@@ -214,16 +217,14 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     world = state.num_processes
     if state.is_main_process:
         warn_if_sigterm_checkpoint_may_be_cut(world)
-    acc = make_accelerator(device, accumulation_steps(train_cfg, world), train_cfg.get("precision", "auto"),
-                           log_dir=out / TB_DIR)
-    settings = TrainSettings.of(train_cfg)
+    acc = make_accelerator(device, accumulation_steps(settings, world), settings.precision, log_dir=out / TB_DIR)
     n = len(dataset)
-    per_epoch, total = plan_steps(n, train_cfg)
+    per_epoch, total = plan_steps(n, settings)
     g = settings.global_batch
     if n < g:
         log.warning("dataset has %d samples < global_batch %d: batches repeat samples", n, g)
     params = _trainable_params(model, acc)
-    opt, sched = make_optimizer(params, train_cfg, total, shard=settings.shard_optimizer and world > 1)
+    opt, sched = make_optimizer(params, settings, total, shard=settings.shard_optimizer and world > 1)
     gen = torch.Generator(device=acc.device)  # reseeded for every micro batch (micro_seed)
     run = TrainRun(acc, model, params, opt, sched, gen, dataset, collate_fn, step_fn, settings, out,
                    StepSampler(n, g, settings.seed), per_epoch, total, fingerprint)
@@ -231,7 +232,7 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     log.info(
         "training: %d samples, %d steps/epoch, %d steps (epochs %s, max_steps %s), global batch %d = "
         "%d processes x %d micro x %d accumulation, %.2fM trainable / %.2fM frozen params, %s, %s",
-        n, per_epoch, total, train_cfg["epochs"], train_cfg.get("max_steps"), g, world,
+        n, per_epoch, total, settings.epochs, settings.max_steps, g, world,
         settings.micro_batch, acc.gradient_accumulation_steps, sum(p.numel() for p in params) / 1e6,
         sum(p.numel() for p in model.parameters() if not p.requires_grad) / 1e6, acc.device, acc.mixed_precision,
     )
@@ -247,7 +248,7 @@ def _train_locked(model, dataset, step_fn, train_cfg, out, collate_fn, resume, d
     if acc.is_main_process:
         precision = {"device": acc.device.type, "processes": world, "mixed_precision": acc.mixed_precision,
                      "param_dtype": str(params[0].dtype).replace("torch.", "")}
-        _save_final(model, out, result, train_cfg, precision)
+        _save_final(model, out, result, settings, precision)
     acc.wait_for_everyone()
     (log.info if acc.is_main_process else log.debug)(
         "trained %d steps in %.1f s: %.1f predicted positions/s, %.2f sequences/s; drafter in %s",
@@ -331,16 +332,16 @@ def _run_steps(run: TrainRun, start: int, elapsed_before: float, t_run: float) -
 
 
 def _steps(run: TrainRun, start, elapsed_before, t_run, train_log, bar, stop) -> float:
-    acc, cfg = run.acc, run.settings
-    every_s = float(cfg.checkpoint_minutes or 0) * 60
+    acc, t = run.acc, run.settings
+    every_s = (t.checkpoint_minutes or 0) * 60
     last_ckpt = time.monotonic()
     positions_run = 0.0
     for step in range(start, run.total):
         t0 = time.perf_counter()
         done = step + 1
-        log_step = done % cfg.log_every == 0 or done == run.total or done == 1
+        log_step = done % t.log_every == 0 or done == run.total or done == 1
         sums, positions = _accumulate(run, step, log_step)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, cfg.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, t.grad_clip))
         lr = run.sched.get_last_lr()[0]
         run.opt.step()
         run.sched.step()
@@ -354,7 +355,7 @@ def _steps(run: TrainRun, start, elapsed_before, t_run, train_log, bar, stop) ->
         bar.update(1)
         timed, stopping = any_process(acc, run.world, every_s > 0 and time.monotonic() - last_ckpt >= every_s,
                                        stop.requested)
-        regular = done % cfg.checkpoint_every == 0 or done == run.total
+        regular = done % t.checkpoint_every == 0 or done == run.total
         if regular or timed or stopping:
             kind = "regular" if regular else "sigterm" if stopping else "time"
             save_checkpoint(run, done, elapsed_before + time.perf_counter() - t_run, kind)
@@ -417,7 +418,7 @@ def _log_row(run: TrainRun, done: int, lr: float, sums: dict, grad_norm: float, 
     return row
 
 
-def _save_final(model, out: Path, result: TrainResult, train_cfg: dict, precision: Optional[dict] = None) -> None:
+def _save_final(model, out: Path, result: TrainResult, settings: Train, precision: Optional[dict] = None) -> None:
     """save_pretrained into a temporary directory, move the files into <out>,
     config.json last. train_summary.json: the run's counts and rates, the
     train settings and `precision` (device type, processes, accelerate's
@@ -427,6 +428,7 @@ def _save_final(model, out: Path, result: TrainResult, train_cfg: dict, precisio
         model.save_pretrained(str(tmp))
         write_json_atomic(tmp / "train_summary.json", {
             "steps": result.steps, "steps_this_process": result.steps_this_process, "elapsed_s": result.elapsed_s,
-            "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s, "train": train_cfg,
+            "positions_per_s": result.positions_per_s, "sequences_per_s": result.sequences_per_s,
+            "train": dataclasses.asdict(settings),
             "precision": precision, "code": code_commit(), **(result.counters or {}),
         })

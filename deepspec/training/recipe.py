@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..errors import DeepSpecError
+from ..settings import Settings, Train
 
 if TYPE_CHECKING:
     import torch
@@ -22,14 +23,16 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------- schedule
 
 
-def plan_steps(num_samples: int, train_cfg: dict) -> tuple[int, int]:
-    """(steps per epoch, total optimiser steps) for a dataset of `num_samples`."""
+def plan_steps(num_samples: int, train: Train | Mapping) -> tuple[int, int]:
+    """(steps per epoch, total optimiser steps) for a dataset of `num_samples`
+    (train.max_steps resolved for the method: `methods.resolve_method`)."""
+    t = Train.view(train)
     if num_samples < 1:
         raise DeepSpecError("training dataset is empty")
-    per_epoch = max(1, num_samples // int(train_cfg["global_batch"]))
-    total = max(1, math.ceil(float(train_cfg["epochs"]) * per_epoch - 1e-9))
-    if train_cfg.get("max_steps"):
-        total = min(total, int(train_cfg["max_steps"]))
+    per_epoch = max(1, num_samples // t.global_batch)
+    total = max(1, math.ceil(t.epochs * per_epoch - 1e-9))
+    if t.max_steps:
+        total = min(total, int(t.max_steps))
     return per_epoch, total
 
 
@@ -51,7 +54,8 @@ def lr_factor(step: int, total_steps: int, num_warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_steps: int, shard: bool = False):
+def make_optimizer(params: Sequence[torch.nn.Parameter], train: Train | Mapping, total_steps: int,
+                   shard: bool = False):
     """AdamW + LambdaLR(warmup, cosine to 0) over `params`.
 
     The fused AdamW kernel (one pass per tensor instead of the for-loop's
@@ -70,14 +74,15 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], train_cfg: dict, total_
     fused_dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     params = list(params)
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in fused_dtypes for p in params)
-    kw = dict(lr=float(train_cfg["lr"]), weight_decay=float(train_cfg["weight_decay"]), fused=fused or None)
+    train = Train.view(train)
+    kw = dict(lr=float(train.lr), weight_decay=train.weight_decay, fused=fused or None)
     if shard:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
     else:
         opt = torch.optim.AdamW(params, **kw)
-    n_warm = warmup_steps(total_steps, float(train_cfg["warmup_ratio"]))
+    n_warm = warmup_steps(total_steps, train.warmup_ratio)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, n_warm))
     return opt, sched
 
@@ -133,8 +138,9 @@ def micro_seed(seed: int, step: int, micro_index: int) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def accumulation_steps(train_cfg: dict, world: int) -> int:
-    g, m = int(train_cfg["global_batch"]), int(train_cfg["micro_batch"])
+def accumulation_steps(train: Train | Mapping, world: int) -> int:
+    t = Train.view(train)
+    g, m = t.global_batch, t.micro_batch
     if g % (world * m):
         raise DeepSpecError(
             f"train.global_batch ({g}) must be a multiple of train.micro_batch ({m}) x processes ({world})"
@@ -145,7 +151,7 @@ def accumulation_steps(train_cfg: dict, world: int) -> int:
 # --------------------------------------------------------------------------- memory
 
 
-def training_memory(cfg: dict, target_params: int, params: dict, peak_activation_bytes: int) -> dict:
+def training_memory(cfg: Settings | Mapping, target_params: int, params: dict, peak_activation_bytes: int) -> dict:
     """Bytes one training process holds on its GPU, by arithmetic: the frozen target
     in target.dtype, the drafter's own parameters in fp32, the trainable ones'
     fp32 gradients and AdamW's two fp32 moments (divided over the processes with
@@ -153,10 +159,11 @@ def training_memory(cfg: dict, target_params: int, params: dict, peak_activation
     counted: online features, CUDA context, allocator slack, NCCL buffers."""
     import torch
 
-    t = cfg["train"]
-    procs = (int(t["gpus"]) * int(t["nodes"])) if int(t["gpus"]) else int(t["processes"])
-    shards = procs if t.get("shard_optimizer") and procs > 1 else 1
-    dtype_bytes = torch.empty(0, dtype=getattr(torch, cfg["target"]["dtype"])).element_size()
+    s = Settings.view(cfg)
+    t = s.train
+    procs = t.gpus * t.nodes if t.gpus else t.processes
+    shards = procs if t.shard_optimizer and procs > 1 else 1
+    dtype_bytes = torch.empty(0, dtype=getattr(torch, s.target.dtype)).element_size()
     parts = {"target_weights": target_params * dtype_bytes,
              "drafter_weights": 4 * (params["trainable"] + params["frozen_own"]),
              "gradients": 4 * params["trainable"],

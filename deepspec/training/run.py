@@ -6,12 +6,13 @@ checking that one step fits this machine's memory."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -22,6 +23,7 @@ from ..data.cache import bytes_per_token
 from ..errors import DeepSpecError
 from ..files import human_bytes
 from ..paths import RunPaths
+from ..settings import Settings, Train
 from .checkpoints import training_fingerprint
 from .launch import direct_command, free_port
 from .loop import TrainResult, process_device, train
@@ -30,14 +32,12 @@ from .recipe import data_order_bytes, training_memory
 log = logging.getLogger(__name__)
 
 
-def step_spec(cfg: dict) -> StepSpec:
+def step_spec(cfg: Settings | Mapping) -> StepSpec:
     """The training step's settings from a preset (train.num_anchors, the loss section)."""
-    L = cfg["loss"]
-    coef = LossWeights(ce_alpha=L["ce_alpha"], l1_alpha=L["l1_alpha"], conf_alpha=L["conf_alpha"],
-                       decay_gamma=L["decay_gamma"], eagle3_step_decay=L["eagle3_step_decay"],
-                       eagle3_row_mask=L["eagle3_row_mask"], eagle3_normalizer=L["eagle3_normalizer"])
-    return StepSpec(num_anchors=int(cfg["train"]["num_anchors"]), chain_rows=int(cfg["train"]["chain_rows"]),
-                    coef=coef, chunk_positions=int(cfg["train"]["chunk_positions"]))
+    s = Settings.view(cfg)
+    t = s.train
+    return StepSpec(num_anchors=t.num_anchors, chain_rows=t.chain_rows, coef=LossWeights(**dataclasses.asdict(s.loss)),
+                    chunk_positions=t.chunk_positions)
 
 
 
@@ -68,7 +68,7 @@ _MEMORY_PARTS = {
 
 
 
-def check_step_memory(cfg: dict, drafter, target, num_samples: int, device: torch.device) -> dict:
+def check_step_memory(cfg: Settings | Mapping, drafter, target, num_samples: int, device: torch.device) -> dict:
     """Refuse, in one line, a run whose training step cannot fit in memory, before
     anything is trained (a too large batch would otherwise grow until the kernel's
     OOM killer ends it, and other jobs with it). The plan's arithmetic
@@ -76,17 +76,18 @@ def check_step_memory(cfg: dict, drafter, target, num_samples: int, device: torc
     data.max_length standing in for the activations the plan measures on meta (so
     a lower bound), plus the data order (`recipe.data_order_bytes`); on CPU the
     train.processes processes share the machine. Returns the parts (bytes)."""
-    t = cfg["train"]
+    s = Settings.view(cfg)
+    t = s.train
     shared = {id(p) for m in (target.embed_tokens, target.lm_head) for p in m.parameters()}
     own = [p for p in drafter.parameters() if id(p) not in shared]
     params = {"trainable": sum(p.numel() for p in own if p.requires_grad),
               "frozen_own": sum(p.numel() for p in own if not p.requires_grad)}
-    features = int(t["micro_batch"]) * int(cfg["data"]["max_length"]) * bytes_per_token(
-        len(cfg["target"]["feature_layers"]), target.hidden_size, cfg["cache"]["dtype"])
-    mem = training_memory(cfg, sum(p.numel() for p in target.model.parameters()), params, features)
+    features = t.micro_batch * s.data.max_length * bytes_per_token(
+        len(s.target.feature_layers), target.hidden_size, s.cache.dtype)
+    mem = training_memory(s, sum(p.numel() for p in target.model.parameters()), params, features)
     parts = {k: mem[k] for k in _MEMORY_PARTS if k in mem}
-    parts["data_order"] = data_order_bytes(num_samples, t["global_batch"])
-    procs = int(t["processes"]) if device.type == "cpu" else 1
+    parts["data_order"] = data_order_bytes(num_samples, t.global_batch)
+    procs = t.processes if device.type == "cpu" else 1
     need = procs * sum(parts.values())
     have, where = machine_memory(device)
     if need > have:
@@ -110,15 +111,16 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     from ..targets.loading import target_from_config
     from ..data.datasets import make_train_dataset, token_counts, train_collate
 
-    base, cfg = resolve_method(cfg, method)
-    device = cfg["target"]["device"]
+    base, cfg = resolve_method(cfg, method)  # the variant's config
+    s = Settings.of(cfg)
+    device = s.target.device
     target = target_from_config(cfg, device=str(process_device(device)))
     dataset = make_train_dataset(cfg, target=target)
-    counts = token_counts(dataset, target.vocab_size) if cfg["drafter"].get("draft_vocab_size") else None
-    torch.manual_seed(int(cfg["train"]["seed"]))  # deterministic drafter initialisation
-    drafter = drafters.build_drafter(base, target, cfg, token_counts=counts)
-    check_step_memory(cfg, drafter, target, len(dataset), process_device(device))
-    spec = step_spec(cfg)
+    counts = token_counts(dataset, target.vocab_size) if s.drafter.draft_vocab_size else None
+    torch.manual_seed(s.train.seed)  # deterministic drafter initialisation
+    drafter = drafters.build_drafter(base, target, s, token_counts=counts)
+    check_step_memory(s, drafter, target, len(dataset), process_device(device))
+    spec = step_spec(s)
 
     def step_fn(model, batch, generator, log_step=True):
         return model.training_step(batch, spec, generator, log_step=log_step)
@@ -126,9 +128,9 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     out = Path(out_dir) if out_dir else RunPaths.of(cfg).drafter_dir(method)
     # every setting that changes the result (the variant's, after resolve_method) and the data
     fingerprint = training_fingerprint(method, rule_settings(cfg, "train"), dataset.fingerprint)
-    log.info("training %s (%s) on %s -> %s (fingerprint %s)", method, base, cfg["target"]["name"], out, fingerprint)
+    log.info("training %s (%s) on %s -> %s (fingerprint %s)", method, base, s.target.name, out, fingerprint)
     collate_fn = train_collate(dataset)  # online: one target forward per micro batch, counted
-    return train(drafter, dataset, step_fn, cfg["train"], out, collate_fn=collate_fn, resume=resume, device=device,
+    return train(drafter, dataset, step_fn, s.train, out, collate_fn=collate_fn, resume=resume, device=device,
                  fingerprint=fingerprint, counters=getattr(collate_fn, "counters", None))
 
 
@@ -150,7 +152,7 @@ def cli_train(argv=None) -> int:
         if args.max_steps < 1:
             raise DeepSpecError("--max-steps must be at least 1")
         cfg["train"]["max_steps"] = args.max_steps
-    cmd = direct_command(cfg["train"], os.environ, argv, free_port())
+    cmd = direct_command(Train.of(cfg["train"]), os.environ, argv, free_port())
     if cmd is not None:  # train.processes > 1 (CPU) or train.gpus > 1: start them, as the train rule does
         log.info("starting the training processes: %s", shlex.join(cmd))
         rc = subprocess.run(cmd).returncode

@@ -13,6 +13,7 @@ output = the target's own greedy output in our code) and accept, round by round,
 exactly what our own decoding accepts (EOS rounds accounted for).
 """
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -71,6 +72,16 @@ def _overfit_eagle3(target, cfg, ids, steps=150, lr=2e-2):
 PROMPT, NEW = 8, 40
 
 
+def _served_settings(cfg, *, n_boot: int, dtype: str = "float32"):
+    """serve_and_compare's eval and serve settings for these tests: NEW tokens at T = 1,
+    seed 0, 1 GB of KV cache."""
+    from deepspec.settings import Settings
+
+    s = Settings.of(cfg)
+    return dict(ev=dataclasses.replace(s.eval, max_new_tokens=NEW, temperature=1.0, seed=0, n_boot=n_boot, dtype=dtype),
+                serve=dataclasses.replace(s.serve, kv_cache_gb=1))
+
+
 def _tiny_target_and_its_eagle3(where, tiny_cfg, seed: int):
     """A tiny random Qwen3 (head_dim 32, its own 512-token vocabulary, no tokenizer) saved
     at where/target, 6 random prompts, and a full-vocabulary Eagle3 over-fitted to the
@@ -113,8 +124,8 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
         rows += [dict(r, sample_id=sid, final=j == len(gen.rounds) - 1) for j, r in enumerate(gen.rounds)]
     records = pd.DataFrame(rows)
     res = serve_and_compare(vllm_python, target, tmp_path / "target", d, tmp_path / "eagle3.vllm", greedy=items,
-                            sampled=sampled, records=records, feature_layers=layers, max_new_tokens=NEW, temperature=1.0,
-                            seed=0, n_boot=500, kv_cache_gb=1, max_model_len=PROMPT + NEW + 16, tokenizer=False)
+                            sampled=sampled, records=records, feature_layers=layers, **_served_settings(cfg, n_boot=500),
+                            max_model_len=PROMPT + NEW + 16, tokenizer=False)
     _check_record(res)
     assert res["greedy"]["tau_vllm"] > 3.0 and res["greedy"]["tau_deepspec"] == pytest.approx(res["greedy"]["tau_vllm"], abs=0.2)
     cfg_out = json.loads((tmp_path / "eagle3.vllm" / "config.json").read_text())
@@ -143,8 +154,8 @@ def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
     items = [(f"random/{i}", p.tolist()) for i, p in enumerate(prompts)]
     res = serve_and_compare(vllm_python, target, tmp_path / "target", d, tmp_path / "eagle3.vllm", greedy=items,
                             sampled=None, records=None, feature_layers=cfg["target"]["feature_layers"],
-                            max_new_tokens=NEW, temperature=1.0, seed=0, n_boot=200, kv_cache_gb=1,
-                            max_model_len=PROMPT + NEW + 16, tokenizer=False, dtype="bfloat16")
+                            **_served_settings(cfg, n_boot=200, dtype="bfloat16"), max_model_len=PROMPT + NEW + 16,
+                            tokenizer=False)
     _check_record(res)
     # the tiny random target's bf16 logits tie exactly (margin 0) at some positions, where the two
     # engines pick different tokens: those outputs are cut there, every cut at a target near-tie
