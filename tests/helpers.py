@@ -304,3 +304,12 @@ def local_rules(workdir: Path, preset: str = "qwen3-4b") -> list[str] | None:
             "    print('LOCAL', ' '.join(sorted(wf._workflow._localrules)))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
     return next((ln.split()[1:] for ln in r.stdout.splitlines() if ln.startswith("LOCAL")), None)
+
+
+# the paper presets' CPU rehearsals and the preset each rehearses
+REHEARSALS = {"rehearsal-qwen3": "qwen3-4b", "rehearsal-gemma4": "gemma4-12b"}
+
+
+def shell_commands(out: str) -> list[str]:
+    """The shell commands a `snakemake -p` run printed."""
+    return [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]

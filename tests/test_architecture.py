@@ -209,3 +209,81 @@ def test_every_command_names_a_function_that_exists():
         path = PKG.parent / (module.replace(".", "/") + ".py")
         defs = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
         assert fn in defs, f"{command}: {target} does not exist"
+
+
+# ----------------------------------------------------------------------------- names in prose
+# Module names, paths and `module.name` references in docstrings, comments, the README,
+# docs/, the rule files and benchmarks/ name what exists (a stale one fails here).
+REPO = PKG.parent
+PROSE = [*sorted(PKG.rglob("*.py")), README, *sorted((REPO / "docs").glob("*.md")),
+         *sorted((REPO / "workflow" / "rules").glob("*.smk")), REPO / "Snakefile", *sorted((REPO / "benchmarks").glob("*.py"))]
+MODULES = {m: p for p, m, _ in _modules()}
+SECTIONS = {"target", "data", "regenerate", "cache", "drafter", "loss", "train", "eval", "serve", "throughput",
+            "ablations", "plan", "resources"}  # `train.lr` is a setting, not module train
+UPSTREAM = {"eval", "modeling", "trainer"}  # deepspec/<these>/...: DeepSeek's DeepSpec repository, the reference
+EXTENSIONS = {"py", "csv", "json", "jsonl", "md", "yaml", "pdf", "png", "txt", "rst", "html", "safetensors", "log"}
+
+
+def _defined(path: Path) -> set[str]:
+    """Every name a module defines: functions, classes, methods, assignments, instance attributes, imports."""
+    out = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            out.update(t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name))
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and getattr(n.value, "id", "") == "self":
+            out.add(n.attr)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in n.names)
+    return out
+
+
+def _dotted_exists(ref: str) -> bool:
+    """deepspec.a.b[.name]: the longest module prefix exists and defines the rest's first name."""
+    parts = ref.split(".")
+    for k in range(len(parts), 0, -1):
+        module = ".".join(parts[:k])
+        if module in MODULES:
+            return k == len(parts) or parts[k] in _defined(MODULES[module])
+    return False
+
+
+def _path_exists(path: str, name: str | None) -> bool:
+    for base in (REPO, PKG):
+        if (base / path).is_file():
+            return not name or not path.endswith(".py") or name.split(".")[0] in _defined(base / path)
+    return False
+
+
+def _stale_names(line: str) -> list[str]:
+    bad = [m.group(0) for m in re.finditer(r"\bdeepspec(?:\.[A-Za-z_]\w*)+", line) if not _dotted_exists(m.group(0))]
+    for m in re.finditer(r"(?<![\w./-])((?:[\w-]+/)+[\w-]+\.py)(?::([A-Za-z_][\w.]*))?", line):
+        top = m.group(1).split("/")
+        if top[0] == "deepspec" and top[1] in UPSTREAM:
+            continue  # DeepSeek's DeepSpec repository
+        ours = top[0] in ("deepspec", "tests", "benchmarks", "workflow") or (PKG / top[0]).exists()
+        if ours and not _path_exists(m.group(1), m.group(2)):
+            bad.append(m.group(0))
+    basenames = {}
+    for module in MODULES:
+        basenames.setdefault(module.split(".")[-1], []).append(module)
+    for m in re.finditer(r"`([a-z_]\w*)\.([A-Za-z_]\w*)(?:\(\))?`", line):
+        module, name = m.groups()
+        if module in SECTIONS or module in ("deepspec", "datasets") or module not in basenames or name in EXTENSIONS:
+            continue  # a setting, the package, Hugging Face's datasets, a file name
+        if not any(name in _defined(MODULES[x]) for x in basenames[module]):
+            bad.append(m.group(0))
+    return bad
+
+
+def test_names_in_docstrings_and_docs_exist():
+    bad = [f"{f.relative_to(REPO)}:{n}: {ref}" for f in PROSE
+           for n, line in enumerate(f.read_text().splitlines(), 1) for ref in _stale_names(line)]
+    assert not bad, bad
+
+
+def test_the_name_check_catches_a_stale_name():
+    assert _stale_names("see `deepspec/interop/export.py`, deepspec.data.regenerate and `export.expected_tensors`") == [
+        "deepspec.data.regenerate", "deepspec/interop/export.py", "`export.expected_tensors`"]
+    assert _stale_names("`deepspec/formats/export.py:export_drafter`, `files.file_lock`, `train.lr`") == []

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from deepspec.regeneration.server_status import own_server_gone, read_status, wait_for_own_server
-from deepspec.regeneration.supervisor import fill_command, group_listens, run_server
+from deepspec.regeneration.supervisor import fill_command, group_listens
 from deepspec.errors import DeepSpecError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -2,7 +2,6 @@ import json
 import resource
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ from deepspec.targets.loading import load_target, prepare_target
 from helpers import copy_workflow, local_rules
 
 
-@pytest.mark.slow
 def test_smollm2_converts_reloads_offline_and_answers_paris(tmp_path):
     from transformers import AutoModelForCausalLM
 

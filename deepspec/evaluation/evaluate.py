@@ -462,7 +462,7 @@ def cli_evaluate(argv) -> int:
     target = eval_target(s)  # eval.precision (bf16 where native), else eval.dtype
     sets = {b: benchmark_prompt_set(s.raw, target, b) for b in benches}
     bench_prompts = {b: kept for b, (kept, _) in sets.items()}
-    # a released reference checkpoint (hub id or directory) is converted once (deepspec/convert.py)
+    # a released reference checkpoint (hub id or directory) is converted once (deepspec/formats/convert.py)
     path = resolve_drafter(drafter_path(s, args.method, args.drafter), target, s.raw, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", s.target.name, path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))

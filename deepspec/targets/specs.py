@@ -55,7 +55,7 @@ def known_config(cfg: Settings | Mapping) -> tuple[Optional[dict], str]:
         base = json.loads(facts_path("smollm2-135m").read_text())  # the tiny targets use SmolLM2's tokenizer
         c = tiny_config(TINY_SPECS[t.spec], vocab_size=base["vocab_size"], bos_token_id=base["bos_token_id"],
                         eos_token_id=base["eos_token_id"], pad_token_id=base["pad_token_id"])
-        return c.to_dict(), "deepspec/targets/loading.py:tiny_config (vocabulary of SmolLM2)"
+        return c.to_dict(), "deepspec/targets/tiny.py:tiny_config (vocabulary of SmolLM2)"
     return None, ""
 
 

@@ -25,7 +25,6 @@ from safetensors import safe_open
 
 from helpers import copy_workflow, snakemake
 
-pytestmark = pytest.mark.slow
 
 
 def _env(vllm_python):

@@ -20,7 +20,7 @@ rule ablation:
     input:
         lambda wc: ABLATION_INPUTS[wc.fig],
     output:
-        pdf=report(PATHS.figure("{fig}.pdf"), category="Ablations"),
+        pdf=report(PATHS.figure("{fig}.pdf"), caption="../report/ablations.rst", category="Ablations"),
         png=PATHS.figure("{fig}.png"),
         csv=PATHS.table("{fig}.csv"),
     wildcard_constraints:
@@ -29,5 +29,9 @@ rule ablation:
         PATHS.log("{fig}"),
     params:
         settings=settings("ablation"),
+    resources:
+        config_args=CONFIG_ARGS,
+    conda:
+        "../../environment.yml"
     shell:
-        "python -m deepspec plot {wildcards.fig} {CONFIG_ARGS} --csv {output.csv:q} --pdf {output.pdf:q} > {log:q} 2>&1"
+        "python -m deepspec plot {wildcards.fig} {resources.config_args} --csv {output.csv:q} --pdf {output.pdf:q} > {log:q} 2>&1"

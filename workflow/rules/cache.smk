@@ -17,11 +17,14 @@ rule tokenize:
         settings=settings("tokenize"),
     threads: res("tokenize", "threads", 2)
     resources:
+        config_args=CONFIG_ARGS,
         mem_mb=res("tokenize", "mem_mb", 8000),
         cpus_per_task=res("tokenize", "threads", 2),
         runtime=res("tokenize", "runtime", 120),
+    conda:
+        "../../environment.yml"
     shell:
-        "python -m deepspec tokenize {CONFIG_ARGS} --conversations {input.conversations:q} --workers {threads} "
+        "python -m deepspec tokenize {resources.config_args} --conversations {input.conversations:q} --workers {threads} "
         "--out {output:q} > {log:q} 2>&1"
 
 
@@ -46,9 +49,12 @@ rule build_cache:
         env=gpu_env(res("build_cache", "gpu", 0)),  # its own GPUs on one machine
     threads: res("build_cache", "threads", 2)
     resources:
+        config_args=CONFIG_ARGS,
         mem_mb=res("build_cache", "mem_mb", 6000),
         cpus_per_task=res("build_cache", "threads", 2),
         runtime=res("build_cache", "runtime", 60),
         gpu=res("build_cache", "gpu", 0),
+    conda:
+        "../../environment.yml"
     shell:
-        "{params.env}python -m deepspec build-cache {CONFIG_ARGS} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"
+        "{params.env}python -m deepspec build-cache {resources.config_args} --conversations {input.conversations:q} --out {params.out:q} > {log:q} 2>&1"

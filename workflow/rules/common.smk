@@ -1,7 +1,7 @@
 # Shared setup: load and validate the preset, the path layout (deepspec/paths.py,
 # the same one the commands use), wildcard constraints, input functions, the
 # globals more than one rule file reads, the config arguments every rule passes
-# to `python -m deepspec` ({CONFIG_ARGS} in its shell command) and, as
+# to `python -m deepspec` ({resources.config_args} in its shell command) and, as
 # params.settings, the fingerprint of exactly the settings the rule depends on
 # (deepspec.config.RULE_SETTINGS): Snakemake's params trigger then reruns the
 # rules whose settings changed, and only those.
@@ -13,22 +13,31 @@
 import json
 import re
 import shlex
+import sys
 import uuid
 import zlib
+from pathlib import Path
 
-from deepspec.config import coerce_overrides, load_config, settings_fingerprint
-from deepspec.errors import DeepSpecError
-from deepspec.paths import RunPaths
-from deepspec.gpus import gpu_env
-from deepspec.training.launch import launcher as train_launcher
-from deepspec.methods import fig3_methods, fig4_methods
-from deepspec.planning.preflight import preflight
-from deepspec.data.sources import check_sources, needed_files
-from deepspec.data.prompts import data_root, speed_benchmarks
-from deepspec.vllm_env import vllm_command
-from deepspec.regeneration.supervisor import fill_command
-from deepspec.fetch import hub_datasets, released_hub, snapshot_name
-from deepspec.provenance import SOURCE_FILE
+# The DAG runs the code, presets and schema of the checkout it lives in, also when
+# another checkout is installed in the same environment (a git worktree, a second
+# clone): the checkout goes first on sys.path before anything imports deepspec,
+# and deepspec.checkout.enter checks that Snakemake and every job import it.
+CHECKOUT = Path(workflow.basedir).resolve()
+if not (CHECKOUT / "deepspec" / "__init__.py").is_file():
+    raise WorkflowError(f"{CHECKOUT} has no deepspec/ package beside its Snakefile: run the DAG from a "
+                        "DeepSpec checkout (git clone, then pip install -e .)")
+sys.path.insert(0, str(CHECKOUT))
+try:
+    from deepspec.workflow import (SOURCE_FILE, DeepSpecError, RunPaths, check_sources, coerce_overrides, data_root,
+                                   enter_checkout, fig3_methods, fig4_methods, gpu_env, hub_datasets, load_config,
+                                   needed_files, preflight, released_hub, server_command, settings_fingerprint,
+                                   snapshot_name, speed_benchmarks, train_launcher)
+
+    enter_checkout(CHECKOUT)
+except ImportError as e:  # another deepspec, older than this one, was imported first
+    raise WorkflowError(f"checkout error: cannot import deepspec.workflow of {CHECKOUT} ({e})")
+except DeepSpecError as e:
+    raise WorkflowError(f"checkout error: {e}")
 
 PRESET = str(config.get("preset", "smollm2-135m"))
 # --config passes `train={epochs: 2}` or `x=true` as text: read it as YAML 1.2
@@ -43,16 +52,19 @@ def _flatten(d, prefix=""):
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            yield from _flatten(v, key + ".")
+            yield from _flatten(v, f"{key}.")
         else:
             yield key, v
 
 
-# Passed to every deepspec command so it sees the same config. A global, not a
-# param: a change reruns a rule only through its params.settings.
+# Passed to every deepspec command so it sees the same config, as the rule's
+# resources.config_args: a string resource, not a param, because a rule's
+# resources are no rerun trigger, so a change of the overrides reruns a rule only
+# through its params.settings (and not a global in the shell command, which
+# `snakemake --lint` refuses).
 CONFIG_ARGS = " ".join(
     [f"--preset {shlex.quote(PRESET)}"]
-    + [f"--set {shlex.quote(k + '=' + json.dumps(v))}" for k, v in _flatten(_OVERRIDES)]
+    + [f"--set {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in _flatten(_OVERRIDES)]
 )
 
 PATHS = RunPaths.of(CFG)  # this preset's files (given wildcards such as "{method}": rule patterns)
@@ -222,3 +234,34 @@ def eval_inputs(wc):
 
 def all_records(methods):
     return [PATHS.records(m, b) for m in methods for b in BENCHMARKS]
+
+
+# ---------------------------------------------------------------- the rule files' input functions
+
+
+def regen_server_input(wc):
+    return {"server": PATHS.server_service()} if REGEN_SERVER else {}
+
+
+def baseline_args(wc):
+    benches = SPEED_BENCHMARKS[int(wc.part) :: BASELINE_JOBS]
+    return " ".join(f"--benchmark {shlex.quote(b)}" for b in benches)
+
+
+THROUGHPUT_METHOD = CFG["throughput"]["method"]
+
+
+def throughput_inputs(wc):
+    """The target, the benchmarks' prompts and the drafter (trained, unless it is a released checkpoint)."""
+    inputs = {"target": TARGET_CONFIG, "prompts": BENCHMARK_FILES,
+              "regenerated": REGENERATION_DONE}  # no GPU job beside the regeneration server
+    if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
+        inputs["drafter"] = PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json"
+    inputs.update(released_input(THROUGHPUT_METHOD))  # a released hub checkpoint's fetched snapshot
+    if THROUGHPUT_METHOD == "dspark":  # Algorithm 1 on STS-calibrated confidences (the schedule rule's fit)
+        inputs["sts"] = PATHS.schedule(FIG6_BENCHMARK, "alg1.json")
+    return inputs
+
+
+def sts_arg(wc, input):
+    return f"--sts {shlex.quote(input.sts)}" if "sts" in input.keys() else ""

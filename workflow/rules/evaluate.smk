@@ -24,9 +24,12 @@ rule evaluate:
     threads: res("evaluate", "threads", 2)
     priority: eval_priority  # after the trainers, before the baselines (common.smk)
     resources:
+        config_args=CONFIG_ARGS,
         **EVAL_RESOURCES,
+    conda:
+        "../../environment.yml"
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec evaluate {CONFIG_ARGS} "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec evaluate {resources.config_args} "
         "--method {wildcards.method} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
@@ -39,11 +42,6 @@ rule evaluate:
 # evaluations leave free, off the critical path. Each job writes its benchmarks'
 # <benchmark>.json/.csv and then, through Snakemake, its flag file
 # (PATHS.baseline_part), which the report waits for.
-def baseline_args(wc):
-    benches = SPEED_BENCHMARKS[int(wc.part) :: BASELINE_JOBS]
-    return " ".join(f"--benchmark {shlex.quote(b)}" for b in benches)
-
-
 rule baseline:
     input:
         target=TARGET_CONFIG,
@@ -65,9 +63,12 @@ rule baseline:
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
     resources:
+        config_args=CONFIG_ARGS,
         **EVAL_RESOURCES,
+    conda:
+        "../../environment.yml"
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec baseline {CONFIG_ARGS} "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec baseline {resources.config_args} "
         "{params.benchmarks} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
@@ -89,7 +90,10 @@ rule schedule:
         env=EVAL_ENV,
     threads: res("evaluate", "threads", 2)
     resources:
+        config_args=CONFIG_ARGS,
         **dict(EVAL_RESOURCES, runtime=res("evaluate", "runtime", 30)),
+    conda:
+        "../../environment.yml"
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec schedule {CONFIG_ARGS} --method dspark "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec schedule {resources.config_args} --method dspark "
         "--benchmark {wildcards.benchmark} --records {input.records:q} > {log:q} 2>&1"

@@ -20,10 +20,13 @@ rule prepare_data:
         datafile=_one_of(DATA_FILES),
     threads: 1
     resources:
+        config_args=CONFIG_ARGS,
         mem_mb=res("prepare_data", "mem_mb", 8000),
         runtime=res("prepare_data", "runtime", 60),
+    conda:
+        "../../environment.yml"
     shell:
-        "python -m deepspec prepare-data {CONFIG_ARGS} --file {wildcards.datafile:q} > {log:q} 2>&1"
+        "python -m deepspec prepare-data {resources.config_args} --file {wildcards.datafile:q} > {log:q} 2>&1"
 
 
 # Hub snapshots at the revisions the preset pins (deepspec/fetch.py): the training datasets
@@ -53,6 +56,8 @@ rule fetch_dataset:
     resources:
         mem_mb=res("fetch", "mem_mb", 4000),
         runtime=res("fetch", "runtime", 240),
+    conda:
+        "../../environment.yml"
     shell:
         "python -m deepspec fetch-hub --repo-type dataset --repo {params.repo:q} --revision {params.revision:q} "
         "--out {params.out:q} > {log:q} 2>&1"
@@ -73,6 +78,8 @@ rule fetch_released:
     resources:
         mem_mb=res("fetch", "mem_mb", 4000),
         runtime=res("fetch", "runtime", 240),
+    conda:
+        "../../environment.yml"
     shell:
         "python -m deepspec fetch-hub --repo-type model --allow '*.json' --allow '*.safetensors' --repo {params.repo:q} "
         "--revision {params.revision:q} --out {params.out:q} > {log:q} 2>&1"

@@ -52,28 +52,17 @@ if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
 # shard gets the same token (--server-token) and sends requests only to the
 # server that reports it ready; one that failed, stopped or is gone fails the
 # shard in one line, at once.
-REGEN_TOKEN = uuid.uuid4().hex[:16]  # this snakemake's run (a SLURM group job's inner snakemake: its own)
+# this snakemake's run (a SLURM group job's inner snakemake: its own); a resource of
+# the server and its shards (resources.server_token), which reruns nothing
+REGEN_TOKEN = uuid.uuid4().hex[:16]
 if REGEN_SERVER:
     _srv = REGEN_SERVER
     _host = _srv["host"] or "127.0.0.1"
     try:
-        SERVER_COMMAND = fill_command(
-            _srv["command"],
-            model=shlex.quote(str(PATHS.target_checkpoint())),
-            port=_srv["port"],  # None: chosen by run-server, which fills in {port}
-            host=_host,
-            name=shlex.quote(CFG["regenerate"]["model_name"] or CFG["target"]["spec"]),
-        )
-    except (KeyError, IndexError, ValueError) as e:
-        raise WorkflowError(f"config error: regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, "
-                            "{port}, {host}, {name}; write literal braces as {{ and }})")
-    SERVER_ENGINE = "--engine vllm " if SERVER_COMMAND.split()[:1] == ["vllm"] else ""  # its /version is checked
-    if SERVER_COMMAND.split()[:1] == ["vllm"]:  # vLLM in this environment or its own (deepspec/vllm_env.py)
-        try:
-            _vllm = vllm_command(CFG["serve"]["vllm_python"])
-            SERVER_COMMAND = (_vllm if _srv["port"] else _vllm.replace("{", "{{").replace("}", "}}")) + SERVER_COMMAND[len("vllm"):]
-        except DeepSpecError as e:  # planned anyway (a dry run of a GPU preset on a laptop); run-server fails at once
-            logger.warning(f"the regeneration server runs vLLM: {e}")
+        SERVER_COMMAND, _engine = server_command(CFG)  # deepspec/workflow.py
+    except DeepSpecError as e:
+        raise WorkflowError(f"config error: {e}")
+    SERVER_ENGINE = f"--engine {_engine} " if _engine else ""  # its /version is checked
 
     rule regenerate_server:
         input:
@@ -88,24 +77,25 @@ if REGEN_SERVER:
             host=_host,
             port=_srv["port"] or "auto",
             gpus=int(_srv["gpus"]),
+            engine=SERVER_ENGINE,
         group:
             "regenerate"
         threads: int(_srv["threads"])
         resources:
+            config_args=CONFIG_ARGS,
+            server_token=REGEN_TOKEN,
             mem_mb=int(_srv["mem_mb"]),
             cpus_per_task=int(_srv["threads"]),
             runtime=res("regenerate", "runtime", 60),
             gpu=int(_srv["gpus"]),
+        conda:
+            "../../environment.yml"
         shell:
             # exec: run-server replaces this shell, so Snakemake's SIGTERM (the shards
             # are done) and SIGKILL (a shard failed) reach it
-            "touch {output:q}; exec python -m deepspec run-server --status {params.status:q} --token {REGEN_TOKEN} "
-            "--host {params.host:q} --port {params.port} --gpus {params.gpus} --log {log:q} {SERVER_ENGINE}{params.command:q} "
+            "touch {output:q}; exec python -m deepspec run-server --status {params.status:q} --token {resources.server_token} "
+            "--host {params.host:q} --port {params.port} --gpus {params.gpus} --log {log:q} {params.engine}{params.command:q} "
             "> {log:q} 2>&1"
-
-
-def regen_server_input(wc):
-    return {"server": PATHS.server_service()} if REGEN_SERVER else {}
 
 
 rule regenerate_shard:
@@ -123,6 +113,10 @@ rule regenerate_shard:
         PATHS.job_benchmark("regenerate_{shard}")
     params:
         settings=settings("regenerate"),
+        env=REGEN_ENV,
+        shards=REGEN_SHARDS,
+        # beside a server one thread sends the requests
+        omp=lambda wc, threads: 1 if REGEN_SERVER else threads,
     group:
         "regenerate" if REGEN_SERVER else None
     # beside a server a shard only sends requests: no core of its own
@@ -130,13 +124,15 @@ rule regenerate_shard:
     # the critical path: the shards first
     priority: 1
     resources:
+        config_args=CONFIG_ARGS,
+        server_token=REGEN_TOKEN,
         **REGEN_RESOURCES,
         cpus_per_task=0 if REGEN_SERVER else res("regenerate", "threads", 2),
+    conda:
+        "../../environment.yml"
     shell:
-        # the same command text for a given N (a changed text would rerun finished shards: the code trigger)
-        "OMP_NUM_THREADS=" + ("1" if REGEN_SERVER else "{threads}") + " {REGEN_ENV}python -m deepspec regenerate {CONFIG_ARGS} "
-        "--shard {wildcards.shard}/" + str(REGEN_SHARDS) + (" --server-token {REGEN_TOKEN}" if REGEN_SERVER else "")
-        + " --out {output:q} > {log:q} 2>&1"
+        "OMP_NUM_THREADS={params.omp} {params.env}python -m deepspec regenerate {resources.config_args} "
+        "--shard {wildcards.shard}/{params.shards} --server-token {resources.server_token} --out {output:q} > {log:q} 2>&1"
 
 
 rule regenerate:
@@ -154,7 +150,10 @@ rule regenerate:
     priority: 1
     # a streamed merge (deepspec/regeneration/shards.py): the prompt ids and 16 bytes per record, never the records
     resources:
+        config_args=CONFIG_ARGS,
         mem_mb=res("regenerate_merge", "mem_mb", 8000),
         runtime=res("regenerate_merge", "runtime", 120),
+    conda:
+        "../../environment.yml"
     shell:
-        "python -m deepspec regenerate {CONFIG_ARGS} --merge {input.shards:q} {params.wait} --out {output:q} > {log:q} 2>&1"
+        "python -m deepspec regenerate {resources.config_args} --merge {input.shards:q} {params.wait} --out {output:q} > {log:q} 2>&1"

@@ -16,12 +16,12 @@ rule report:
         train_logs=[PATHS.drafter_dir(m) / "train_log.csv" for m in METHODS
                     if m not in CFG["eval"]["released_checkpoints"]],
     output:
-        table1=report(PATHS.table("table1.csv"), category="Table 1"),
+        table1=report(PATHS.table("table1.csv"), caption="../report/table1.rst", category="Table 1"),
         table1_md=PATHS.table("table1.md"),
         fig2_csv=PATHS.table("fig2.csv"),
-        fig2=report(PATHS.figure("fig2.pdf"), category="Figure 2"),
+        fig2=report(PATHS.figure("fig2.pdf"), caption="../report/fig2.rst", category="Figure 2"),
         fig2_png=PATHS.figure("fig2.png"),
-        training=report(PATHS.figure("training.pdf"), category="Training"),
+        training=report(PATHS.figure("training.pdf"), caption="../report/training.rst", category="Training"),
         training_png=PATHS.figure("training.png"),
         report=PATHS.report(),
         provenance=PATHS.provenance(),
@@ -29,8 +29,12 @@ rule report:
         PATHS.log("report"),
     params:
         settings=settings("report"),
+    resources:
+        config_args=CONFIG_ARGS,
+    conda:
+        "../../environment.yml"
     shell:
-        "python -m deepspec report {CONFIG_ARGS} --table1 {output.table1:q} --table1-md {output.table1_md:q} "
+        "python -m deepspec report {resources.config_args} --table1 {output.table1:q} --table1-md {output.table1_md:q} "
         "--fig2-csv {output.fig2_csv:q} --fig2-pdf {output.fig2:q} --fig2-png {output.fig2_png:q} "
         "--training-pdf {output.training:q} --training-png {output.training_png:q} "
         "--report {output.report:q} --provenance {output.provenance:q} > {log:q} 2>&1"

@@ -22,7 +22,10 @@ rule serve_check:
         env=EVAL_ENV,
     threads: res("serve_check", "threads", 2)
     resources:
+        config_args=CONFIG_ARGS,
         **dict(EVAL_RESOURCES, cpus_per_task=res("serve_check", "threads", 2)),
+    conda:
+        "../../environment.yml"
     shell:
-        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec serve-check {CONFIG_ARGS} "
+        "OMP_NUM_THREADS={threads} {params.env}python -m deepspec serve-check {resources.config_args} "
         "--method {wildcards.method} --out {output:q} --allow-fail > {log:q} 2>&1"

@@ -20,5 +20,7 @@ rule prepare_target:
     resources:
         mem_mb=res("prepare_target", "mem_mb", 4000),
         runtime=res("prepare_target", "runtime", 120),
+    conda:
+        "../../environment.yml"
     shell:
         "python -m deepspec prepare-target {params.spec:q} {params.revision}--out {params.out:q} > {log:q} 2>&1"

@@ -42,6 +42,7 @@ rule train:
         out=lambda wc, output: Path(output.drafter).parent,
         # each method its own rendezvous port (train_port, common.smk)
         launcher=lambda wc: TRAIN_GPU_ENV + train_launcher(CFG["train"], train_port(wc), res("train", "threads", 2)),
+        env=TRAIN_ENV,
     threads: res("train", "threads", 2)
     # every drafter trains before any evaluation starts: on 2 cores the three
     # evaluations then share both lanes instead of one lane running a drafter's
@@ -49,15 +50,18 @@ rule train:
     # train.start_first's methods before the others (the longest training first)
     priority: train_priority
     resources:
+        config_args=CONFIG_ARGS,
         mem_mb=res("train", "mem_mb", 16000),
         cpus_per_task=res("train", "threads", 2),
         runtime=res("train", "runtime", 600),
         gpu=TRAIN_JOB_GPUS,
         nodes=res("train", "nodes", TRAIN_NODES),
+    conda:
+        "../../environment.yml"
     shell:
         # exec: the launcher (claim-gpus, accelerate, torchrun, srun or python itself)
         # replaces this shell, so a SIGTERM to the job (SLURM's warning ahead of the time
         # limit, Snakemake stopping it) reaches it: bash would die at once and leave the
         # trainers to be killed before their checkpoint
-        "exec env {TRAIN_ENV}{params.launcher} -m deepspec train {CONFIG_ARGS} "
+        "exec env {params.env}{params.launcher} -m deepspec train {resources.config_args} "
         "--method {wildcards.method} --out {params.out:q} > {log:q} 2>&1"
