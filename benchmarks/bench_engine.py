@@ -28,14 +28,14 @@ import time
 import torch
 
 from deepspec.config import load_config, parse_set
-from deepspec.core.decode import speculative_generate
 from deepspec.core.batch_cache import BatchKV
+from deepspec.core.decode import speculative_generate
 from deepspec.core.engine import BatchedEngine, Request, padding_share, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
-from deepspec.files import read_json
 from deepspec.evaluation.evaluate import drafter_path
-from deepspec.targets.loading import target_from_config
 from deepspec.evaluation.throughput import load_prompts, run_load
+from deepspec.files import read_json
+from deepspec.targets.loading import target_from_config
 
 
 def _drafter(cfg, target, method, path):

@@ -15,9 +15,9 @@ import torch
 
 from deepspec.config import load_config, parse_set
 from deepspec.core.decode import plain_generate, prompt_lookup_generate, speculative_generate
+from deepspec.data.prompts import benchmark_prompt_ids
 from deepspec.drafters import load_drafter
 from deepspec.evaluation.evaluate import drafter_path
-from deepspec.data.prompts import benchmark_prompt_ids
 from deepspec.targets.loading import target_from_config
 
 

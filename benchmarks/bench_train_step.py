@@ -19,10 +19,10 @@ import time
 import torch
 
 from deepspec.config import load_config
+from deepspec.data.datasets import make_train_dataset, token_counts, train_collate
 from deepspec.drafters import build_drafter
 from deepspec.targets.loading import target_from_config
 from deepspec.training.run import step_spec
-from deepspec.data.datasets import make_train_dataset, token_counts, train_collate
 
 
 def time_steps(drafter, batches, spec, log_step):

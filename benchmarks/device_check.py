@@ -346,7 +346,7 @@ def check_paper_dims(dev, small, preset):
         out[f"{method}_step_s"] = _timed(step, dev, repeats=1 if small else 3)
         if dev.type == "cuda":
             out[f"{method}_peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        del d
+        d = None  # free the drafter before the next method
     sizes = [1, 2, 4, 8] if small else [1, 2, 4, 8, 16, 32, 64, 128]
     sps = profile_target_sps(target, sizes, context_len=min(256, length))
     out["sps"] = dict(zip(map(int, sps.batch_tokens), map(float, sps.steps_per_s)))

@@ -316,7 +316,7 @@ def paired_markdown(df) -> str:
     def cell(r):
         return f"{r['diff']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
 
-    for (m, t, s, arm, base), g in df.groupby(["method", "tokens", "steps", "arm", "baseline"], sort=False):
+    for (m, _tokens, s, arm, base), g in df.groupby(["method", "tokens", "steps", "arm", "baseline"], sort=False):
         cells = []
         for d in DOMAINS:
             pos = g[(g.domain == d) & (g.position.astype(str).isin([str(k) for k in range(1, GAMMA_SHOWN + 1)]))]

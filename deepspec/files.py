@@ -26,7 +26,6 @@ from typing import Any, Iterator, Optional
 
 from .errors import DeepSpecError
 
-
 OUTPUT_MARKER = ".deepspec-output"  # in every directory the atomic writers make: --overwrite may replace it
 
 

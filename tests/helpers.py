@@ -108,7 +108,7 @@ def randomize(d, seed=0):
     """Random weights everywhere (norm scales away from 1, layer_scalar != 1)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in d.named_parameters():
+        for p in d.parameters():
             base = 1.0 if p.dim() == 1 else 0.0
             p.copy_(base + 0.3 * torch.randn(p.shape, generator=g) / (1 if p.dim() == 1 else math.sqrt(p.shape[-1])))
         for name, b in d.named_buffers():

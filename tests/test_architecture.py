@@ -287,3 +287,13 @@ def test_the_name_check_catches_a_stale_name():
     assert _stale_names("see `deepspec/interop/export.py`, deepspec.data.regenerate and `export.expected_tensors`") == [
         "deepspec.data.regenerate", "deepspec/interop/export.py", "`export.expected_tensors`"]
     assert _stale_names("`deepspec/formats/export.py:export_drafter`, `files.file_lock`, `train.lr`") == []
+
+
+def test_ruff_is_clean():
+    """The linter and the import order of pyproject.toml's [tool.ruff] hold everywhere."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "deepspec", "tests", "benchmarks"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-1000:]

@@ -4,10 +4,10 @@ import shutil
 import pytest
 import torch
 
-from deepspec.data import cache
-from deepspec.data.cache import PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
 from deepspec.cli import main
 from deepspec.config import load_config, parse_set
+from deepspec.data import cache
+from deepspec.data.cache import PROGRESS, build_cache, plan_shards, sha256_file, validate_cache
 from deepspec.data.datasets import collate, make_train_dataset, train_collate
 from deepspec.errors import DeepSpecError
 

@@ -6,7 +6,6 @@ import pytest
 from deepspec.config import PRESETS_DIR, load_config
 from deepspec.errors import DeepSpecError
 
-
 # cost-benchmark presets that train on their own evaluation prompts at T = 0 on purpose
 # (benchmarks/bench_vllm.py needs a drafter with a high tau); they reproduce nothing of the paper
 BENCHMARK_ONLY = {"smollm2-135m-overfit"}
@@ -148,12 +147,12 @@ def test_yaml_12_numbers_and_booleans():
 
 def _readme_overrides():
     """Every `--config k=v ...` and `--set k=v` example of the README and of `--help`."""
+    import argparse
     import re
+    import shlex
     from pathlib import Path
 
     from deepspec.config import add_config_args
-    import argparse
-    import shlex
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     p = argparse.ArgumentParser()

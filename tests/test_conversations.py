@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from deepspec.core.target import render_chat
 from deepspec.data.conversations import encode_conversation, read_conversations, tokenize_conversation
 from deepspec.errors import DeepSpecError
-from deepspec.core.target import render_chat
 from deepspec.settings import Settings
 
 TWO_TURNS = [
@@ -103,6 +103,7 @@ def test_token_arrays_are_int32_memory_maps_made_once(tmp_path, tiny_cfg, tiny_t
 
     from deepspec.data import conversations as C
     from deepspec.data.datasets import OnlineDataset
+
     from helpers import write_conversations
 
     path = tmp_path / "regen" / "conversations.jsonl"
@@ -150,6 +151,7 @@ def test_tokenize_in_parallel_processes_gives_the_same_arrays(tmp_path, tiny_cfg
 
     from deepspec.cli import main as cli_main
     from deepspec.data import conversations as C
+
     from helpers import write_conversations
 
     path = tmp_path / "regen" / "conversations.jsonl"

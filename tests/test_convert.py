@@ -9,11 +9,12 @@ import os
 import pytest
 import torch
 
-from deepspec.formats import convert
 from deepspec.cli import main as cli_main
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.base import DrafterBase
 from deepspec.errors import DeepSpecError
+from deepspec.formats import convert
+
 from helpers import MASK_ID, gemma4_reference_config, reference_config, write_reference
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]

@@ -20,9 +20,10 @@ import torch
 
 from deepspec.core import decode
 from deepspec.core.decode import plain_generate, speculative_generate
-from deepspec.errors import DeepSpecError
 from deepspec.core.verify import sample, verify_chain
-from helpers import DistortedTargetDrafter, PROMPT, chi2_pvalue
+from deepspec.errors import DeepSpecError
+
+from helpers import PROMPT, DistortedTargetDrafter, chi2_pvalue
 
 N_TOK = 3  # compared tokens: the first comes from prefill, 2 and 3 from one round with 2 drafts
 N_GEN = 400
@@ -438,6 +439,7 @@ def test_the_drafters_matmuls_are_packed_with_the_targets(tiny_target, tiny_cfg,
     proposals are the unpacked ones up to rounding, the drafter's modules are restored,
     and greedy speculative decoding still reproduces plain greedy decoding."""
     from deepspec.core import target as target_mod
+
     from helpers import random_drafter
 
     d, _ = random_drafter(method, tiny_target, tiny_cfg, **extra)
@@ -474,6 +476,7 @@ def test_a_drafters_packs_go_with_it(tiny_target, tiny_cfg, monkeypatch):
     import gc
 
     from deepspec.core import target as target_mod
+
     from helpers import random_drafter
 
     monkeypatch.setattr(tiny_target, "packed_matmuls", True)

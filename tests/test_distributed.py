@@ -19,6 +19,7 @@ from deepspec.config import load_config
 from deepspec.training import run as T
 from deepspec.training.checkpoints import TRAINER_STATE
 from deepspec.training.launch import direct_command, free_port, launcher, node_command
+
 from helpers import write_conversations
 
 STEPS = 4

@@ -15,10 +15,10 @@ import argparse
 import importlib
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from deepspec.cli import COMMANDS
 from deepspec.config import config_from_args

@@ -20,6 +20,7 @@ from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.losses import chain_normalizer, chain_row_mask
 from deepspec.drafters import build_drafter
 from deepspec.training.run import step_spec
+
 from helpers import plain_ttt, randomize
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12]

@@ -28,12 +28,13 @@ import pytest
 import torch
 
 from deepspec.core import decode, verify
-from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.batch_cache import BatchKV, row_slots
+from deepspec.core.decode import plain_generate, speculative_generate
 from deepspec.core.engine import BatchedEngine, Request, profile_engine_sps
 from deepspec.core.policies import FixedGamma, LiveAlgorithm1, PaddedAlgorithm1, StaticThreshold
 from deepspec.core.scheduler import SPSCurve, schedule_prefix
 from deepspec.drafters import build_drafter
+
 from helpers import PROMPT, DistortedTargetDrafter, chi2_pvalue
 
 # Four prompts of different lengths (5, 4, 7, 2 tokens)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deepspec.cli import main
-from deepspec.errors import DeepSpecError
 from deepspec.config import load_config
+from deepspec.errors import DeepSpecError
 from deepspec.evaluation import evaluate as E
 from deepspec.evaluation.baseline import cli_baseline
 from deepspec.evaluation.evaluate import cli_evaluate

@@ -23,6 +23,7 @@ from deepspec.drafters import build_drafter, load_drafter
 from deepspec.errors import DeepSpecError
 from deepspec.files import OUTPUT_MARKER
 from deepspec.formats import common, convert, deepspec_layout, eagle3, export, sglang
+
 from helpers import plain_ttt, random_drafter
 
 SEQ = [5, 9, 3, 500, 17, 92, 441, 60, 7, 311, 299, 12, 40, 88]

@@ -12,6 +12,7 @@ from deepspec.config import load_config, settings_fingerprint
 from deepspec.errors import DeepSpecError
 from deepspec.fetch import fetch_snapshot, snapshot_name
 from deepspec.provenance import SOURCE_FILE
+
 from helpers import copy_workflow, local_rules, snakemake
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -30,8 +30,8 @@ from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for, gemma4_draft_config
 from deepspec.drafters.dflash import Gemma4KVInjectionLayer
 from deepspec.drafters.eagle3 import Gemma4Eagle3Layer
-from deepspec.training.run import step_spec
 from deepspec.targets.tiny import tiny_config
+from deepspec.training.run import step_spec
 
 SEQ = [2, 17, 300, 45, 9, 230, 77, 410, 5, 61, 128, 333, 12, 90, 499, 3]
 PROMPT = [5, 6, 7, 8]

@@ -10,13 +10,13 @@ import transformers
 from transformers.models.gemma4_unified import modeling_gemma4_unified as g4u
 
 from deepspec.config import load_config
+from deepspec.core.target import Target, eos_ids_of
 from deepspec.drafters import build_drafter
 from deepspec.drafters.blocks import blocks_for
 from deepspec.errors import DeepSpecError
 from deepspec.formats import convert
 from deepspec.planning import preflight as pf
 from deepspec.targets import specs as target_facts
-from deepspec.core.target import Target, eos_ids_of
 from deepspec.targets.tiny import build_tiny
 from deepspec.training.run import step_spec
 

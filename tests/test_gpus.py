@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from deepspec.errors import DeepSpecError
 from deepspec import gpus as G
+from deepspec.errors import DeepSpecError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,6 +19,7 @@ from deepspec.errors import DeepSpecError
 from deepspec.formats import convert, export
 from deepspec.planning.preflight import preflight
 from deepspec.training.run import step_spec
+
 from helpers import PROMPT
 
 SEQ = [1, 2, 3, 500, 17, 923, 4411, 60, 7, 311, 2999, 12, 40, 5, 88, 1024]

@@ -11,9 +11,9 @@ import torch
 
 from deepspec.config import PRESETS_DIR, load_config
 from deepspec.planning import plan as P
+from deepspec.planning.meta import MetaShadow, build_meta_drafter, measure, param_counts
 from deepspec.settings import Settings
 from deepspec.targets import specs as S
-from deepspec.planning.meta import MetaShadow, build_meta_drafter, measure, param_counts
 from deepspec.targets.tiny import tiny_config
 
 PRESETS = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
@@ -222,6 +222,7 @@ def test_plan_predicts_the_checkpoint_a_training_run_writes(tmp_path, tiny_cfg, 
     prints the disk the kept checkpoints take."""
     from deepspec.config import parse_set
     from deepspec.training import run as T
+
     from helpers import write_conversations
 
     monkeypatch.setattr("deepspec.targets.loading.target_from_config", lambda cfg, **k: tiny_target)

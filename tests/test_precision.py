@@ -121,8 +121,9 @@ def test_bf16_autocast_training_step_matches_fp32(tiny_target, tiny_cfg, batch, 
 
 def test_training_records_the_precision_it_ran_in(tmp_path, tiny_cfg, tiny_target):
     """train.precision reaches accelerate (bf16 autocast or none) and train_summary.json."""
-    from deepspec.training import run as T
     from test_train import cli_argv
+
+    from deepspec.training import run as T
 
     for setting, want in (("bfloat16", "bf16"), ("float32", "no")):
         out = tmp_path / setting

@@ -17,10 +17,11 @@ import pytest
 
 from deepspec import cli
 from deepspec.config import load_config
-from deepspec.errors import DeepSpecError
 from deepspec.data import sources as pd_mod
-from deepspec.data.sources import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
 from deepspec.data.prompts import read_turns_jsonl
+from deepspec.data.sources import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
+from deepspec.errors import DeepSpecError
+
 from helpers import copy_workflow
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_report import RATES, _fake_records, _write_eval
 
 from deepspec import provenance as P
 from deepspec.config import load_config
+
 from helpers import write_reference
-from test_report import RATES, _fake_records, _write_eval
 
 REPO = Path(__file__).resolve().parents[1]
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -172,9 +173,8 @@ def run_dir(tmp_path, tiny_target, shared_data, monkeypatch):
 
 
 def test_report_writes_the_record_and_its_section(run_dir, monkeypatch):
-    from deepspec.reporting.report import cli_report
-
     from deepspec.files import sha256_file
+    from deepspec.reporting.report import cli_report
 
     cfg, tmp = run_dir
     monkeypatch.chdir(tmp)  # not a checkout: the record still names the package's

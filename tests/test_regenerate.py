@@ -9,10 +9,10 @@ import torch
 
 from deepspec.data.prompts import Prompt
 from deepspec.errors import DeepSpecError
-from deepspec.regeneration.shards import merge_shards, shard_of
-from deepspec.regeneration.regenerate import regenerate
 from deepspec.paths import errors_path, settings_path
+from deepspec.regeneration.regenerate import regenerate
 from deepspec.regeneration.sampling import filter_logits, sample_next
+from deepspec.regeneration.shards import merge_shards, shard_of
 from deepspec.settings import Settings
 
 PROMPTS = [

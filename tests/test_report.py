@@ -8,7 +8,14 @@ import pytest
 from deepspec.config import load_config
 from deepspec.core.acceptance import summarize_rounds
 from deepspec.errors import DeepSpecError
-from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS, build_fig2, build_table1, cli_report
+from deepspec.reporting.report import (
+    FIG2_COLUMNS,
+    FIG2_RB_COLUMNS,
+    TABLE1_COLUMNS,
+    build_fig2,
+    build_table1,
+    cli_report,
+)
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
          "dspark": [0.85, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]}
@@ -215,8 +222,8 @@ def test_paper_macro_gains_come_from_table1():
 
 
 def test_ablation_figures_from_records(fake_results, monkeypatch):
-    from deepspec.reporting.ablations import cli_plot
     from deepspec.methods import fig3_methods, fig4_methods, resolve_method
+    from deepspec.reporting.ablations import cli_plot
 
     cfg, tmp = fake_results
     ev = tmp / "results" / "tiny" / "eval"
@@ -342,7 +349,6 @@ def test_compare_runs_pairs_two_runs_over_the_same_prompts():
     """benchmarks/compare_runs.py: a run against itself differs by exactly 0; a run
     whose DFlash accepts more at position 1 shows it, its interval above 0."""
     import importlib.util
-
     from pathlib import Path
 
     path = Path(__file__).parents[1] / "benchmarks" / "compare_runs.py"

@@ -189,7 +189,7 @@ def _theta(c, ell, sps):
 
 def test_alg1_bruteforce_small_instances():
     rng = np.random.default_rng(0)
-    for trial in range(60):
+    for _ in range(60):
         R, g = int(rng.integers(1, 4)), int(rng.integers(1, 4))
         c = rng.random((R, g)) * (rng.random((R, g)) > 0.15)
         sps = np.sort(rng.random(R * (g + 1) + 1))[::-1] * (1 + 0.3 * rng.random(R * (g + 1) + 1))  # jagged

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspec.errors import DeepSpecError
 from deepspec.data.prompts import Prompt
+from deepspec.errors import DeepSpecError
+from deepspec.regeneration.chat_server import serve
 from deepspec.regeneration.client import _answer_with_server, _chat_url, server_urls, wait_for_exit, wait_for_servers
 from deepspec.regeneration.sampling import generate_batch, record_seed
-from deepspec.regeneration.chat_server import serve
 from deepspec.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from deepspec import vllm_env
 from deepspec.core.decode import Generation
 from deepspec.errors import DeepSpecError
-from deepspec import vllm_env
 from deepspec.serving.serve_check import compare_greedy, compare_sampled, tau_by_benchmark, vllm_records
 
 
@@ -200,6 +200,7 @@ def test_the_near_tie_replay_reads_our_drafters_logits(tiny_target, tiny_cfg):
 
     from deepspec.core.decode import speculative_generate
     from deepspec.serving.serve_check import near_tie_replay
+
     from helpers import PROMPT, random_drafter
 
     d, _ = random_drafter("eagle3", tiny_target, tiny_cfg)
@@ -391,9 +392,9 @@ def test_an_export_for_vllm_records_the_vllm_beside_it_and_refuses_an_untested_o
                                                                                   monkeypatch):
     import json
 
-    from helpers import random_drafter
-
     from deepspec.formats import export
+
+    from helpers import random_drafter
 
     monkeypatch.delenv(vllm_env.ALLOW_UNTESTED, raising=False)
     d = random_drafter("dspark", tiny_target, tiny_cfg, layer_arch="qwen3")[0]
@@ -460,6 +461,7 @@ def test_serve_check_runs_target_and_drafter_in_eval_dtype(tiny_cfg, tiny_target
 
     from deepspec.cli import main
     from deepspec.serving import serve_check
+
     from helpers import random_drafter
 
     d, _ = random_drafter("eagle3", tiny_target, tiny_cfg)

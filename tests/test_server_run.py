@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from deepspec.errors import DeepSpecError
 from deepspec.regeneration.server_status import own_server_gone, read_status, wait_for_own_server
 from deepspec.regeneration.supervisor import fill_command, group_listens
-from deepspec.errors import DeepSpecError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -308,8 +308,8 @@ def test_a_shard_stops_at_once_when_its_server_dies_mid_run(tiny_cfg, tiny_targe
     import copy
 
     from deepspec.data.prompts import Prompt
-    from deepspec.regeneration.regenerate import regenerate
     from deepspec.paths import RunPaths
+    from deepspec.regeneration.regenerate import regenerate
 
     cfg = copy.deepcopy(tiny_cfg)
     cfg["results_dir"] = str(tmp_path / "results")

@@ -6,9 +6,10 @@ import sys
 import pytest
 import torch
 
-from deepspec.errors import DeepSpecError
 from deepspec.core.target import check_feature_layers, select_features
+from deepspec.errors import DeepSpecError
 from deepspec.targets.loading import load_target, prepare_target
+
 from helpers import copy_workflow, local_rules
 
 

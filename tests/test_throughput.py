@@ -8,7 +8,6 @@ import torch
 
 from deepspec.evaluation.throughput import COLUMNS, best_threshold, cli_fig7, cli_throughput
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # timing-sensitive decoding: one torch thread
 
 

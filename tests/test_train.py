@@ -18,10 +18,11 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from deepspec.config import load_config
 from deepspec.training import loop as T
-from deepspec.training import run as TR
 from deepspec.training import recipe as R
+from deepspec.training import run as TR
 from deepspec.training.stopping import TrainingStopped
 from deepspec.training.train_log import TIMING_COLS
+
 from helpers import CONVERSATIONS, write_conversations
 
 # --------------------------------------------------------------------------- stand-ins

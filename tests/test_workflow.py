@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from deepspec.config import PRESETS_DIR, load_config
+
 from helpers import copy_workflow, local_rules, shell_commands, snakemake
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,8 +28,16 @@ from ..errors import DeepSpecError
 from .batch_cache import engine_cache, grouped_query_sdpa
 from .scheduler import SPSCurve, truncate_by_threshold
 from .target import Target, cache_kwarg, crop_cache, lm_head_in_chunks, new_cache, prepacked_linears, select_features
-from .verify import (cut_at_eos, greedy_decisions, emitted_tokens, is_greedy, logits_to_probs, rejection_decisions,
-                     sample, verify_chain)
+from .verify import (
+    cut_at_eos,
+    emitted_tokens,
+    greedy_decisions,
+    is_greedy,
+    logits_to_probs,
+    rejection_decisions,
+    sample,
+    verify_chain,
+)
 
 
 @dataclass

@@ -41,7 +41,7 @@ import torch
 
 from ..errors import DeepSpecError
 from .batch_cache import BatchKV, cache_bytes_per_token, engine_cache, has_sliding_window, row_slots
-from .decode import Proposal, Round, target_forward, sync_device, round_record, verify_rows
+from .decode import Proposal, Round, round_record, sync_device, target_forward, verify_rows
 from .policies import FixedGamma
 from .scheduler import SPSCurve, profile_sps
 from .target import Target, prepacked_linears

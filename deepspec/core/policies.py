@@ -24,7 +24,7 @@ import torch
 
 from ..errors import DeepSpecError
 from .decode import proposal_length
-from .scheduler import SPSLike, sps_fn, schedule_prefix
+from .scheduler import SPSLike, schedule_prefix, sps_fn
 
 
 class FixedGamma:

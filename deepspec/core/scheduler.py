@@ -42,7 +42,10 @@ def truncate_by_threshold(conf_probs, threshold: float):
     return torch.as_tensor(out, device=conf_probs.device) if isinstance(conf_probs, torch.Tensor) else out
 
 
-def threshold_sweep(df: pd.DataFrame, thresholds=np.round(np.arange(0, 1.0, 0.1), 1)) -> pd.DataFrame:
+SWEEP_THRESHOLDS = tuple(np.round(np.arange(0, 1.0, 0.1), 1))  # Figure 5's 0.0, 0.1, ..., 0.9
+
+
+def threshold_sweep(df: pd.DataFrame, thresholds=SWEEP_THRESHOLDS) -> pd.DataFrame:
     """Offline Figure-5 sweep from full-proposal records with confidence logits.
 
     Per round and threshold: L' = min(truncate(σ(logits)), proposal_len) and

@@ -40,10 +40,17 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .losses import (LossWeights, block_loss, chain_loss, chain_normalizer, chain_row_mask, position_weights,
-                     soft_ce_terms, token_terms)
+from .losses import (
+    LossWeights,
+    block_loss,
+    chain_loss,
+    chain_normalizer,
+    chain_row_mask,
+    position_weights,
+    soft_ce_terms,
+    token_terms,
+)
 from .verify import expected_tau
-
 
 # fp32 [chunk_positions, V] tensors one head chunk holds at once in its forward
 # and backward (logits, log-probabilities, p_d, |p_d - p_t|, c*, the gradients;

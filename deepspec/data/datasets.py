@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..paths import RunPaths
 from ..files import sha256_file
+from ..paths import RunPaths
 from ..settings import Settings
 from .cache import DTYPES, cache_target, data_fingerprint, forward_features, validate_cache
 from .conversations import TokenArrays, tokenized_samples

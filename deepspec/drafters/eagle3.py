@@ -48,9 +48,9 @@ import torch
 import torch.nn as nn
 
 from ..core import verify
+from ..core.decode import Proposal
 from ..core.target import cache_kwarg
 from ..core.train_step import chain_step
-from ..core.decode import Proposal
 from .base import DrafterBase
 from .blocks import KVStore, stack_padded
 

@@ -28,13 +28,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ..config import add_config_args, config_from_args
-from ..errors import DeepSpecError
-from ..config import rule_settings, settings_fingerprint
-from ..files import ResumableLog, json_safe, write_csv_atomic, write_json_atomic
-from ..paths import RunPaths
-from ..methods import resolve_method
+from ..config import add_config_args, config_from_args, rule_settings, settings_fingerprint
 from ..data.prompts import benchmark_prompt_set, speed_benchmarks
+from ..errors import DeepSpecError
+from ..files import ResumableLog, json_safe, write_csv_atomic, write_json_atomic
+from ..methods import resolve_method
+from ..paths import RunPaths
 from ..settings import Eval, Settings
 
 log = logging.getLogger(__name__)

@@ -33,10 +33,10 @@ import numpy as np
 import pandas as pd
 
 from ..config import add_config_args, config_from_args
+from ..data.prompts import benchmark_prompt_ids
 from ..errors import DeepSpecError
 from ..files import pyplot, read_json, save_figure, write_csv_atomic
 from ..paths import RunPaths
-from ..data.prompts import benchmark_prompt_ids
 from ..settings import Settings, Throughput
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..errors import DeepSpecError
 
-
 PREFIX = {"qwen3": "Qwen3", "gemma4_text": "Gemma4", "gemma4_unified_text": "Gemma4"}  # DeepSpec's classes exist for these
 
 

@@ -8,7 +8,15 @@ import logging
 import torch
 
 from .common import NULL_MARKOV_RANK, PREFIX, VLLM_DSPARK_SPEC, base_config, refuse
-from .convert import MASK_APPENDED_FIELD, MASK_ROW_FIELD, NOT_IN_CHECKPOINT, NULL_MARKOV_FIELD, NULL_MARKOV_TENSORS, embed_scale, to_reference
+from .convert import (
+    MASK_APPENDED_FIELD,
+    MASK_ROW_FIELD,
+    NOT_IN_CHECKPOINT,
+    NULL_MARKOV_FIELD,
+    NULL_MARKOV_TENSORS,
+    embed_scale,
+    to_reference,
+)
 from .sglang import check_for_sglang
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,6 @@ import logging
 import shutil
 from pathlib import Path
 
-
 from ..errors import DeepSpecError
 from ..files import atomic_dir, check_overwrite
 from .common import EAGLE3_ARCH, refuse
@@ -190,9 +189,8 @@ def cli_export_checkpoint(argv) -> int:
     check_out_apart(args.src, args.out)
     cfg = config_from_args(args)
     from ..drafters import load_drafter
-    from ..targets.loading import target_from_config
-
     from ..paths import RunPaths
+    from ..targets.loading import target_from_config
     from .model_card import model_card
 
     target = target_from_config(cfg)

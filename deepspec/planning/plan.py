@@ -63,16 +63,14 @@ from typing import Optional
 import torch
 
 from ..core.target import Target
-from ..errors import DeepSpecError
-from ..files import write_json_atomic
-from ..paths import RunPaths
 from ..data.cache import bytes_per_token
-from ..files import human_bytes
+from ..errors import DeepSpecError
+from ..files import human_bytes, write_json_atomic
+from ..paths import RunPaths
 from ..settings import Eval, Settings, Train
 from ..targets.specs import SOURCE_KEY, check_against_hub, load_facts, meta_target, text_fields
-from ..training.recipe import plan_steps
+from ..training.recipe import plan_steps, training_memory
 from ..training.run import step_spec
-from ..training.recipe import training_memory
 from .meta import build_meta_drafter, measure_step, measure_target_forward, param_counts, synthetic_batch
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ from ..settings import Settings
 from ..targets.specs import known_config, text_dims, text_fields
 from ..training.recipe import accumulation_steps
 
+
 def target_num_layers(cfg: dict):
     """The target's decoder depth when it can be known offline (targets.specs.text_dims); else None."""
     dims = text_dims(cfg)

@@ -62,12 +62,11 @@ import time
 from pathlib import Path
 from typing import Mapping, Optional
 
-
 from ..config import rule_settings, settings_fingerprint
+from ..data.prompts import Prompt, load_train_prompts
 from ..errors import DeepSpecError
 from ..files import JsonlAppender, ResumableLog, file_lock, recover_jsonl
 from ..paths import RunPaths, errors_path, settings_path
-from ..data.prompts import Prompt, load_train_prompts
 from ..settings import Settings
 from .client import regenerate_server, wait_for_exit
 from .local import regenerate_local, regenerate_precision

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from ..config import rule_settings, settings_fingerprint
+from ..data.prompts import Prompt, load_train_prompts
 from ..errors import DeepSpecError
 from ..files import atomic_path, read_json, require_file, write_json_atomic
-from ..paths import RunPaths
-from ..data.prompts import Prompt, load_train_prompts
-from ..paths import errors_path, settings_path
+from ..paths import RunPaths, errors_path, settings_path
 from ..settings import Settings
 
 log = logging.getLogger(__name__)

@@ -54,9 +54,9 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from .server_status import server_url
 from ..errors import DeepSpecError
 from ..files import write_json_atomic
+from .server_status import server_url
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def fill_command(template: str, *, model: str, host: str, name: str, port: Optio
     if port is not None:
         return template.format(port=port, **values)
     out = []
-    for literal, field, spec, conv in string.Formatter().parse(template):
+    for literal, field, spec, _conv in string.Formatter().parse(template):
         out.append(literal.replace("{", "{{").replace("}", "}}"))
         if field is None:
             continue
@@ -333,7 +333,8 @@ def _stop_group(proc: subprocess.Popen, pgid: int, grace_s: float) -> None:
 def _claim_gpus(env: dict, gpus: int, claim_timeout_s: Optional[float]) -> list[int]:
     """Claim `gpus` GPUs of this machine for the server (gpus.claim_gpus, a bounded
     wait), setting CUDA_VISIBLE_DEVICES in `env`; the lock fds the server inherits."""
-    from ..gpus import claim_gpus, claim_timeout_s as default_timeout, gpu_pool
+    from ..gpus import claim_gpus, gpu_pool
+    from ..gpus import claim_timeout_s as default_timeout
 
     ids, lock_dir = gpu_pool(env)
     if not ids:

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .. import paper
 from ..errors import DeepSpecError
 from ..files import pyplot, read_json, save_figure, write_csv_atomic
+from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
 from ..paths import RunPaths
 from ..settings import Settings
-from .. import paper
-from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..core.acceptance import contrast, has_rb_columns, paired_replicates, sample_sums
 from .. import paper
+from ..core.acceptance import contrast, has_rb_columns, paired_replicates, sample_sums
 
 MIN_ATTEMPTS = 30
 P1_AIM = 0.3

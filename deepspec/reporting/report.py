@@ -22,16 +22,26 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .. import paper
 from ..core.acceptance import domain_position_table
+from ..data.prompts import speed_benchmarks
 from ..errors import DeepSpecError
-from ..files import json_safe, pyplot, read_json, require_file, save_figure, write_csv_atomic, write_json_atomic, write_text_atomic
-from .run_record import collect as collect_provenance, provenance_markdown
+from ..files import (
+    json_safe,
+    pyplot,
+    read_json,
+    require_file,
+    save_figure,
+    write_csv_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from ..paths import RunPaths
 from ..settings import Settings
-from .. import paper
-from .claims import MIN_ATTEMPTS, verdict, figure_line, judge_claims
-from ..data.prompts import speed_benchmarks
 from ..training.checkpoints import LOG_NAME
+from .claims import MIN_ATTEMPTS, figure_line, judge_claims, verdict
+from .run_record import collect as collect_provenance
+from .run_record import provenance_markdown
 
 log = logging.getLogger(__name__)
 

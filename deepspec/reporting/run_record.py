@@ -15,8 +15,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..provenance import (DATA_SOURCES_FILE, SOURCE_FILE, code_state, hardware, is_commit, now_utc, packages,
-                          read_record, snapshot_commit)
+from ..provenance import (
+    DATA_SOURCES_FILE,
+    SOURCE_FILE,
+    code_state,
+    hardware,
+    is_commit,
+    now_utc,
+    packages,
+    read_record,
+    snapshot_commit,
+)
 from ..settings import Settings
 
 

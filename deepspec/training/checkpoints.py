@@ -31,7 +31,16 @@ import numpy as np
 import torch
 
 from ..errors import DeepSpecError
-from ..files import OUTPUT_MARKER, file_lock, read_json, removed_on_failure, replace_dir, sha256_file, write_json_atomic, write_text_atomic
+from ..files import (
+    OUTPUT_MARKER,
+    file_lock,
+    read_json,
+    removed_on_failure,
+    replace_dir,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 from .state import TrainRun
 
 log = logging.getLogger(__name__)

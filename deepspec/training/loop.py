@@ -47,11 +47,11 @@ dataset and the drafter.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -64,14 +64,6 @@ from ..files import atomic_dir, write_json_atomic
 from ..provenance import code_commit
 from ..runtime import resolve_precision
 from ..settings import Train
-from .recipe import (
-    StepSampler,
-    accumulation_steps,
-    make_optimizer,
-    micro_seed,
-    plan_steps,
-    split_batch,
-)
 from .checkpoints import (
     CKPT_DIR,
     LOG_NAME,
@@ -81,7 +73,14 @@ from .checkpoints import (
     training_fingerprint,
     training_lock,
 )
-
+from .recipe import (
+    StepSampler,
+    accumulation_steps,
+    make_optimizer,
+    micro_seed,
+    plan_steps,
+    split_batch,
+)
 from .state import StepFn, TrainRun
 from .stopping import StopOnSigterm, TrainingStopped, any_process, warn_if_sigterm_checkpoint_may_be_cut
 from .train_log import TB_DIR, TrainLog, finish_tensorboard, start_tensorboard, tensorboard_available

@@ -107,9 +107,9 @@ def run_from_config(cfg: dict, method: str, out_dir=None, resume: Optional[bool]
     <results>/<target>/drafters/<method>.
     """
     from .. import drafters
+    from ..data.datasets import make_train_dataset, token_counts, train_collate
     from ..methods import resolve_method
     from ..targets.loading import target_from_config
-    from ..data.datasets import make_train_dataset, token_counts, train_collate
 
     base, cfg = resolve_method(cfg, method)  # the variant's config
     s = Settings.of(cfg)

@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from deepspec.reporting.report import FIG2_COLUMNS, FIG2_RB_COLUMNS, TABLE1_COLUMNS
+
 from helpers import copy_workflow, shell_commands, snakemake
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,8 +11,7 @@ import pytest
 
 from deepspec.config import load_config
 
-from helpers import gemma4_reference_config, reference_config, write_reference
-from helpers import REHEARSALS, copy_workflow, snakemake
+from helpers import REHEARSALS, copy_workflow, gemma4_reference_config, reference_config, snakemake, write_reference
 
 # the keys a rehearsal may change in its paper preset, as dotted paths
 ALLOWED = {

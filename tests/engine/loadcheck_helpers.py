@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from deepspec.formats import convert
+
 from helpers import random_drafter
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from deepspec.formats import common, export
-from loadcheck_helpers import assert_export_is_the_drafter, assert_loaded_bit_for_bit, drafter, run_loadcheck, vllm_target
+
+from loadcheck_helpers import (
+    assert_export_is_the_drafter,
+    assert_loaded_bit_for_bit,
+    drafter,
+    run_loadcheck,
+    vllm_target,
+)
 
 CASES = {  # name: (target, method, drafter settings)
     "dspark": ("qwen3", "dspark", {"mask_token_id": 3}),

@@ -26,7 +26,6 @@ from safetensors import safe_open
 from helpers import copy_workflow, snakemake
 
 
-
 def _env(vllm_python):
     env = dict(os.environ, DEEPSPEC_VLLM_PYTHON=vllm_python)
     env.setdefault("DEEPSPEC_DATA", str(Path(__file__).resolve().parents[3] / "shared" / "data"))

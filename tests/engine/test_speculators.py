@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from deepspec.formats import common, export
-from loadcheck_helpers import assert_export_is_the_drafter, assert_loaded_bit_for_bit, drafter, run_loadcheck, vllm_target
+
+from loadcheck_helpers import (
+    assert_export_is_the_drafter,
+    assert_loaded_bit_for_bit,
+    drafter,
+    run_loadcheck,
+    vllm_target,
+)
 
 
 @pytest.fixture(scope="module")

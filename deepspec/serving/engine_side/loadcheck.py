@@ -114,7 +114,14 @@ def settings(model, sc) -> dict:
 
 
 def check_case(case: dict, dtype: str) -> dict:
-    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.transformers_utils.config import maybe_override_with_speculators
