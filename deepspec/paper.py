@@ -11,6 +11,9 @@ BENCHMARK_LABEL = {
 }
 METHOD_ORDER = ["eagle3", "dflash", "dspark"]
 METHOD_LABEL = {"eagle3": "Eagle3", "dflash": "DFlash", "dspark": "DSpark"}
+# how the figures draw each method
+METHOD_COLORS = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
+METHOD_MARKERS = {"dflash": "s", "eagle3": "^", "dspark": "o"}
 
 _T1 = {
     ("Qwen3-4B", "eagle3"): [5.14, 4.62, 3.92, 3.69, 4.16, 3.77, 2.39, 2.26, 2.55],

@@ -16,6 +16,7 @@ from deepspec.reporting.report import (
     build_table1,
     cli_report,
 )
+from deepspec.reporting.training_curves import TRAINING_CURVES
 
 RATES = {"dflash": [0.8, 0.6, 0.55, 0.55, 0.5, 0.5, 0.5], "eagle3": [0.5, 0.6, 0.65, 0.7, 0.7, 0.7, 0.7],
          "dspark": [0.85, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8]}
@@ -122,7 +123,10 @@ def test_training_figure_and_section(fake_results, monkeypatch, caplog):
     monkeypatch.chdir(tmp)
     drawn = []
     save = R.save_figure
-    monkeypatch.setattr(R, "save_figure", lambda fig, *paths, **kw: (drawn.append(fig), save(fig, *paths, **kw)))
+    from deepspec.reporting import training_curves
+
+    monkeypatch.setattr(training_curves, "save_figure",
+                        lambda fig, *paths, **kw: (drawn.append(fig), save(fig, *paths, **kw)))
     for m, steps in (("eagle3", 40), ("dspark", 25)):
         _write_train_log(cfg, m, steps)
     s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
@@ -130,7 +134,7 @@ def test_training_figure_and_section(fake_results, monkeypatch, caplog):
     assert (tmp / "figures" / "training.pdf").read_bytes()[:5] == b"%PDF-"
     assert (tmp / "figures" / "training.png").stat().st_size > 1000
     training = drawn[-1]
-    assert [ax.get_title() for ax in training.axes] == [t for _, t in R.TRAINING_CURVES]
+    assert [ax.get_title() for ax in training.axes] == [t for _, t in TRAINING_CURVES]
     for ax in training.axes:
         assert [ln.get_label() for ln in ax.get_lines()] == ["Eagle3", "DSpark"]
     assert list(training.axes[0].get_lines()[1].get_xdata()) == list(range(1, 26))

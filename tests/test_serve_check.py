@@ -150,7 +150,7 @@ def test_report_section_shows_failures_taus_and_vllm_patches(tiny_cfg, tmp_path)
     import json
 
     from deepspec.paths import RunPaths
-    from deepspec.reporting.report import served_markdown
+    from deepspec.reporting.served import served_markdown
 
     cfg = copy.deepcopy(tiny_cfg)
     cfg["results_dir"] = str(tmp_path)

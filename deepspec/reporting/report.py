@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +37,11 @@ from ..files import (
 )
 from ..paths import RunPaths
 from ..settings import Settings
-from ..training.checkpoints import LOG_NAME
 from .claims import MIN_ATTEMPTS, figure_line, judge_claims, verdict
 from .run_record import collect as collect_provenance
 from .run_record import provenance_markdown
+from .served import served_markdown
+from .training_curves import plot_training, training_logs, training_markdown
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,6 @@ FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted"
 # every round that verified position k contributes, weighted by the probability
 # that it reached k; NaN when the records lack the per-position probabilities.
 FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
-METHOD_COLORS = {"dflash": "#1f77b4", "eagle3": "#2ca02c", "dspark": "#d62728"}
-METHOD_MARKERS = {"dflash": "s", "eagle3": "^", "dspark": "o"}
-# the training figure's panels: train_log.csv column, title
-TRAINING_CURVES = [("loss", "training loss"), ("c_star_1", "c*₁: position-1 acceptance"),
-                   ("tau_expected", "expected τ")]
 
 
 _RUN_EVALUATE = " (run the evaluate rule first)"
@@ -275,7 +270,7 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     lines; `claims_line` (which claims hold) goes under the panels."""
     plt = pyplot()
 
-    colors, markers = METHOD_COLORS, METHOD_MARKERS
+    colors, markers = paper.METHOD_COLORS, paper.METHOD_MARKERS
     curves, kind = fig2_curves(fig2)
     domains = [d for d in ["Math", "Code", "Chat"] if d in set(fig2["domain"])]
     fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.6), squeeze=False, sharey=True)
@@ -311,77 +306,6 @@ def plot_fig2(fig2: pd.DataFrame, pdf: Path, png: Path | None = None, title: str
     fig.tight_layout(rect=(0, 0.06 if claims_line else 0, 1, 1))
     save_figure(fig, pdf, *([png] if png else []))
     plt.close(fig)
-
-
-def training_logs(s: Settings) -> dict[str, pd.DataFrame]:
-    """Each trained drafter's train_log.csv (the train rule's), in train.methods'
-    order. A released checkpoint (eval.released_checkpoints) was not trained here
-    and has none; a trained drafter whose log is missing or unreadable is left
-    out with a warning."""
-    paths, released = RunPaths.of(s.raw), s.eval.released_checkpoints
-    logs = {}
-    for method in (m for m in s.train.methods if m not in released):
-        path = paths.drafter_dir(method) / LOG_NAME
-        try:
-            logs[method] = pd.read_csv(path)
-        except (OSError, ValueError) as e:  # missing; pandas' EmptyDataError and ParserError are ValueErrors
-            log.warning("%s: no training curve for %s (%s)", path, method, str(e).strip().splitlines()[0])
-    return logs
-
-
-def plot_training(logs: dict[str, pd.DataFrame], pdf: Path, png: Path | None = None, title: str = "") -> None:
-    """The training curves against the optimiser step, one line per drafter
-    (`TRAINING_CURVES`): the loss, c*_1 (the expected acceptance sum min(p_d, p_t)
-    of draft position 1) and the expected tau, all on the training batches,
-    teacher-forced: a view of the learning, not held-out numbers (Table 1 and
-    Figure 2 are those). A drafter whose log lacks a column has no line there."""
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, len(TRAINING_CURVES), figsize=(4.2 * len(TRAINING_CURVES), 3.4), squeeze=False)
-    for ax, (col, label) in zip(axes[0], TRAINING_CURVES):
-        for method, df in logs.items():
-            if col in df:
-                ax.plot(df["step"], df[col], color=METHOD_COLORS.get(method), lw=1.5, ms=3,
-                        marker=METHOD_MARKERS.get(method, "o") if len(df) <= 30 else None,
-                        label=paper.METHOD_LABEL.get(method, method))
-        ax.set_xlabel("Optimiser step")
-        ax.set_title(label, fontsize=10)
-        ax.grid(alpha=0.3)
-    if logs:
-        axes[0][0].legend(fontsize=8)
-    else:
-        axes[0][1].text(0.5, 0.5, "no drafter trained here", ha="center", va="center", transform=axes[0][1].transAxes)
-    fig.suptitle((title + "\n" if title else "") + "on the training batches (teacher-forced), not held out", fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, pdf, *([png] if png else []))
-    plt.close(fig)
-
-
-def training_markdown(s: Settings, logs: dict[str, pd.DataFrame], figure: Path, report: Path) -> list[str]:
-    """REPORT.md's "Training" section: the training figure (linked relative to
-    the report), what its lines are, each drafter's first and last logged values,
-    the released checkpoints that were not trained, and where TensorBoard finds
-    every column of the logs."""
-    released = [m for m in s.train.methods if m in s.eval.released_checkpoints]
-    drafters_dir = RunPaths.of(s.raw).drafter_dir("_").parent
-    lines = ["## Training", "", f"![training curves]({Path(os.path.relpath(figure, report.parent)).as_posix()})", "",
-             "Each trained drafter's `train_log.csv` against the optimiser step: the loss (each method's own "
-             "objective, so its level does not compare across methods), c*₁ (the expected acceptance "
-             "Σ min(p_d, p_t) of draft position 1) and the expected τ = 1 + Σ_k Π_{i≤k} c*_i. "
-             "They are measured on the training batches, teacher-forced: they show the learning, not held-out "
-             "acceptance (that is Table 1 and Figure 2).", ""]
-    if logs:
-        lines += ["| drafter | steps | loss (first → last) | c*₁ | expected τ |", "|---|---|---|---|---|"]
-        for method, df in logs.items():
-            cells = [f"{df[c].iloc[0]:.3f} → {df[c].iloc[-1]:.3f}" if c in df and len(df) else "n/a"
-                     for c, _ in TRAINING_CURVES]
-            steps = int(df["step"].iloc[-1]) if len(df) else 0
-            lines.append(f"| {paper.METHOD_LABEL.get(method, method)} | {steps} | " + " | ".join(cells) + " |")
-        lines.append("")
-    if released:
-        lines += [f"Not trained here (released checkpoints, eval.released_checkpoints): {', '.join(released)}.", ""]
-    lines += [f"Every column of the logs as TensorBoard scalars: `tensorboard --logdir {drafters_dir}`.", ""]
-    return lines
 
 
 def _estimator_notes(fig2: pd.DataFrame) -> list[str]:
@@ -483,53 +407,6 @@ def write_report(s: Settings, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, 
         *(provenance_markdown(provenance) if provenance else []),
     ]
     write_text_atomic(path, "\n".join(lines))
-
-
-def served_markdown(cfg) -> list[str]:
-    """REPORT.md's "Served in vLLM" section from the serve-check records that exist
-    (results/<target>/serve/<method>.json): the greedy checks, and tau in vLLM beside
-    ours on the same prompts at the evaluation temperature. `cfg`: a config or its Settings."""
-    st = Settings.view(cfg)
-    paths = RunPaths.of(st.raw)
-    recs = {m: read_json(paths.serve_check(m)) for m in st.train.methods if paths.serve_check(m).exists()}
-    if not recs:
-        return []
-    yes = {True: "yes", False: "**no**"}
-    lines = ["## Served in vLLM", "",
-             *([f"**The serve check failed for {', '.join(m for m, r in recs.items() if not r['passed'])}**: "
-                "see results/<target>/serve/<method>.json.", ""] if not all(r["passed"] for r in recs.values()) else []),
-             "Each drafter exported as vLLM loads it (`python -m deepspec serve-check`, docs/GPU.md) and decoded by "
-             "vLLM one request at a time. Greedy: vLLM's speculative output against the target's own, and every "
-             "round's emitted and accepted tokens against ours (in a request's final round vLLM also counts drafts "
-             "accepted after the EOS that ended it: the EOS rounds). At the evaluation temperature: τ = 1 + accepted "
-             "drafts / rounds on both sides (vLLM's definition), ours from the evaluation's records.", "",
-             "| drafter | vLLM | lossless (prompts) | rounds identical (rounds, EOS rounds) | T | τ ours | τ in vLLM "
-             "| per-position rates agree |", "|---|---|---|---|---|---|---|---|"]
-    for m, r in recs.items():
-        g, s = r["greedy"], r.get("sampled") or {}
-        tau = (lambda x: "" if x is None else f"{x:.3f}")
-        lines.append(f"| {m} | {r['vllm_version']} | {yes[g['lossless']]} ({g['prompts']}) | "
-                     f"{yes[g['rounds_identical']]} ({g['rounds']}, {g['eos_rounds']}) | {s.get('temperature', '')} | "
-                     f"{tau(s.get('tau_deepspec'))} | {tau(s.get('tau_vllm'))} | "
-                     f"{yes[s['agree']] if s.get('agree') is not None else 'n/a'} |")
-    for m, r in recs.items():
-        cuts = r["greedy"].get("near_tie_cuts") or []
-        if cuts:
-            lines += ["", f"{m}: {len(cuts)} greedy output(s) first differ where the target's own top two logits are "
-                      "within the dtype's near-tie bound (two engines' kernels may pick either token there); those "
-                      "outputs are compared up to that position only: " + ", ".join(
-                          f"prompt {c['prompt']} ({c['who']}) at token {c['first_difference']}" for c in cuts[:5]) + "."]
-    patches = sorted({x for r in recs.values() for x in r.get("vllm_patches", [])})
-    if patches:
-        lines += ["", "vLLM was patched in the checking process (deepspec/serving/engine_side/decode.py `fix_cpu_expand`): "
-                  + "; ".join(patches) + "."]
-    for m, r in recs.items():
-        by = (r.get("sampled") or {}).get("benchmarks") or {}
-        if by:
-            lines += ["", f"τ per benchmark, {m} (ours / in vLLM): " + ", ".join(
-                f"{b} {v['tau_deepspec']:.3f} / {v['tau_vllm']:.3f}" for b, v in by.items()
-                if v["tau_deepspec"] is not None and v["tau_vllm"] is not None) + "."]
-    return lines + [""]
 
 
 # the report's outputs: command-line flag -> default path under the preset's directories
