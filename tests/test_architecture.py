@@ -268,7 +268,7 @@ def _stale_names(line: str) -> list[str]:
     basenames = {}
     for module in MODULES:
         basenames.setdefault(module.split(".")[-1], []).append(module)
-    for m in re.finditer(r"`([a-z_]\w*)\.([A-Za-z_]\w*)(?:\(\))?`", line):
+    for m in re.finditer(r"`([a-z_]\w*)\.([A-Za-z_]\w*)(?:\([^`]*\))?`", line):
         module, name = m.groups()
         if module in SECTIONS or module in ("deepspec", "datasets") or module not in basenames or name in EXTENSIONS:
             continue  # a setting, the package, Hugging Face's datasets, a file name
