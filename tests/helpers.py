@@ -222,12 +222,13 @@ def gemma4_reference_config(d, target, layout) -> dict:
 
 
 def copy_workflow(dst: Path) -> None:
-    """The DAG (Snakefile, workflow/, profiles/), the presets and the package (a
-    link to this checkout's deepspec/, which the Snakefile imports): run from `dst`
-    as from the repository root."""
+    """The DAG (Snakefile, workflow/, profiles/, the rules' environment.yml), the
+    presets and the package (a link to this checkout's deepspec/, which the
+    Snakefile imports): run from `dst` as from the repository root."""
     for name in ["workflow", "config", "profiles"]:
         shutil.copytree(REPO / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "Snakefile", dst / "Snakefile")
+    for name in ["Snakefile", "environment.yml"]:
+        shutil.copy(REPO / name, dst / name)
     (dst / "deepspec").symlink_to(REPO / "deepspec", target_is_directory=True)
 
 

@@ -21,7 +21,8 @@ def _checkout_copy(dst: Path) -> Path:
     Snakefile, the rules, the profiles, the presets and the package."""
     for name in ["workflow", "config", "profiles", "deepspec"]:
         shutil.copytree(REPO / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "Snakefile", dst / "Snakefile")
+    for name in ["Snakefile", "environment.yml"]:
+        shutil.copy(REPO / name, dst / name)
     return dst
 
 
