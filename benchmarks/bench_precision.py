@@ -24,6 +24,7 @@ median seconds of each and the ratio fp32 / bf16 (above 1: bf16 is faster).
 Needs the preset's target cache (results/<target>/cache, built by the DAG) for train.
 """
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -79,11 +80,12 @@ def main():
 
     if "regenerate" in args.stages:
         from deepspec.regeneration.local import sampling_kernels
-        from deepspec.regeneration.sampling import generate_batch
+        from deepspec.regeneration.sampling import Sampling, generate_batch
+        from deepspec.settings import Settings
 
         torch.set_num_threads(1)
         B = int(cfg["regenerate"]["batch_size"])
-        regen = {**cfg["regenerate"], "max_new_tokens": 32}
+        regen = dataclasses.replace(Sampling.of(Settings.of(cfg).regenerate), max_new_tokens=32)
         prompts = [torch.randint(0, V, (40 + (i * 7) % 60,), generator=g).tolist() for i in range(B)]
 
         def gen(t):
@@ -96,8 +98,6 @@ def main():
         pairs(f"regenerate {B} prompts x 32 tokens, 1 thread", gen(t32), gen(t16), args.repeats)
 
     if "train" in args.stages:
-        import dataclasses
-
         from deepspec.data.datasets import make_train_dataset, token_counts, train_collate
         from deepspec.drafters import build_drafter
         from deepspec.methods import resolve_method

@@ -11,9 +11,8 @@ from deepspec.data.prompts import Prompt
 from deepspec.errors import DeepSpecError
 from deepspec.paths import errors_path, settings_path
 from deepspec.regeneration.regenerate import regenerate
-from deepspec.regeneration.sampling import filter_logits, sample_next
+from deepspec.regeneration.sampling import Sampling, filter_logits, sample_next
 from deepspec.regeneration.shards import merge_shards, shard_of
-from deepspec.settings import Settings
 
 PROMPTS = [
     Prompt(id="t:1", turns=["What is 2+2?"], source="t"),
@@ -45,7 +44,7 @@ def test_filters_follow_hf_semantics():
 
 def test_sampling_is_per_row_seeded_and_matches_the_distribution(tiny_cfg):
     logits = torch.randn(3, 50)
-    rc = dataclasses.replace(Settings.of(tiny_cfg).regenerate, temperature=0.7, top_k=20, top_p=0.8, min_p=0.0)
+    rc = Sampling(temperature=0.7, top_k=20, top_p=0.8, min_p=0.0, max_new_tokens=8)
     a = sample_next(logits, [torch.Generator().manual_seed(s) for s in (1, 2, 3)], rc)
     b = sample_next(logits[1:2], [torch.Generator().manual_seed(2)], rc)
     assert a[1] == b[0]  # a row's draw does not depend on its batch mates
@@ -64,7 +63,7 @@ def test_unfiltered_sampling_is_the_tempered_softmax(tiny_cfg):
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
     cand, ids = filter_logits(logits, 2.0, top_k=0, top_p=1.0, min_p=0.0)
     assert ids.tolist() == [[0, 1, 2]] and torch.allclose(cand, logits / 2.0)
-    rc = dataclasses.replace(Settings.of(tiny_cfg).regenerate, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)
+    rc = Sampling(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0, max_new_tokens=8)
     g = torch.Generator().manual_seed(0)
     draws = torch.stack([sample_next(logits, [g], rc)[0] for _ in range(4000)])
     freq = torch.bincount(draws, minlength=3).float() / 4000

@@ -20,7 +20,7 @@ from deepspec.data.prompts import Prompt
 from deepspec.errors import DeepSpecError
 from deepspec.regeneration.chat_server import serve
 from deepspec.regeneration.client import _answer_with_server, _chat_url, server_urls, wait_for_exit, wait_for_servers
-from deepspec.regeneration.sampling import generate_batch, record_seed
+from deepspec.regeneration.sampling import Sampling, generate_batch, record_seed
 from deepspec.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_serve_answers_what_regeneration_sends(served, tiny_cfg, tiny_target):
     # turn 0 equals generate_batch under the seed regenerate sent (record_seed & 0x7FFFFFFF)
     ids = tiny_target.chat_ids([{"role": "user", "content": prompt.turns[0]}])
     gen = torch.Generator().manual_seed(record_seed(s.regenerate.seed, prompt.id, 0) & 0x7FFFFFFF)
-    out = generate_batch(tiny_target.model, [ids], [gen], s.regenerate, eos_ids=tiny_target.eos_token_ids,
+    out = generate_batch(tiny_target.model, [ids], [gen], Sampling.of(s.regenerate), eos_ids=tiny_target.eos_token_ids,
                          pad_id=tiny_target.tokenizer.pad_token_id)[0]
     text = tiny_target.tokenizer.decode([t for t in out if t not in tiny_target.eos_token_ids], skip_special_tokens=True)
     assert msgs[1]["content"] == text and msgs[1].get("truncated", False) == (out[-1] not in tiny_target.eos_token_ids)

@@ -27,12 +27,12 @@ import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from ..errors import DeepSpecError
+from .sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,9 @@ def _number(body: dict, key: str, default, lo: float, hi: float, kind=float):
     return kind(v)
 
 
-def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], SimpleNamespace, int]:
-    """(messages, sampling settings in `generate_batch`'s form: the regenerate
-    section's temperature, top_p, top_k, min_p and max_new_tokens, seed) of a
-    chat-completions body; BadRequest names the first thing wrong with it."""
+def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], Sampling, int]:
+    """(messages, sampling settings, seed) of a chat-completions body; BadRequest
+    names the first thing wrong with it."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     msgs = body.get("messages")
@@ -74,7 +73,7 @@ def sampling_of(body: dict, max_tokens_limit: int) -> tuple[list[dict], SimpleNa
     if not isinstance(kwargs, dict) or kwargs.get("enable_thinking", False):
         raise BadRequest("only chat_template_kwargs.enable_thinking = false is served (the non-thinking template)")
     top_k = _number(body, "top_k", -1, -1, 2**31 - 1, int)
-    settings = SimpleNamespace(
+    settings = Sampling(
         temperature=_number(body, "temperature", 1.0, 0.0, 100.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         top_k=0 if top_k <= 0 else top_k,  # OpenAI/vLLM -1 (or 0) = no top-k; generate_batch: 0

@@ -11,7 +11,7 @@ from ..data.conversations import with_system_prompt
 from ..data.prompts import Prompt
 from ..runtime import resolve_precision
 from ..settings import Settings
-from .sampling import generate_batch, record_seed
+from .sampling import Sampling, generate_batch, record_seed
 
 
 def regenerate_precision(s: Settings) -> str:
@@ -73,7 +73,7 @@ def regenerate_local(s: Settings, prompts: list[Prompt], write, too_long, bar, t
                 continue
             gens = [torch.Generator().manual_seed(record_seed(regen.seed, p.id, turn)) for p in rows]
             with sampling_kernels(target):
-                outs = generate_batch(target.model, ids, gens, regen, eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
+                outs = generate_batch(target.model, ids, gens, Sampling.of(regen), eos_ids=target.eos_token_ids, pad_id=tok.pad_token_id, on_step=on_step)
             for p, o in zip(rows, outs):
                 truncated = not (o and o[-1] in target.eos_token_ids)
                 o = [t for t in o if t not in target.eos_token_ids]

@@ -5,13 +5,30 @@ OpenAI-compatible test server) decode with it."""
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..core.target import cache_kwarg
 from ..core.verify import sample
 from ..settings import Regenerate
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one generation samples: regenerate's settings (`Sampling.of`), or one
+    chat request's (the CPU chat server). top_k 0: no top-k."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_new_tokens: int
+
+    @classmethod
+    def of(cls, regen: Regenerate) -> "Sampling":
+        return cls(regen.temperature, regen.top_p, regen.top_k, regen.min_p, regen.max_new_tokens)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,10 +57,8 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits, ids
 
 
-def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], regen: Regenerate) -> torch.Tensor:
-    """One token per row, row r drawn with generators[r]; greedy when T == 0.
-    `regen`: the regenerate section, or anything with its temperature, top_k,
-    top_p and min_p (the chat server's per-request settings)."""
+def sample_next(logits: torch.Tensor, generators: Sequence[torch.Generator], regen: Sampling) -> torch.Tensor:
+    """One token per row, row r drawn with generators[r]; greedy when T == 0."""
     if regen.temperature <= 0:
         return logits.argmax(-1)
     cand, ids = filter_logits(logits, regen.temperature, regen.top_k, regen.top_p, regen.min_p)
@@ -56,7 +71,7 @@ def generate_batch(
     model,
     prompts: list[list[int]],
     generators: Sequence[torch.Generator],
-    regen: Regenerate,
+    regen: Sampling,
     *,
     eos_ids: Sequence[int],
     pad_id: int,
@@ -67,13 +82,9 @@ def generate_batch(
     Each row stops at its first EOS (included in the result) or after
     regen.max_new_tokens; finished rows are dropped from the batch (and its
     cache) so they cost nothing more. `on_step(n)` reports n new tokens.
-    `regen`: the regenerate section (a config's mapping of it is read as one),
-    or anything with its sampling settings (`sample_next`) and max_new_tokens.
     """
     from transformers import DynamicCache
 
-    if isinstance(regen, Mapping):  # a config's regenerate mapping (benchmarks/bench_precision.py)
-        regen = Regenerate.of(regen)
     device = next(model.parameters()).device
     B, L = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
