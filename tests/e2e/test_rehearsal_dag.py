@@ -13,30 +13,6 @@ from deepspec.config import load_config
 
 from helpers import REHEARSALS, copy_workflow, gemma4_reference_config, reference_config, snakemake, write_reference
 
-# the keys a rehearsal may change in its paper preset, as dotted paths
-ALLOWED = {
-    # the target: a tiny random one with the SmolLM2 tokenizer, float32 on CPU
-    "preset", "description", "target.name", "target.spec", "target.feature_layers", "target.dtype",
-    "target.device", "drafter.mask_token_id", "eval.dtype",
-    # local prompt files in place of Open-PerfectBlend (hub), a few prompts each; plan counts them
-    "data.train", *(f"data.benchmarks.{b}.cap" for b in ("gsm8k", "math500", "aime25", "mbpp", "humaneval",
-                                                         "livecodebench", "mt-bench", "alpaca", "arena-hard")),
-    "plan.train_prompts", "plan.prompt_tokens", "plan.answer_tokens",
-    # sizes: sequence and answer lengths, steps, batches
-    "data.max_length", "regenerate.max_new_tokens", "train.epochs", "train.global_batch",
-    "train.num_anchors", "eval.max_new_tokens", "eval.speed_benchmarks",
-    # the regeneration server: deepspec serve on CPU in place of vLLM on 8 GPUs
-    *(f"regenerate.server.{k}" for k in ("command", "gpus", "threads", "mem_mb")),
-    # CPU: two training processes, no GPUs, small scheduler resources
-    "train.gpus", "train.processes", "eval.gpus", *(f"resources.{r}.{k}" for r, ks in {
-        "regenerate": ("threads", "mem_mb", "runtime"), "tokenize": ("threads", "mem_mb", "runtime"),
-        "build_cache": ("gpu", "mem_mb", "runtime"),
-        "train": ("gpu", "mem_mb", "runtime", "threads"), "evaluate": ("gpu", "mem_mb", "runtime", "threads"),
-    }.items() for k in ks),
-    # a synthetic released-layout checkpoint (written by the end-to-end test)
-    "eval.released_checkpoints", "eval.released_checkpoints.dflash",
-}
-# rehearsal preset -> its paper preset (the tiny Gemma4 target: the gemma4_unified classes)
 pytestmark = pytest.mark.e2e
 
 
