@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 
 from .checkout import enter as enter_checkout
 from .config import coerce_overrides, load_config, settings_fingerprint
-from .data.prompts import data_root, speed_benchmarks
+from .data.prompts import data_root, is_prompt_file, speed_benchmarks
 from .data.sources import check_sources, needed_files
 from .errors import DeepSpecError
 from .fetch import hub_datasets, released_hub, snapshot_name
@@ -26,7 +26,8 @@ from .training.launch import launcher as train_launcher
 from .vllm_env import vllm_command
 
 __all__ = ["DeepSpecError", "RunPaths", "SOURCE_FILE", "check_sources", "coerce_overrides", "data_root",
-           "enter_checkout", "fig3_methods", "fig4_methods", "gpu_env", "hub_datasets", "load_config", "needed_files",
+           "enter_checkout", "fig3_methods", "fig4_methods", "gpu_env", "hub_datasets", "is_prompt_file", "load_config",
+           "needed_files",
            "preflight", "released_hub", "server_command", "settings_fingerprint", "snapshot_name", "speed_benchmarks",
            "train_launcher"]
 

@@ -5,7 +5,8 @@ A record is ``{"turns": [str, ...], "reference": optional str}``. A malformed
 line fails with one error naming file and line. A source ``hub:<dataset id>``
 is read through `datasets` from its snapshot at the entry's pinned
 ``revision`` (deepspec/fetch.py; ShareGPT-style ``conversations`` are mapped
-to user turns).
+to user turns). A training source ``synthetic:<generator>`` is made here, its
+``cap`` prompts drawn with ``data.seed`` (deepspec/data/synthetic.py).
 """
 from __future__ import annotations
 
@@ -42,6 +43,19 @@ def data_root(cfg: Settings | Mapping) -> Path:
         return Path(env)
     root = Path(Settings.view(cfg).data.root)
     return root if root.is_absolute() else REPO_ROOT / root
+
+
+def is_prompt_file(path: str) -> bool:
+    """Whether a source's `path` names a file under data.root (not hub: or synthetic:)."""
+    return not path.startswith(("hub:", "synthetic:"))
+
+
+def synthetic_source(name: str, n: int, seed: int) -> list[Prompt]:
+    """The `n` prompts of the generator `name`, ids "<name>:<i>"."""
+    from .synthetic import synthetic_prompts
+
+    return [Prompt(id=f"{name}:{i}", turns=[text], source=name, meta={"subject": subject})
+            for i, (subject, text) in enumerate(synthetic_prompts(name, n, seed))]
 
 
 def read_turns_jsonl(path: str | os.PathLike, source: Optional[str] = None) -> list[Prompt]:
@@ -127,6 +141,8 @@ def load_sources(s: Settings, entries: Iterable[dict]) -> list[Prompt]:
         path = e["path"]
         if path.startswith("hub:"):
             rows = _read_hub(s, path[4:], e["revision"], e.get("split", "train"))
+        elif path.startswith("synthetic:"):
+            rows = synthetic_source(path[len("synthetic:"):], e["cap"], seed)
         else:
             rows = read_turns_jsonl(root / path)
         for r in subsample(rows, e.get("cap"), seed):

@@ -51,7 +51,7 @@ from ..errors import DeepSpecError
 from ..files import atomic_path, file_lock, sha256_file, write_text_atomic
 from ..runtime import OFFLINE_VARIABLES, hub_offline
 from ..settings import Settings
-from .prompts import data_root
+from .prompts import data_root, is_prompt_file
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +177,10 @@ KNOWN_SOURCES: dict[str, Source] = {
 
 
 def needed_files(cfg: Settings | Mapping) -> list[str]:
-    """The preset's prompt files under data.root (hub: sources excluded), in order."""
+    """The preset's prompt files under data.root (hub: and synthetic: sources excluded), in order."""
     d = Settings.view(cfg).data
     paths = [e["path"] for e in d.train] + [b["path"] for b in d.benchmarks.values()]
-    return list(dict.fromkeys(p for p in paths if not p.startswith("hub:")))
+    return list(dict.fromkeys(p for p in paths if is_prompt_file(p)))
 
 
 def source_for(cfg: Settings | Mapping, rel: str) -> Optional[Source]:

@@ -83,11 +83,8 @@ DEFAULT_TAU = 3.0  # expected tokens per round without a paper value
 # --------------------------------------------------------------------------- data
 
 
-def _file_stats(path: Path, cap: Optional[int]) -> tuple[int, list[float], list[float]]:
+def _source_stats(prompts: list) -> tuple[int, list[float], list[float]]:
     """(prompts used, sampled prompt lengths, sampled reference lengths) in tokens (chars / CHARS_PER_TOKEN)."""
-    from ..data.prompts import read_turns_jsonl, subsample
-
-    prompts = subsample(read_turns_jsonl(path), cap)
     sample = prompts[:SAMPLE_PROMPTS]
     plen = [len(p.turns[0]) / CHARS_PER_TOKEN for p in sample if p.turns]
     rlen = [len(p.reference) / CHARS_PER_TOKEN for p in sample if p.reference]
@@ -100,19 +97,24 @@ def _mean(xs: list[float]) -> Optional[float]:
 
 def data_section(s: Settings) -> dict:
     """Training prompts and tokens per sample (hints first, then a sample of the files)."""
-    from ..data.prompts import data_root
+    from ..data.prompts import data_root, is_prompt_file, read_turns_jsonl, subsample, synthetic_source
 
     hints, root = s.plan, data_root(s.raw)
     n, plen, rlen, sources = 0, [], [], []
     for entry in s.data.train:
         path = entry["path"]
-        if path.startswith("hub:") or not (root / path).exists():
+        if path.startswith("synthetic:"):
+            k, pl, rl = _source_stats(synthetic_source(path[len("synthetic:"):], entry["cap"], s.data.seed))
+            n, plen, rlen = n + k, plen + pl, rlen + rl
+            sources.append({"path": path, "prompts": k, "from": "generator"})
+            continue
+        if not is_prompt_file(path) or not (root / path).exists():
             if hints.train_prompts is None:
                 raise DeepSpecError(f"plan: the number of prompts of {path} is unknown here (hub source or missing file): "
                                     "set plan.train_prompts")
             sources.append({"path": path, "prompts": None, "from": "plan.train_prompts"})
             continue
-        k, pl, rl = _file_stats(root / path, entry.get("cap"))
+        k, pl, rl = _source_stats(subsample(read_turns_jsonl(root / path), entry.get("cap")))
         n, plen, rlen = n + k, plen + pl, rlen + rl
         sources.append({"path": path, "prompts": k, "from": "file"})
     if hints.train_prompts is not None:

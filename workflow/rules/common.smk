@@ -29,8 +29,8 @@ if not (CHECKOUT / "deepspec" / "__init__.py").is_file():
 sys.path.insert(0, str(CHECKOUT))
 try:
     from deepspec.workflow import (SOURCE_FILE, DeepSpecError, RunPaths, check_sources, coerce_overrides, data_root,
-                                   enter_checkout, fig3_methods, fig4_methods, gpu_env, hub_datasets, load_config,
-                                   needed_files, preflight, released_hub, server_command, settings_fingerprint,
+                                   enter_checkout, fig3_methods, fig4_methods, gpu_env, hub_datasets, is_prompt_file,
+                                   load_config, needed_files, preflight, released_hub, server_command, settings_fingerprint,
                                    snapshot_name, speed_benchmarks, train_launcher)
 
     enter_checkout(CHECKOUT)
@@ -132,7 +132,7 @@ def hub_record(kind, name):
 
 
 # the training prompt files on disk, and the snapshots of the hub: sources
-TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if not e["path"].startswith("hub:")] + \
+TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if is_prompt_file(e["path"])] + \
     [hub_record("datasets", name) for name in HUB_DATASETS]
 
 
@@ -145,7 +145,7 @@ def released_input(method):
 SPEED_BENCHMARKS = speed_benchmarks(CFG)
 # the benchmark prompt files on disk (a hub: benchmark is read from the hub)
 BENCHMARK_FILES = [DATA_ROOT / f for f in (CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS)
-                   if not f.startswith("hub:")]
+                   if is_prompt_file(f)]
 # The baselines of the timed benchmarks run in eval.baseline_jobs jobs (evaluate.smk),
 # job I timing every N-th of them from the I-th.
 BASELINE_JOBS = min(int(CFG["eval"]["baseline_jobs"]), len(SPEED_BENCHMARKS))
