@@ -70,3 +70,22 @@ def test_no_problem_repeats_a_benchmark_prompt(shared_data):
         q = _normal(text)
         assert q not in bench, text
         assert not any((len(q) >= 40 and q in b) or (len(b) >= 40 and b in q) for b in bench), text
+
+
+def test_plan_counts_the_generated_prompts():
+    from deepspec.planning.plan import data_section
+
+    cfg = load_config("tiny", {"data": {"train": [{"path": "synthetic:competition-math", "cap": 40}]}})
+    d = data_section(Settings.of(cfg))
+    assert d["train_prompts"] == 40
+    assert d["sources"] == [{"path": "synthetic:competition-math", "prompts": 40, "from": "generator"}]
+    assert d["prompt_tokens_per_sample"] > 10  # measured on the generated problems
+
+
+def test_provenance_names_the_generator(shared_data):
+    from deepspec.reporting.run_record import _data
+
+    cfg = load_config("tiny", {"data": {"root": str(shared_data),
+                                        "train": [{"path": "synthetic:competition-math", "cap": 5}]}})
+    rec = _data(Settings.of(cfg))["synthetic:competition-math"]
+    assert rec["source"] == "deepspec/data/synthetic.py" and rec["prompts"] == 5 and rec["seed"] == cfg["data"]["seed"]
