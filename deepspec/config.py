@@ -263,7 +263,9 @@ RULE_SETTINGS = {
     "prepare_target": ["target.spec", "target.revision"],
     "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
     "tokenize": ["target.spec", "target.revision", *_TOKENS],
-    "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), "cache.precision", *_TOKENS],
+    # drafter.draft_vocab_size: whether the cache holds target_lse (cache.stores_log_normalizers)
+    "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), "cache.precision", "drafter.draft_vocab_size",
+                    *_TOKENS],
     "train": _TARGET + ["target.feature_layers", *_TOKENS, "cache", "drafter", "loss", "train"],
     "evaluate": _DECODE + ["target.feature_layers", "data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval"],
     "baseline": _DECODE + ["data.benchmarks", "data.seed", "data.max_prompt_tokens", "eval.dtype", "eval.precision",

@@ -148,6 +148,41 @@ def test_killed_build_resumes_byte_identical(setup, tiny_target, tmp_path, monke
     assert _checksums(d) == _checksums(setup["ref"])  # shards and manifest
 
 
+def test_a_reduced_draft_vocabulary_caches_the_log_normalizers(setup, tiny_target, tmp_path):
+    """With drafter.draft_vocab_size the cache stores target_lse, the target's
+    log-normalizer of each stored last_hidden (the cache's compute dtype), and
+    online mode computes the same rows bit for bit at micro batch 1; it is another
+    cache (fingerprint) than the full vocabulary's, whose samples have none. A
+    manifest without the key (written before it existed) reads without it."""
+    from deepspec.data.cache import cache_target
+    from deepspec.settings import Settings
+
+    cfg = {**setup["cfg"], "drafter": {**setup["cfg"]["drafter"], "draft_vocab_size": 64},
+           "cache": {**setup["cfg"]["cache"], "batch_size": 1}}
+    m = build_cache(cfg, setup["convs"], tmp_path / "lse", target=tiny_target)
+    full = make_train_dataset(setup["cfg"], cache_dir=setup["ref"])
+    data = make_train_dataset(cfg, cache_dir=tmp_path / "lse")
+    assert m["target_lse"] and data.fingerprint != full.fingerprint
+    assert "target_lse" not in full[0] and not json.loads((setup["ref"] / "manifest.json").read_text())["target_lse"]
+    head = cache_target(Settings.of(cfg), tiny_target)  # the compute dtype (bf16 where native)
+    for i in (0, 3):
+        x = data[i]
+        assert x["target_lse"].dtype == torch.float32 and x["target_lse"].shape == x["input_ids"].shape
+        want = head.log_normalizer(x["last_hidden"].to(next(head.model.parameters()).dtype))
+        torch.testing.assert_close(x["target_lse"], want, atol=1e-4, rtol=1e-5)
+    online_cfg = {**cfg, "cache": {**cfg["cache"], "mode": "online"}, "train": {**cfg["train"], "micro_batch": 1}}
+    online = make_train_dataset(online_cfg, tiny_target, conversations=setup["convs"])
+    a, b = collate([data[2]]), train_collate(online)([online[2]])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    d = tmp_path / "old"
+    shutil.copytree(setup["ref"], d)
+    old = json.loads((d / "manifest.json").read_text())
+    del old["target_lse"]
+    (d / "manifest.json").write_text(json.dumps(old))
+    assert "target_lse" not in make_train_dataset(setup["cfg"], cache_dir=d)[0]
+
+
 def test_dry_run_writes_nothing(setup, tmp_path, capsys):
     d = tmp_path / "cache"
     est = build_cache(setup["cfg"], setup["convs"], d, dry_run=True)
@@ -200,10 +235,11 @@ def test_training_reads_only_intact_shards(setup, tmp_path):
 
 
 # The cache fingerprints of the presets' settings before CACHE_BYTES_SETTINGS named them
-# (target id "target-id", token digest "abc123"): an existing cache stays valid.
+# (target id "target-id", token digest "abc123"): an existing cache stays valid. The
+# default's (a reduced draft vocabulary) changed when its cache began to store target_lse.
 _FINGERPRINTS = {
     "tiny": "8d69a7867ed64202d2ab11b24fc2b53c8364391b015365d6ac74835086658197",
-    "smollm2-135m": "9a48fac6a857294244069f1cc7477eec94bd9412b85f43f79a577c3f27d52b51",
+    "smollm2-135m": "11c7046acc5133736397d22f0cbd339ea7da89d76820a09eb018ee420ed2c858",
     "qwen3-4b": "070277808ed821fae982b8371679e57c577b1088b3a7c72dd20c657b7c120bcc",
     "gemma4-12b": "bfa20bce0cf01e72266b7689a9e79b11df1ec67aa976e6d3db6af971c2086d53",
 }

@@ -34,14 +34,15 @@ def test_cache_bytes_per_token_qwen3_4b_by_hand():
     """Offline cache of Qwen3-4B in bf16: 5 feature layers + the final hidden
     state = 6 x 2560 values x 2 bytes = 30,720 bytes of hidden states per token
     (the hand computation); our cache also stores the token id (int32, 4 bytes)
-    and the loss mask (uint8, 1 byte), so a token takes 30,725 bytes in all."""
+    and the loss mask (uint8, 1 byte), so a token takes 30,725 bytes in all (a
+    full draft vocabulary: no log-normalizers)."""
     cfg = load_config("qwen3-4b", {})
     facts, _ = S.load_facts(cfg)
     target = S.meta_target(cfg, facts)
     data = {"tokens": 1000}
     c = P.cache_section(Settings.of(cfg), target, data, online_flops_per_step=0)
     assert c["hidden_bytes_per_token"] == 6 * 2560 * 2 == 30720
-    assert c["bytes_per_token"] == 6 * 2560 * 2 + 4 + 1
+    assert c["bytes_per_token"] == 6 * 2560 * 2 + 4 + 1 and not c["target_lse"]
     assert c["offline_total_bytes"] == 1000 * (6 * 2560 * 2 + 4 + 1)
 
 

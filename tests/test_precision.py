@@ -82,10 +82,11 @@ def test_bf16_features_are_the_fp32_features_within_tolerance(tiny_target, bf16_
 
     rows = [list(range(5, 60)), list(range(100, 130))]
     layers = tiny_cfg["target"]["feature_layers"]
-    f32, l32 = forward_features(tiny_target, layers, rows, torch.float32)
-    f16, l16 = forward_features(bf16_target, layers, rows, torch.float32)
+    f32, l32, z32 = forward_features(tiny_target, layers, rows, torch.float32, lse=True)
+    f16, l16, z16 = forward_features(bf16_target, layers, rows, torch.float32, lse=True)
     assert _rel(f16, f32) < 0.03 and _rel(l16, l32) < 0.03
     assert _rel(f16, f32) > 0  # it did run in bf16
+    assert _rel(z16, z32) < 0.03  # the log-normalizers
 
 
 @pytest.fixture(scope="module")

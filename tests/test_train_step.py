@@ -145,7 +145,8 @@ def test_eagle3_step_keeps_head_graphs_when_they_fit_and_reads_only_needed_posit
     some step reads (none of the prompt's first tokens, no padding)."""
     rows, calls = [], []
     real_pt, real_ckpt = train_step._restricted_pt, train_step.checkpoint
-    monkeypatch.setattr(train_step, "_restricted_pt", lambda d, x, c: rows.append(x.shape[0]) or real_pt(d, x, c))
+    monkeypatch.setattr(train_step, "_restricted_pt",
+                        lambda d, x, c, z=None: rows.append(x.shape[0]) or real_pt(d, x, c, z))
     monkeypatch.setattr(train_step, "checkpoint", lambda *a, **k: calls.append(1) or real_ckpt(*a, **k))
     _, m, _ = _loss_metrics_grads("eagle3", tiny_target, tiny_cfg, batch)
     n = int(m["n_positions"])
@@ -200,3 +201,46 @@ def test_dflash_skips_target_head_off_log_steps(tiny_target, tiny_cfg, batch, mo
     g1 = torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
     assert not calls and "c_star_1" not in m and m["n_anchors"] == m0["n_anchors"]
     assert torch.allclose(l0, loss.detach(), atol=1e-7) and torch.allclose(g0, g1, atol=1e-7)
+
+
+def _reduced(tiny_target, tiny_cfg, method, K=64):
+    cfg = {**tiny_cfg, "drafter": {**tiny_cfg["drafter"], "draft_vocab_size": K}}
+    torch.manual_seed(0)
+    return build_drafter(method, tiny_target, cfg, token_counts=torch.arange(tiny_target.vocab_size, 0, -1))
+
+
+def test_draft_vocab_target_probs_from_the_log_normalizer(tiny_target, tiny_cfg, batch):
+    """p_t on the draft vocabulary from its K logits and the target's log-normalizer
+    equals the full softmax restricted to it, and so does the mass outside."""
+    d = _reduced(tiny_target, tiny_cfg, "dspark", K=tiny_target.vocab_size // 4)
+    x = batch["last_hidden"]
+    lse = tiny_target.log_normalizer(x)
+    assert lse.shape == x.shape[:-1] and lse.dtype == torch.float32
+    want_pt, want_out = d.restrict_to_draft_vocab(d.target_probs(x))
+    pt, out = d.draft_vocab_target_probs(x, lse)
+    assert torch.allclose(pt, want_pt, rtol=1e-5, atol=1e-8) and torch.allclose(out, want_out, atol=1e-5)
+    assert 0.1 < float(out.mean()) < 0.9  # a reduced vocabulary with mass outside it
+
+
+@pytest.mark.parametrize("method", ["dflash", "dspark", "eagle3"])
+@pytest.mark.parametrize("table", [True, False])
+def test_training_step_with_cached_log_normalizers(tiny_target, tiny_cfg, batch, method, table, monkeypatch):
+    """With target_lse in the batch (the cache's), a step never runs the full-vocabulary
+    head, and its loss, gradients and c* are those computed from all V logits,
+    with the shared p_t table and without it."""
+    spec = dataclasses.replace(step_spec(tiny_cfg), **({} if table else {"pt_table_bytes": 0, "chunk_positions": 7}))
+
+    def step(b):
+        d = _reduced(tiny_target, tiny_cfg, method)
+        loss, m = d.training_step(b, spec, torch.Generator().manual_seed(0))
+        loss.backward()
+        return loss.detach(), m, torch.cat([p.grad.flatten() for p in d.parameters() if p.grad is not None])
+
+    l0, m0, g0 = step(batch)
+    lse = tiny_target.log_normalizer(batch["last_hidden"]).masked_fill(~batch["attention_mask"], 0.0)
+    monkeypatch.setattr(type(_reduced(tiny_target, tiny_cfg, method)), "target_probs",
+                        lambda *a: pytest.fail("the full-vocabulary head ran"))
+    l1, m1, g1 = step({**batch, "target_lse": lse})
+    assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-6) and torch.allclose(g0, g1, rtol=1e-4, atol=1e-6)
+    for k in (1, 2, 3):
+        assert m1[f"c_star_{k}"] == pytest.approx(m0[f"c_star_{k}"], abs=1e-5)

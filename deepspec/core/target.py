@@ -97,6 +97,23 @@ class Target:
         )
         return select_features(out.hidden_states, layers), out.hidden_states[-1]
 
+    @torch.no_grad()
+    def log_normalizer(self, last_hidden: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """log sum_v exp(z_v) [...] float32 of the target's logits z (soft-capped where the
+        target caps them) on final-norm states [..., d], `chunk` rows at a time: with it,
+        p_t on a reduced draft vocabulary costs that vocabulary's columns of the LM head,
+        not all V (`DrafterBase.draft_vocab_target_probs`; the cache stores it)."""
+        head = self.lm_head
+        cap = getattr(self.text_config, "final_logit_softcapping", None)
+        x = last_hidden.reshape(-1, last_hidden.shape[-1])
+        out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for i in range(0, x.shape[0], chunk):
+            z = head(x[i : i + chunk].to(device=head.weight.device, dtype=head.weight.dtype)).float()
+            if cap:
+                z = torch.tanh(z / cap) * cap
+            out[i : i + chunk] = torch.logsumexp(z, -1).to(out.device)
+        return out.view(last_hidden.shape[:-1])
+
 
 def cache_kwarg(module) -> str:
     """Name of the KV-cache argument of a transformers forward: `cache` in recent

@@ -22,6 +22,9 @@ p_t (the frozen full-vocabulary head on the cached final hidden states)
 dominates the cost of a small drafter, so it is computed once per distinct
 sequence position and gathered by the blocks / steps that read it, as long as
 that table fits in `pt_table_bytes`; beyond, each chunk computes its own rows.
+With a reduced draft vocabulary and the target's log-normalizers in the batch
+(``target_lse``, stored by the cache), a row of p_t costs the K draft columns
+of the LM head instead of all V (`DrafterBase.draft_vocab_target_probs`).
 The head terms run in chunks of `chunk_positions` positions under activation
 checkpointing, so no [positions, V] tensor outlives its chunk; a chain step
 whose TTT steps' rows all fit in one chunk keeps their graphs instead (the same
@@ -175,12 +178,13 @@ def _cstar_metrics(metrics, cs: list) -> None:
     metrics["tau_expected"] = float(expected_tau(torch.tensor(cs)))
 
 
-def _restricted_pt(drafter, last_hidden, chunk: int):
-    """p_t on the draft vocabulary and the mass outside it, for rows [N, d], in
-    chunks written into one preallocated table (never the chunks and the table at once)."""
+def _restricted_pt(drafter, last_hidden, chunk: int, lse=None):
+    """p_t on the draft vocabulary and the mass outside it, for rows [N, d] (with
+    their log-normalizers lse [N] when the cache has them), in chunks written into
+    one preallocated table (never the chunks and the table at once)."""
     pt = out = None
     for i, x in zip(range(0, last_hidden.shape[0], chunk), last_hidden.split(chunk)):
-        p, m = drafter.restrict_to_draft_vocab(drafter.target_probs(x))
+        p, m = drafter.draft_vocab_target_probs(x, None if lse is None else lse[i : i + len(x)])
         if pt is None:
             pt = p.new_empty(last_hidden.shape[0], p.shape[-1])
             out = None if m is None else m.new_empty(last_hidden.shape[0])
@@ -191,10 +195,11 @@ def _restricted_pt(drafter, last_hidden, chunk: int):
 
 
 @torch.no_grad()
-def block_target_probs(drafter, last_hidden, src, keep, spec: StepSpec):
+def block_target_probs(drafter, last_hidden, src, keep, spec: StepSpec, lse=None):
     """p_t (draft vocabulary) and the mass outside it, once per distinct
     (sequence, position) read by the block slots src[keep] (src: [B, N, g]
-    sequence positions, keep: [B, N] valid anchors). Returns (pt [U, K],
+    sequence positions, keep: [B, N] valid anchors; lse [B, L]: the target's
+    log-normalizers, or None to compute them from all V logits). Returns (pt [U, K],
     out_mass [U] or None, idx [M, g]) with row idx[m, j] for slot (m, j); or
     None when the U x K table would exceed spec.pt_table_bytes."""
     B, L = last_hidden.shape[:2]
@@ -202,16 +207,20 @@ def block_target_probs(drafter, last_hidden, src, keep, spec: StepSpec):
     uniq, idx = torch.unique(rows, return_inverse=True)
     if uniq.numel() * drafter.draft_vocab_size * 4 > spec.pt_table_bytes:
         return None
-    pt, out_mass = _restricted_pt(drafter, last_hidden.reshape(B * L, -1)[uniq], spec.chunk_positions)
+    pt, out_mass = _restricted_pt(drafter, last_hidden.reshape(B * L, -1)[uniq], spec.chunk_positions,
+                                  None if lse is None else lse.reshape(B * L)[uniq])
     return pt, out_mass, idx
 
 
-def _block_terms(drafter, h, prev, labels, last, src, keep, need_pt: bool, spec: StepSpec):
+def _block_terms(drafter, h, prev, labels, last, lse, src, keep, need_pt: bool, spec: StepSpec):
     """(ce, l1, c*, in-vocab) [M, g] of the valid blocks (h, prev, labels: the
     rows of keep), computed in checkpointed chunks."""
-    table = block_target_probs(drafter, last, src, keep, spec) if need_pt else None
+    table = block_target_probs(drafter, last, src, keep, spec, lse) if need_pt else None
     # per slot: a row of the p_t table, or (too large a table) the final hidden state itself
+    # (and its log-normalizer when the cache has them)
     extra = [] if not need_pt else [table[2]] if table is not None else [_gather_rows(last, src)[keep]]
+    if need_pt and table is None and lse is not None:
+        extra.append(lse.gather(1, src.reshape(src.shape[0], -1)).view_as(src)[keep])
 
     def terms(h_, prev_, labels_, *src_):
         logp = torch.log_softmax(drafter.block_logits(h_, prev_).float(), -1)
@@ -219,7 +228,7 @@ def _block_terms(drafter, h, prev, labels, last, src, keep, need_pt: bool, spec:
         if not src_:
             return token_terms(logp, lab)
         if table is None:
-            return token_terms(logp, lab, *drafter.restrict_to_draft_vocab(drafter.target_probs(src_[0])))
+            return token_terms(logp, lab, *drafter.draft_vocab_target_probs(*src_))
         pt, out_mass, _ = table
         return token_terms(logp, lab, pt[src_[0]], None if out_mass is None else out_mass[src_[0]])
 
@@ -243,8 +252,9 @@ def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     # p_t feeds DSpark's L1 term and its confidence targets; DFlash's loss is CE only
     need_pt = drafter.distills or log_step
     h, labels, valid, prev = (x[avalid] for x in (h, labels, valid, prev))  # [M, g, ...]
-    ce, l1, cstar, inv = _block_terms(drafter, h, prev, labels, batch["last_hidden"].to(dev), src, avalid,
-                                      need_pt, spec)
+    lse = batch.get("target_lse")
+    ce, l1, cstar, inv = _block_terms(drafter, h, prev, labels, batch["last_hidden"].to(dev),
+                                      None if lse is None else lse.to(dev), src, avalid, need_pt, spec)
     conf = drafter.confidence_logits(h, prev) if drafter.distills else None
     w = position_weights(g, spec.coef.decay_gamma, device=h.device)
     loss, parts = block_loss(ce, l1, cstar, inv, conf, valid, w, spec.coef, distill=drafter.distills)
@@ -257,7 +267,7 @@ def block_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
 
 
 @torch.no_grad()
-def _chain_target_table(drafter, last, src, valids, spec: StepSpec):
+def _chain_target_table(drafter, last, src, valids, spec: StepSpec, lse=None):
     """p_t on the draft vocabulary once per distinct position some TTT step reads
     (src[s][valids[s]], flat ids b*L + position): (table [U, K], row of each flat
     id [B*L], -1 where none), or None when the table exceeds spec.pt_table_bytes.
@@ -272,7 +282,9 @@ def _chain_target_table(drafter, last, src, valids, spec: StepSpec):
         return None
     row = torch.full((B * L,), -1, dtype=torch.long, device=last.device)
     row[uniq] = torch.arange(uniq.numel(), device=last.device)
-    return _restricted_pt(drafter, last.reshape(B * L, -1)[uniq], spec.chunk_positions)[0], row
+    rows = _restricted_pt(drafter, last.reshape(B * L, -1)[uniq], spec.chunk_positions,
+                          None if lse is None else lse.reshape(B * L)[uniq])
+    return rows[0], row
 
 
 def _chain_rows(valids: list, n: int, generator):
@@ -300,6 +312,8 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     if am is not None:
         lm = lm & am.to(dev).bool()
     last = batch["last_hidden"].to(dev)
+    lse = batch.get("target_lse")
+    lse = None if lse is None else lse.to(dev)
     S = drafter.gamma
     valids = [chain_row_mask(lm, lengths, s, spec.coef.eagle3_row_mask) for s in range(S)]
     norms = [chain_normalizer(v, spec.coef.eagle3_normalizer) for v in valids]  # the all-rows pass's
@@ -308,10 +322,11 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
     outs = drafter(ids, batch["features"].to(dev), am if am is None else am.to(dev), rows=rows)
     # row t's target at step s: p_t at t+1+s
     srcs = [((t if rows is None or s == 0 else rows) + 1 + s).clamp(max=L - 1) for s in range(S)]
-    table = _chain_target_table(drafter, last, srcs, valids, spec)
+    table = _chain_target_table(drafter, last, srcs, valids, spec, lse)
     # per row: its row of the p_t table (read inside the chunk: no [rows, K] copy
     # per step outlives its chunk), or (too large a table) the final hidden state
-    x = table[1].view(B, L, 1) if table is not None else last
+    # (with its log-normalizer as one more column when the cache has them)
+    x = table[1].view(B, L, 1) if table is not None else last if lse is None else torch.cat([last, lse[..., None]], -1)
     # the steps' heads keep their graphs (no recomputation in the backward) when all
     # their rows together fit in one chunk, the memory one checkpointed chunk takes
     alone = sum(int(v.sum()) for v in valids) <= spec.chunk_positions
@@ -320,8 +335,10 @@ def chain_step(drafter, batch, spec: StepSpec, generator=None, log_step=True):
         logp = torch.log_softmax(drafter.draft_logits(h_).float(), -1)
         if table is not None:
             pt = table[0][x_.squeeze(-1)]
+        elif lse is None:
+            pt = drafter.draft_vocab_target_probs(x_)[0]
         else:
-            pt = drafter.restrict_to_draft_vocab(drafter.target_probs(x_))[0]
+            pt = drafter.draft_vocab_target_probs(x_[..., :-1], x_[..., -1])[0]
         return soft_ce_terms(logp, pt)
 
     metrics, cs, step_losses, n_pos = {}, [], [], 0

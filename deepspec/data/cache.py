@@ -5,12 +5,18 @@
 Per sample the drafters need: ``input_ids``, the assistant ``loss_mask``, the
 concatenated outputs of the preset's feature layers (``features`` [L, m*d]) and
 the final-norm hidden state (``last_hidden`` [L, d]); logits are never stored
-(the frozen lm_head recomputes them).
+(the frozen lm_head recomputes them). When the drafters draft from a reduced
+vocabulary (drafter.draft_vocab_size), also the log-normalizer of the target's
+logits at each position (``target_lse`` [L], `Target.log_normalizer` of the
+stored ``last_hidden``): with it a row of p_t costs the K draft-vocabulary
+columns of the LM head in training instead of all V.
 
 On-disk format (``FORMAT`` version ``VERSION``), a directory holding
   * ``shard-NNNNN.safetensors``: the shard's samples concatenated along the
     token axis - ``input_ids`` int32 [T], ``loss_mask`` uint8 [T],
-    ``features`` [T, m*d] and ``last_hidden`` [T, d] in cache.dtype, and
+    ``features`` [T, m*d] and ``last_hidden`` [T, d] in cache.dtype,
+    ``target_lse`` float32 [T] where the manifest says so (``target_lse``;
+    a cache without it trains with p_t from all V logits), and
     ``offsets`` int64 [n+1] (sample j is rows offsets[j]:offsets[j+1]); the
     sample ids are in the safetensors metadata (key ``deepspec``);
   * ``manifest.json``, written last and atomically: format, version, target,
@@ -96,10 +102,18 @@ def forward_plan(lengths: Sequence[int], cache: Cache) -> list[list[int]]:
     return [b for s, e in plan_shards(lengths, cache.shard_tokens) for b in plan_batches(lengths, s, e, cache.batch_size)]
 
 
-def forward_features(target, layers: Sequence[int], rows: Sequence, dtype: torch.dtype):
+def stores_log_normalizers(cfg: Settings | Mapping) -> bool:
+    """Whether the cache (and online mode) carries target_lse: the drafters draft
+    from a reduced vocabulary, where it spares the LM head's other V - K columns."""
+    return Settings.view(cfg).drafter.draft_vocab_size is not None
+
+
+def forward_features(target, layers: Sequence[int], rows: Sequence, dtype: torch.dtype, lse: bool = False):
     """One right-padded target forward over `rows` (token id sequences), on the
     target's device: (features [N, Lmax, m*d], last_hidden [N, Lmax, d]) rounded
-    to `dtype`, padded positions included (callers drop or zero them)."""
+    to `dtype` and, with `lse`, the log-normalizer of the target's logits on that
+    rounded last_hidden (float32 [N, Lmax]; else None), padded positions included
+    (callers drop or zero them)."""
     L = max(len(r) for r in rows)
     pad = target.tokenizer.pad_token_id or 0
     ids = torch.full((len(rows), L), pad, dtype=torch.long)
@@ -108,13 +122,17 @@ def forward_features(target, layers: Sequence[int], rows: Sequence, dtype: torch
         ids[r, : len(x)] = x if torch.is_tensor(x) else torch.from_numpy(np.array(x, dtype=np.int64))
         am[r, : len(x)] = 1
     feats, last = target.features(ids, layers, attention_mask=am)  # no_grad
-    return feats.to(dtype), last.to(dtype)
+    last = last.to(dtype)
+    return feats.to(dtype), last, target.log_normalizer(last) if lse else None
 
 
-def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype):
-    """One padded forward; per sample (features [L, m*d], last_hidden [L, d]) rounded to `dtype`, on the CPU."""
-    feats, last = forward_features(target, layers, [s.input_ids for s in samples], dtype)
-    return [(feats[r, : len(s.input_ids)].cpu(), last[r, : len(s.input_ids)].cpu()) for r, s in enumerate(samples)]
+def compute_rows(target, layers: Sequence[int], samples: Sequence[TokenizedSample], dtype: torch.dtype,
+                 lse: bool = False):
+    """One padded forward; per sample {features [L, m*d], last_hidden [L, d]} rounded
+    to `dtype` (and target_lse [L] float32 with `lse`), on the CPU."""
+    out = dict(zip(("features", "last_hidden", "target_lse"),
+                   forward_features(target, layers, [s.input_ids for s in samples], dtype, lse)))
+    return [{k: x[r, : len(s.input_ids)].cpu() for k, x in out.items() if x is not None} for r, s in enumerate(samples)]
 
 
 def data_fingerprint(cfg: Settings | Mapping, target_id: str, samples: TokenArrays) -> str:
@@ -130,6 +148,8 @@ def data_fingerprint(cfg: Settings | Mapping, target_id: str, samples: TokenArra
     compute = cache_precision(s)
     if compute != s.target.dtype:
         settings["compute_dtype"] = compute
+    if stores_log_normalizers(s):  # named only when stored: caches without target_lse keep their fingerprints
+        settings["target_lse"] = True
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(samples.digest.encode())
     return h.hexdigest()
@@ -143,9 +163,10 @@ def _read_state(path: Path) -> dict:
         return {}
 
 
-def bytes_per_token(n_layers: int, hidden: int, dtype: str) -> int:
-    """int32 id + uint8 mask + (m*d + d) hidden values (offsets are per sample, negligible)."""
-    return 4 + 1 + (n_layers + 1) * hidden * DTYPES[dtype].itemsize
+def bytes_per_token(n_layers: int, hidden: int, dtype: str, lse: bool = False) -> int:
+    """int32 id + uint8 mask + (m*d + d) hidden values (+ float32 target_lse with `lse`;
+    offsets are per sample, negligible)."""
+    return 4 + 1 + (n_layers + 1) * hidden * DTYPES[dtype].itemsize + (4 if lse else 0)
 
 
 def _hidden_size(cfg: Settings | Mapping, target=None) -> int:
@@ -163,8 +184,7 @@ def _write_shard(path: Path, samples: Sequence[TokenizedSample], rows) -> None:
     tensors = {
         "input_ids": torch.from_numpy(np.concatenate([np.asarray(s.input_ids, dtype=np.int32) for s in samples])),
         "loss_mask": torch.from_numpy(np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in samples])),
-        "features": torch.cat([f for f, _ in rows]).contiguous(),
-        "last_hidden": torch.cat([h for _, h in rows]).contiguous(),
+        **{k: torch.cat([r[k] for r in rows]).contiguous() for k in rows[0]},  # features, last_hidden[, target_lse]
         "offsets": offsets,
     }
     # One metadata key: safetensors writes the metadata map in hash order, and
@@ -193,7 +213,7 @@ def build_cache(
                                        record=paths.tokens_record())
     lengths = samples.lengths()
     n_tokens, hidden = sum(lengths), _hidden_size(s, target)
-    bpt = bytes_per_token(len(s.target.feature_layers), hidden, s.cache.dtype)
+    bpt = bytes_per_token(len(s.target.feature_layers), hidden, s.cache.dtype, stores_log_normalizers(s))
     estimate = {"samples": len(samples), "tokens": n_tokens, "bytes_per_token": bpt, "estimated_bytes": bpt * n_tokens}
     msg = (f"target cache estimate: {len(samples)} samples, {n_tokens} tokens x {bpt} bytes/token = "
            f"{human_bytes(bpt * n_tokens)} ({bpt * n_tokens} bytes)")
@@ -251,7 +271,7 @@ def _write_shards(s: Settings, target, samples: TokenArrays, out: Path, progress
     from tqdm.auto import tqdm
 
     c = s.cache
-    layers, dtype = list(s.target.feature_layers), DTYPES[c.dtype]
+    layers, dtype, lse = list(s.target.feature_layers), DTYPES[c.dtype], stores_log_normalizers(s)
     lengths = samples.lengths()
     shards = plan_shards(lengths, c.shard_tokens)
     out.mkdir(parents=True, exist_ok=True)
@@ -270,7 +290,7 @@ def _write_shards(s: Settings, target, samples: TokenArrays, out: Path, progress
             else:
                 rows: dict[int, tuple] = {}
                 for batch in plan_batches(lengths, start, end, c.batch_size):
-                    rows.update(zip(batch, compute_rows(target, layers, [samples[j] for j in batch], dtype)))
+                    rows.update(zip(batch, compute_rows(target, layers, [samples[j] for j in batch], dtype, lse)))
                     new_tokens += sum(lengths[j] for j in batch)
                     bar.update(sum(lengths[j] for j in batch))
                     bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - t0):.0f} tok/s", refresh=False)
@@ -317,6 +337,7 @@ def _manifest(s: Settings, target_id: str, samples, stats: dict, hidden: int, fp
         "compute_dtype": compute_dtype,
         "hidden_size": hidden,
         "feature_dim": hidden * len(t.feature_layers),
+        "target_lse": stores_log_normalizers(s),
         "num_samples": len(samples),
         "num_tokens": n_tokens,
         "num_loss_tokens": int(np.count_nonzero(samples.loss_mask)),
@@ -344,6 +365,11 @@ def read_manifest(cache_dir: str | os.PathLike) -> dict:
     return m
 
 
+def has_log_normalizers(manifest: Mapping) -> bool:
+    """Whether a cache's shards hold target_lse (a manifest without the key predates it)."""
+    return bool(manifest.get("target_lse", False))
+
+
 def validate_cache(cache_dir: str | os.PathLike, *, checksums: bool = True) -> dict:
     """Check the manifest, every shard's presence, size, sha256 and layout; the
     first problem raises a one-line DeepSpecError naming the shard."""
@@ -367,7 +393,8 @@ def validate_cache(cache_dir: str | os.PathLike, *, checksums: bool = True) -> d
         try:
             with safe_open(str(p), framework="pt") as f:
                 offsets = f.get_tensor("offsets")
-                shapes = {k: f.get_slice(k).get_shape() for k in ("input_ids", "loss_mask", *widths)}
+                names = ("input_ids", "loss_mask", *widths, *(("target_lse",) if has_log_normalizers(m) else ()))
+                shapes = {k: f.get_slice(k).get_shape() for k in names}
                 dtypes = {k: f.get_slice(k).get_dtype() for k in widths}
         except Exception as e:  # safetensors raises several types for a damaged header
             raise DeepSpecError(f"shard {sh['file']} is corrupt: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

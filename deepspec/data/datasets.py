@@ -4,7 +4,8 @@ target on the fly (``cache.mode: online``), and their batches.
 
 The cache's samples are ``input_ids`` long [L], ``loss_mask`` bool [L],
 ``features`` float32 [L, m*d] (the feature layers, rounded through the cache
-dtype) and ``last_hidden`` float32 [L, d]; `collate` pads them into a batch
+dtype), ``last_hidden`` float32 [L, d] and, with a reduced draft vocabulary,
+``target_lse`` float32 [L] (the target's log-normalizers); `collate` pads them into a batch
 (docs/INTERFACES.md). Online samples are the tokens alone, and their collate
 function, `OnlineFeatures`, adds the same features from one target forward
 per micro batch on the training device (`train_collate` picks it).
@@ -23,17 +24,28 @@ from ..errors import DeepSpecError
 from ..files import sha256_file
 from ..paths import RunPaths
 from ..settings import Settings
-from .cache import DTYPES, cache_target, data_fingerprint, forward_features, validate_cache
+from .cache import (
+    DTYPES,
+    cache_target,
+    data_fingerprint,
+    forward_features,
+    has_log_normalizers,
+    stores_log_normalizers,
+    validate_cache,
+)
 from .conversations import TokenArrays, tokenized_samples
 
 
-def _sample_dict(ids, mask, feats, last) -> dict:
-    return {
+def _sample_dict(ids, mask, feats, last, lse=None) -> dict:
+    out = {
         "input_ids": torch.as_tensor(ids).long(),
         "loss_mask": torch.as_tensor(mask).bool(),
         "features": feats.float(),
         "last_hidden": last.float(),
     }
+    if lse is not None:
+        out["target_lse"] = lse.float()
+    return out
 
 
 class CacheDataset(torch.utils.data.Dataset):
@@ -47,6 +59,8 @@ class CacheDataset(torch.utils.data.Dataset):
         self.dir = Path(cache_dir)
         self.manifest = manifest or validate_cache(self.dir, checksums=False)
         self.fingerprint = self.manifest["fingerprint"]  # the data's, same as OnlineDataset's
+        self.names = ("input_ids", "loss_mask", "features", "last_hidden",
+                      *(("target_lse",) if has_log_normalizers(self.manifest) else ()))  # as the cache has them
         self._index: list[tuple[int, int, int]] = []  # (shard, row start, row end)
         self.ids: list[str] = []
         for k, sh in enumerate(self.manifest["shards"]):
@@ -75,7 +89,7 @@ class CacheDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         k, a, b = self._index[i]
         f = self._open(k)
-        return _sample_dict(*(f.get_slice(n)[a:b] for n in ("input_ids", "loss_mask", "features", "last_hidden")))
+        return _sample_dict(*(f.get_slice(n)[a:b] for n in self.names))
 
 
 class OnlineDataset(torch.utils.data.Dataset):
@@ -116,14 +130,18 @@ class OnlineFeatures:
         self.target = target
         self.layers = list(s.target.feature_layers)
         self.dtype = DTYPES[s.cache.dtype]
+        self.lse = stores_log_normalizers(s)
         self.forwards = self.tokens = self.padded_tokens = 0
 
     def __call__(self, samples: Sequence[dict]) -> dict:
         batch = collate(samples)
-        feats, last = forward_features(self.target, self.layers, [s["input_ids"] for s in samples], self.dtype)
+        feats, last, lse = forward_features(self.target, self.layers, [s["input_ids"] for s in samples], self.dtype,
+                                            self.lse)
         keep = batch["attention_mask"].to(feats.device)[..., None]
         batch["features"] = feats.float().masked_fill_(~keep, 0.0)
         batch["last_hidden"] = last.float().masked_fill_(~keep, 0.0)
+        if lse is not None:
+            batch["target_lse"] = lse.masked_fill_(~keep[..., 0], 0.0)
         self.forwards += 1
         self.tokens += int(batch["attention_mask"].sum())
         self.padded_tokens += batch["attention_mask"].numel()
@@ -172,12 +190,14 @@ def train_collate(dataset) -> Callable[[Sequence[dict]], dict]:
 
 def collate(samples: Sequence[dict]) -> dict:
     """Right-pad samples to [N, Lmax] (zeros / False) and add attention_mask bool
-    [N, Lmax]; the keys of the first sample (online samples have no features)."""
+    [N, Lmax]; the keys of the first sample (online samples have no features).
+    Padded positions are outside every loss and metric (their p_t is never read
+    unmasked), so zero target_lse there is as good as any."""
     if not samples:
         raise ValueError("collate: empty batch")
     N, L = len(samples), max(s["input_ids"].shape[0] for s in samples)
     out = {"attention_mask": torch.zeros((N, L), dtype=torch.bool)}
-    for k in [k for k in ("input_ids", "loss_mask", "features", "last_hidden") if k in samples[0]]:
+    for k in [k for k in ("input_ids", "loss_mask", "features", "last_hidden", "target_lse") if k in samples[0]]:
         first = samples[0][k]
         out[k] = torch.zeros((N, L, *first.shape[1:]), dtype=first.dtype)
         for r, s in enumerate(samples):

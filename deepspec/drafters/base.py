@@ -262,6 +262,21 @@ class DrafterBase(PreTrainedModel):
         z = self._shared.lm_head(last_hidden.to(self._shared.lm_head.weight.dtype)).float()
         return torch.softmax(self._softcap(z), -1)
 
+    @torch.no_grad()
+    def draft_vocab_target_probs(self, last_hidden: torch.Tensor, log_normalizer: Optional[torch.Tensor] = None):
+        """p_t on the draft vocabulary [..., K] and the target mass outside it [...]
+        (None when the vocabularies coincide), as `restrict_to_draft_vocab(target_probs(.))`.
+        With the target's log-normalizer of these states [...] (`Target.log_normalizer`,
+        stored in the cache) only the K draft columns of the LM head are computed:
+        p_t = exp(z_K - log sum_V exp z)."""
+        if log_normalizer is None or not self.reduced_vocab:
+            return self.restrict_to_draft_vocab(self.target_probs(last_hidden))
+        self._require_target()
+        w, b = self._shared.head_w, self._shared.head_b
+        z = self._softcap(torch.nn.functional.linear(last_hidden.to(w.dtype), w, b).float())
+        pin = torch.exp(z - log_normalizer.to(z.device, torch.float32).unsqueeze(-1))
+        return pin, (1.0 - pin.sum(-1)).clamp_min(0.0)
+
     def restrict_to_draft_vocab(self, pt: torch.Tensor):
         """Target probabilities [..., V] on the draft vocabulary [..., K], plus the
         target mass outside it [...] (None when the vocabularies coincide)."""

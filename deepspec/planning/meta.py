@@ -253,13 +253,15 @@ def synthetic_batch(micro_batch: int, length: int, prompt: int, vocab: int, n_fe
         "attention_mask": torch.ones(micro_batch, length, dtype=torch.bool),
         "features": torch.empty(micro_batch, length, n_features * hidden, device="meta", dtype=dtype),
         "last_hidden": torch.empty(micro_batch, length, hidden, device="meta", dtype=dtype),
+        "target_lse": torch.empty(micro_batch, length, device="meta", dtype=torch.float32),
     }
 
 
 def measure_step(drafter, target: Target, batch: dict, spec, seed: int = 0) -> dict:
     """FLOPs (forward, forward+backward) and activation bytes of one real training
     step (`drafter.training_step` + backward) on meta (see the module docstring)."""
-    exclude = [*drafter.parameters(), *target.model.parameters(), batch["features"], batch["last_hidden"]]
+    exclude = [*drafter.parameters(), *target.model.parameters(), batch["features"], batch["last_hidden"],
+               batch["target_lse"]]
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     r = measure(lambda: drafter.training_step(batch, spec, gen, log_step=False), exclude)
@@ -271,15 +273,18 @@ def measure_step(drafter, target: Target, batch: dict, spec, seed: int = 0) -> d
     return r
 
 
-def measure_target_forward(target: Target, batch: dict, layers) -> int:
-    """FLOPs of the target forward that online mode runs per micro-batch (features + final hidden state)."""
+def measure_target_forward(target: Target, batch: dict, layers, lse: bool = False) -> int:
+    """FLOPs of the target forward that online mode runs per micro-batch (features + final
+    hidden state, and with `lse` the LM head's log-normalizers, `Target.log_normalizer`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     ids = batch["input_ids"].to("meta")
     with fused_attention(), MetaShadow() as shadow:
         shadow.shadow[ids] = batch["input_ids"]
         with FlopCounterMode(display=False) as fc, torch.no_grad():
-            target.features(ids, layers, attention_mask=None)
+            _, last = target.features(ids, layers, attention_mask=None)
+            if lse:
+                target.log_normalizer(last)
     return int(fc.get_total_flops())
 
 

@@ -10,7 +10,8 @@ For a preset it prints a table and writes ``results/<target>/plan.json``
   from their ``reference`` field, capped at ``regenerate.max_new_tokens``);
 * **cache** - bytes per token of the offline cache (`cache.bytes_per_token`:
   the feature layers + the final hidden state at ``cache.dtype``, plus the int32
-  id and uint8 loss mask), its total, and, for online mode, the target forwards
+  id and uint8 loss mask, and the float32 log-normalizer with a reduced draft
+  vocabulary), its total, and, for online mode, the target forwards
   each step adds: one per micro batch (`online_target_forwards`, what
   `train_data.OnlineFeatures` runs and counts), each measured as below over
   micro_batch sequences of the expected length;
@@ -63,7 +64,7 @@ from typing import Optional
 import torch
 
 from ..core.target import Target
-from ..data.cache import bytes_per_token
+from ..data.cache import bytes_per_token, stores_log_normalizers
 from ..errors import DeepSpecError
 from ..files import human_bytes, write_json_atomic
 from ..paths import RunPaths
@@ -159,12 +160,15 @@ def online_target_forwards(train: Train, total_steps: int) -> int:
 
 def cache_section(s: Settings, target: Target, data: dict, online_flops_per_step: int) -> dict:
     c, layers = s.cache, s.target.feature_layers
-    bpt = bytes_per_token(len(layers), target.hidden_size, c.dtype)
+    lse = stores_log_normalizers(s)
+    bpt = bytes_per_token(len(layers), target.hidden_size, c.dtype, lse)
     hidden_bytes = (len(layers) + 1) * target.hidden_size * torch.empty(0, dtype=getattr(torch, c.dtype)).element_size()
     return {
         "mode": c.mode, "dtype": c.dtype, "feature_layers": len(layers), "hidden_size": target.hidden_size,
         "hidden_bytes_per_token": hidden_bytes, "bytes_per_token": bpt,
-        "bytes_per_token_note": "(feature layers + final hidden state) x hidden x dtype bytes, + int32 id + uint8 loss mask",
+        "target_lse": lse,
+        "bytes_per_token_note": "(feature layers + final hidden state) x hidden x dtype bytes, + int32 id + uint8 loss mask"
+                                + (" + float32 target_lse" if lse else ""),
         "offline_total_bytes": bpt * data["tokens"],
         "online_target_forward_flops_per_step": online_flops_per_step,
     }
@@ -420,7 +424,8 @@ def build_plan(cfg, hw: dict, offline: bool = False, methods: Optional[list[str]
     data = data_section(s)
     mb = s.train.micro_batch
     fwd = measure_target_forward(target, synthetic_batch(mb, data["tokens_per_sample"], 0, target.vocab_size,
-                                                         len(layers), target.hidden_size), layers)
+                                                         len(layers), target.hidden_size), layers,
+                                 stores_log_normalizers(s))
     online_per_step = fwd * online_target_forwards(s.train, 1)  # fwd: one micro batch's forward
     names = methods or list(s.train.methods)
     per_method = {m: method_section(m, s, target, data) for m in names}
@@ -472,7 +477,7 @@ def format_plan(plan: dict) -> str:
             ("data: regenerated tokens", f"{_n(d['regenerated_tokens'])} (at most {_n(d['regenerated_tokens_upper_bound'])})"),
             ("cache: bytes per token", f"{c['bytes_per_token']:,} = ({c['feature_layers']} feature layers + final hidden) x "
                                        f"{c['hidden_size']} x {c['hidden_bytes_per_token'] // ((c['feature_layers'] + 1) * c['hidden_size'])} B "
-                                       f"({c['dtype']}) + 4 B id + 1 B loss mask"),
+                                       f"({c['dtype']}) + 4 B id + 1 B loss mask" + (" + 4 B log-normalizer" if c["target_lse"] else "")),
             ("cache: offline total", f"{human_bytes(c['offline_total_bytes'])} = {_n(c['offline_total_bytes'])}B ({_n(d['tokens'])} tokens); "
                                      f"cache.mode here: {c['mode']}"),
             ("cache: online extra per step", f"target forward {_n(c['online_target_forward_flops_per_step'])}FLOP "

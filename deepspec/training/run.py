@@ -19,7 +19,7 @@ import torch
 from ..config import rule_settings
 from ..core.losses import LossWeights
 from ..core.train_step import StepSpec
-from ..data.cache import bytes_per_token
+from ..data.cache import bytes_per_token, stores_log_normalizers
 from ..errors import DeepSpecError
 from ..files import human_bytes
 from ..paths import RunPaths
@@ -83,7 +83,7 @@ def check_step_memory(cfg: Settings | Mapping, drafter, target, num_samples: int
     params = {"trainable": sum(p.numel() for p in own if p.requires_grad),
               "frozen_own": sum(p.numel() for p in own if not p.requires_grad)}
     features = t.micro_batch * s.data.max_length * bytes_per_token(
-        len(s.target.feature_layers), target.hidden_size, s.cache.dtype)
+        len(s.target.feature_layers), target.hidden_size, s.cache.dtype, stores_log_normalizers(s))
     mem = training_memory(s, sum(p.numel() for p in target.model.parameters()), params, features)
     parts = {k: mem[k] for k in _MEMORY_PARTS if k in mem}
     parts["data_order"] = data_order_bytes(num_samples, t.global_batch)
