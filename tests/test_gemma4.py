@@ -100,6 +100,19 @@ def test_draft_config_uses_full_attention_geometry(gemma4_target, gemma4_cfg):
     assert d._shared.softcap == 30.0
 
 
+def test_draft_vocab_target_probs_soft_capped(gemma4_target, gemma4_cfg):
+    """The target's log-normalizer soft-caps the logits as p_t does: p_t on a reduced
+    draft vocabulary from its K logits and the normalizer equals the capped full softmax."""
+    cfg = {**gemma4_cfg, "drafter": {**gemma4_cfg["drafter"], "draft_vocab_size": 128}}
+    d = build_drafter("dspark", gemma4_target, cfg, token_counts=torch.arange(gemma4_target.vocab_size, 0, -1))
+    x = 4.0 * torch.randn(3, 5, gemma4_target.hidden_size, generator=torch.Generator().manual_seed(0))
+    want_pt, want_out = d.restrict_to_draft_vocab(d.target_probs(x))
+    pt, out = d.draft_vocab_target_probs(x, gemma4_target.log_normalizer(x))
+    assert torch.allclose(pt, want_pt, rtol=1e-5, atol=1e-8) and torch.allclose(out, want_out, atol=1e-5)
+    raw = torch.logsumexp(gemma4_target.lm_head(x).float(), -1)
+    assert not torch.allclose(gemma4_target.log_normalizer(x), raw, atol=1e-3)  # the cap is applied
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "dspark"])
 def test_drafter_layers_are_gemma4_layers(gemma4_target, gemma4_cfg, method):
     """Eagle3 uses DeepSeek's Gemma4 Eagle3 layer (transformers' Gemma4 attention with
