@@ -450,6 +450,52 @@ def test_grouped_attention_is_exact(tiny_target, drafters, plain_greedy, monkeyp
     assert {i: f.tokens for i, f in got.items()} == plain_greedy
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_gqa_attention_equals_transformers_sdpa(dtype):
+    """folded_gqa_sdpa (each K/V head's query heads folded into the query length)
+    against transformers' sdpa_attention_forward, which repeats K/V or passes
+    enable_gqa: bit for bit with a verification round's mask (left padding, causal
+    chunk) and without a mask (non-causal), in fp32 and bf16. Where folding does not
+    apply (one query, causal without a mask, a per-head mask, gradients) it is
+    transformers' call."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from deepspec.core.batch_cache import folded_gqa_sdpa, grouped_query_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    for R, Lq, Lk in [(4, 8, 37), (16, 8, 300), (3, 5, 5)]:
+        q, k, v = (torch.randn(R, h, n, 16, generator=g).to(dtype) for h, n in ((9, Lq), (3, Lk), (3, Lk)))
+        mask = torch.ones(R, 1, Lq, Lk, dtype=torch.bool)
+        mask[:, :, :, -Lq:] = torch.ones(Lq, Lq, dtype=torch.bool).tril()
+        mask[1:, :, :, :2] = False  # left padding
+        for m, causal in ((mask, None), (None, False)):
+            got, _ = folded_gqa_sdpa(module, q, k, v, m, scaling=0.25, is_causal=causal)
+            for force in (False, True):  # repeat_kv, or torch's enable_gqa
+                with grouped_query_sdpa(force):
+                    want, _ = sdpa_attention_forward(module, q, k, v, m, scaling=0.25, is_causal=causal)
+                assert got.shape == want.shape == (R, Lq, 9, 16)
+                assert torch.equal(got, want)
+    q, k, v = torch.randn(2, 9, 4, 16), torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4, 16)
+    per_head = torch.rand(2, 9, 4, 4) > 0.3
+    per_head[..., 0] = True
+    for m, qq in ((None, q), (per_head, q), (None, q[:, :, :1])):
+        with grouped_query_sdpa(True):
+            got, _ = folded_gqa_sdpa(module, qq, k, v, m)
+            want, _ = sdpa_attention_forward(module, qq, k, v, m)
+        assert torch.equal(got, want)
+    q.requires_grad_(True)
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                   lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+        folded_gqa_sdpa(module, q, k, v, torch.ones(2, 1, 4, 4, dtype=torch.bool)).__getitem__(0).sum().backward()
+    assert calls == [torch.Size([2, 9, 4, 16])]  # under autograd: transformers' own call, heads not folded
+
+
 def test_propose_batch_in_context_length_groups(tiny_target, drafters, monkeypatch):
     """Drafters split the batch by context length (no per-group overhead: every
     length its own group); each row still drafts what it drafts alone."""

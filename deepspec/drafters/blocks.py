@@ -18,9 +18,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
 from ..architectures import ARCHITECTURES, check_model_type, same_layers  # noqa: F401
+from ..core.batch_cache import folded_gqa_sdpa
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -60,14 +59,14 @@ def blocks_for(config) -> SimpleNamespace:
 
 
 def attention(attn: nn.Module, q, k, v, mask) -> torch.Tensor:
-    """transformers' sdpa attention (GQA aware) with a boolean mask (True = attend)
-    or none (full attention), or torch's flex_attention when `mask` is a flex
-    `BlockMask` (the block drafters' training pass on CUDA, `flex_attention`);
-    returns [B, Lq, H*hd] before o_proj."""
+    """transformers' sdpa attention (GQA aware; on CPU with the query heads folded,
+    `folded_gqa_sdpa`) with a boolean mask (True = attend) or none (full attention),
+    or torch's flex_attention when `mask` is a flex `BlockMask` (the block drafters'
+    training pass on CUDA, `flex_attention`); returns [B, Lq, H*hd] before o_proj."""
     if isinstance(mask, BlockMask):
         out = flex_attend(q, k, v, mask, attn.scaling)
     else:
-        out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
+        out, _ = folded_gqa_sdpa(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, is_causal=False)
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
