@@ -308,7 +308,7 @@ def test_vllm_gemma4_export_has_exactly_the_loaders_names(gemma4_target, gemma4_
 
 # --------------------------------------------------------------------------- SGLang's DSPARK (Qwen3DSparkModel)
 # Names and shapes SGLang's Qwen3DSparkModel holds, read from the sglang 0.5.23 wheel (PyPI,
-# python/sglang/srt/...; not installed, not imported): for the tiny Qwen3 drafter of these tests
+# python/sglang/srt/...; not imported here: tests/engine/test_sglang_loaders.py runs that class's loader): for the tiny Qwen3 drafter of these tests
 # (d 64, 4 heads, 2 KV heads, head_dim 16, intermediate 128, V 512, rank 32, 2 draft layers, 2 feature layers).
 #   models/dflash.py:745 norm, :772 fc = Linear(num_context_features * hidden, hidden) (m * d -> d), :775 hidden_norm;
 #     per layer :238-250 qkv_proj (loaded from q/k/v_proj, stacked mapping :887-893), o_proj, q_norm/k_norm [head_dim],

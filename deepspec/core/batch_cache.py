@@ -62,7 +62,7 @@ def folded_gqa_sdpa(module, query, key, value, attention_mask, dropout: float = 
     k/v [B, Hkv, Lk, hd], the mask (shared by the heads) repeated G times along the
     queries. Every query row meets the same keys and mask as with `enable_gqa` or
     `repeat_kv`, so the output is the same (bit for bit on torch 2.13's CPU kernel,
-    tests/test_batch_cache.py), while torch's CPU flash kernel runs G times fewer,
+    tests/test_engine.py), while torch's CPU flash kernel runs G times fewer,
     G times longer (batch, head) tiles: 1.2-1.45x faster for a round's 8 queries
     against 128-2,400 keys in bf16 (SmolLM2, G = 3), and no K/V copy where transformers
     would repeat them (a masked multi-token call without TRANSFORMERS_SDPA_FORCE_GQA).

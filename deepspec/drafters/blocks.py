@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
 from ..architectures import ARCHITECTURES, check_model_type, same_layers  # noqa: F401
 from ..core.batch_cache import folded_gqa_sdpa
 
