@@ -75,7 +75,7 @@ def test_plan_builds_the_real_text_model_type():
 
 
 def test_preflight_refuses_an_unknown_text_model_type(tmp_path, monkeypatch):
-    cfg = load_config("tiny")
+    cfg = load_config("tiny", {"resources_dir": str(tmp_path / "resources")})  # no prepared checkpoint to read
     monkeypatch.setattr(target_facts, "REPO_ROOT", tmp_path)
     monkeypatch.setattr(target_facts, "FACTS_DIR", tmp_path / "config" / "targets")
     (tmp_path / "config" / "targets").mkdir(parents=True)
