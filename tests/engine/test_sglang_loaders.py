@@ -6,7 +6,8 @@ fed the export through their `load_weights`. Every parameter SGLang holds must b
 reached by a tensor of the export (its loaders skip names they do not know without
 a word) and equal the drafter's, q/k/v and gate/up stacked as SGLang stacks them;
 SGLang must read the drafter's settings (block, Markov head, mask token, feature
-layers, confidence head) from the config."""
+layers, confidence head) from the config. The EAGLE-3 drafters have the tiny preset's
+2 feature layers: SGLang sizes `fc` from the config's layer list, not for 3."""
 import json
 import subprocess
 from pathlib import Path
