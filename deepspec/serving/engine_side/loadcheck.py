@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 import torch
@@ -165,15 +164,10 @@ def _one_process_group() -> None:
 
 
 def main(argv) -> int:
+    from cases import run_cases  # engine_side/cases.py, beside this script
+
     request = json.loads(Path(argv[0]).read_text())
-    results = {}
-    for case in request["cases"]:
-        try:
-            results[case["name"]] = check_case(case, request.get("dtype", "float32"))
-        except Exception as e:  # reported per case; the test names it
-            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    Path(argv[1]).write_text(json.dumps(results, indent=2, default=str))
-    return 0
+    return run_cases(request, argv[1], lambda case: check_case(case, request.get("dtype", "float32")))
 
 
 if __name__ == "__main__":

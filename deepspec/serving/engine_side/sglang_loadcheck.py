@@ -34,7 +34,6 @@ import json
 import os
 import socket
 import sys
-import traceback
 import types
 from pathlib import Path
 
@@ -140,15 +139,9 @@ def main(argv) -> int:
     _rotary_kernel_placeholder()
     _one_process_group()
     import sglang
+    from cases import run_cases  # engine_side/cases.py, beside this script
 
-    results = {"sglang": sglang.__version__}
-    for case in request["cases"]:
-        try:
-            results[case["name"]] = check_case(case, where)
-        except Exception as e:  # reported per case; the test names it
-            results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    Path(argv[1]).write_text(json.dumps(results, indent=2, default=str))
-    return 0
+    return run_cases(request, argv[1], lambda case: check_case(case, where), {"sglang": sglang.__version__})
 
 
 if __name__ == "__main__":
