@@ -18,8 +18,9 @@ import pytest
 from deepspec import cli
 from deepspec.config import load_config
 from deepspec.data import sources as pd_mod
+from deepspec.data.catalog import BOXED_SUFFIX
 from deepspec.data.prompts import read_turns_jsonl
-from deepspec.data.sources import BOXED_SUFFIX, SUMS_FILE, check_sources, prepare_data, read_sums
+from deepspec.data.sources import SUMS_FILE, check_sources, prepare_data, read_sums
 from deepspec.errors import DeepSpecError
 
 from helpers import copy_workflow
