@@ -39,7 +39,7 @@ def setup(tmp_path_factory, tiny_cfg, tiny_target):
     return results / "tiny" / "eval", args
 
 
-def test_baseline_evaluate_schedule(setup, shared_data):
+def test_baseline_evaluate_schedule(setup, shared_data, tiny_target):
     ev, args = setup
     with pytest.raises(DeepSpecError, match="--benchmark nope: not a timed benchmark of this preset"):
         cli_baseline(args + ["--benchmark", "nope"])
@@ -103,6 +103,14 @@ def test_baseline_evaluate_schedule(setup, shared_data):
     assert len(cal) == 7 and (cal["ece_after"] >= 0).all()
     alg1 = json.loads((ev / "dspark/gsm8k.alg1.json").read_text())
     assert alg1["sps"]["batch_tokens"] == list(range(1, 17)) and min(alg1["sps"]["steps_per_s"]) > 0
+    # whole numbers as ints: export-checkpoint --sps (SGLang's SPS table) takes this file as it is
+    assert all(type(b) is int for b in alg1["sps"]["batch_tokens"])
+    from deepspec.drafters import load_drafter
+    from deepspec.formats.sglang import SGLANG_SPS_FILE, SGLANG_STS_FILE, sglang_files
+
+    d = load_drafter(ev.parent / "drafters/dspark", tiny_target)
+    files = sglang_files(d, sts=ev / "dspark/gsm8k.alg1.json", sps=ev / "dspark/gsm8k.alg1.json")
+    assert files[SGLANG_SPS_FILE]["sample_batch_tokens"] == list(range(1, 17)) and len(files[SGLANG_STS_FILE]["temperatures"]) == 7
     assert [x["batch"] for x in alg1["simulations"]] == [1, 2]
     assert all(x["theta_alg1"] > 0 and x["theta_fixed"] > 0 for x in alg1["simulations"])
 

@@ -405,6 +405,18 @@ def test_sglang_sts_and_sps_files(qwen3_target, qwen3_cfg, tmp_path):
     (short / "gsm8k.alg1.json").write_text(json.dumps(a))
     _fails_with(d, qwen3_target, tmp_path / "sh", "ends at 4 tokens, short of one request's 8", engine="sglang",
                 sps=short / "gsm8k.alg1.json")
+    # batch tokens as whole floats (alg1.json written before schedule wrote ints) export as ints; 1.5 does not
+    floats = tmp_path / "floats"
+    floats.mkdir()
+    a["sps"] = {"batch_tokens": [1.0, 2.0, 4.0, 8.0], "steps_per_s": [50.0, 49.0, 46.0, 40.0]}
+    (floats / "gsm8k.alg1.json").write_text(json.dumps(a))
+    out3 = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s3", engine="sglang",
+                                 sps=floats / "gsm8k.alg1.json")
+    assert json.loads((out3 / sglang.SGLANG_SPS_FILE).read_text())["sample_batch_tokens"] == [1, 2, 4, 8]
+    a["sps"]["batch_tokens"][1] = 1.5
+    (floats / "gsm8k.alg1.json").write_text(json.dumps(a))
+    _fails_with(d, qwen3_target, tmp_path / "fl", "must be increasing integers", engine="sglang",
+                sps=floats / "gsm8k.alg1.json")
     bare = tmp_path / "bare"
     bare.mkdir()
     out2 = export.export_drafter(d, qwen3_target, "deepspec", tmp_path / "s2", engine="sglang", sts=_alg1(bare, ece=False))

@@ -61,7 +61,7 @@ def schedule(s: Settings, method: str, benchmark: str, records: str | None = Non
             for R in range(1, max(sizes) // (gamma + 1) + 1) if full.sum() >= R]
     alg1 = {"target": s.target.name, "method": method, "benchmark": benchmark, "gamma": gamma,
             "sts_temperatures": temps.tolist(), "n_rounds_fit": int(fit.sum()), "n_rounds_eval": int(full.sum()),
-            "sps": {"batch_tokens": sps.batch_tokens.tolist(), "steps_per_s": sps.steps_per_s.tolist()},
+            "sps": {"batch_tokens": [int(b) for b in sps.batch_tokens], "steps_per_s": sps.steps_per_s.tolist()},
             "simulations": sims}
     write_json_atomic(base.with_suffix(".alg1.json"), json_safe(alg1))
     for sim in sims:

@@ -149,7 +149,11 @@ def sglang_files(d, sts=None, sps=None) -> dict[str, dict]:
         curve = a.get("sps") if isinstance(a.get("sps"), dict) else {}
         B, S = curve.get("batch_tokens"), curve.get("steps_per_s")
         ok = isinstance(B, list) and isinstance(S, list) and len(B) == len(S) > 0
-        ok = ok and all(isinstance(b, int) and b >= 1 for b in B) and B == sorted(set(B))
+        # whole numbers, written as 1 or 1.0 (schedule wrote floats before it wrote ints)
+        ok = ok and all(isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                        and b == int(b) and b >= 1 for b in B)
+        B = [int(b) for b in B] if ok else B
+        ok = ok and B == sorted(set(B))
         ok = ok and all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in S)
         if not ok:
             refuse(f"--sps {sps}", "sps.batch_tokens must be increasing integers >= 1 with one positive "
