@@ -16,7 +16,7 @@ import sys
 from .errors import DeepSpecError
 
 COMMANDS = {
-    "show-config": ("deepspec.config:cli_show_config", "print a preset with defaults filled in, after validation"),
+    "show-config": ("deepspec.planning.preflight:cli_show_config", "print a preset with defaults filled in, after the checks the DAG makes when planned"),
     "prepare-data": ("deepspec.data.sources:cli_prepare_data", "build the preset's missing prompt files from the Hugging Face hub"),
     "fetch-hub": ("deepspec.fetch:cli_fetch_hub", "fetch a hub dataset or checkpoint at a pinned revision (the DAG's fetch rules)"),
     "prepare-target": ("deepspec.targets.loading:cli_prepare_target", "convert or download a target into a plain HF checkpoint"),
@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     except DeepSpecError as e:
         print(f"deepspec {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: outputs are renamed into place only when whole
+        print(f"deepspec {args.command}: interrupted; nothing half-written was kept: rerun the same command to go on "
+              "(it resumes what it had finished)", file=sys.stderr)
+        return 130
     except OSError as e:  # the atomic writers name the output (deepspec.files.removed_on_failure)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             print(f"deepspec {args.command}: error: disk full writing {e.filename or 'output'} ({e.strerror}); "

@@ -146,13 +146,19 @@ def _non_finite(node, path: tuple = ()) -> Optional[tuple[str, float]]:
     return None
 
 
-def validate(cfg: dict, source: str = "config") -> dict:
-    """Validate and fill defaults; raise DeepSpecError with the offending key."""
+def validate(cfg: dict, source: str = "config", overrides: Mapping | None = None) -> dict:
+    """Validate and fill defaults; raise DeepSpecError with the offending key,
+    blamed on `source` (the preset file) or, where `overrides` set that key, on
+    the overrides (--set / --config)."""
     import jsonschema
+
+    def fail(key: str, message: str):
+        src = OVERRIDES if _sets(overrides, key) else source
+        raise DeepSpecError(f"{src}: {message}")
 
     bad = _non_finite(cfg)  # JSON Schema's number admits them; no setting means anything by them
     if bad:
-        raise DeepSpecError(f"{source}: invalid value for '{bad[0]}': {bad[1]} is not a finite number")
+        fail(bad[0], f"invalid value for '{bad[0]}': {bad[1]} is not a finite number")
     schema = _schema()
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(cfg), key=lambda e: (len(list(e.absolute_path)), e.message))
@@ -161,16 +167,33 @@ def validate(cfg: dict, source: str = "config") -> dict:
         if e.validator == "additionalProperties":
             extra = sorted(set(e.instance) - set(e.schema.get("properties", {})))
             key = ".".join([*map(str, e.absolute_path), extra[0]]) if extra else _where(e)
-            raise DeepSpecError(f"{source}: unknown key '{key}'")
+            fail(key, f"unknown key '{key}'")
         if e.validator == "required":
-            raise DeepSpecError(f"{source}: {_where(e)}: {e.message}")
-        raise DeepSpecError(f"{source}: invalid value for '{_where(e)}': {e.message}")
+            fail(_where(e), f"{_where(e)}: {e.message}")
+        fail(_where(e), f"invalid value for '{_where(e)}': {e.message}")
     return _fill_defaults(copy.deepcopy(cfg), schema)
+
+
+OVERRIDES = "overrides (--set / --config)"
+
+
+def _sets(overrides: Mapping | None, key: str) -> bool:
+    """Whether `overrides` (a nested dict) sets dotted `key` or a key above it."""
+    node = overrides
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+        if not isinstance(node, Mapping):
+            return True
+    return True
 
 
 def preset_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") and p.exists():
+    if p.suffix in (".yaml", ".yml") or len(p.parts) > 1:  # a file, not a preset name
+        if not p.is_file():
+            raise DeepSpecError(f"preset file not found: {name_or_path}")
         return p
     _require_checkout()
     cand = PRESETS_DIR / f"{name_or_path}.yaml"
@@ -241,7 +264,7 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
         raise DeepSpecError(f"override 'base': a preset's base is set in the preset file ({path}), not by an override")
     if overrides:
         raw = deep_merge(raw, overrides)
-    return validate(raw, source=str(path))
+    return validate(raw, source=str(path), overrides=overrides)
 
 
 # The settings each rule's outputs depend on (dotted paths into the preset).
@@ -377,12 +400,3 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> dict:
     return load_config(args.preset, parse_set(args.overrides))
-
-
-
-def cli_show_config(argv) -> int:
-    p = argparse.ArgumentParser(prog="deepspec show-config")
-    add_config_args(p)
-    args = p.parse_args(argv)
-    print(json.dumps(config_from_args(args), indent=2))
-    return 0

@@ -46,8 +46,21 @@ def test_paper_presets_keep_paper_values():
     ],
 )
 def test_bad_config_names_the_key(over, msg):
-    with pytest.raises(DeepSpecError, match=msg.replace(".", r"\.").replace("(", r"\(")):
+    # the key came from the overrides (--set / --config), which the message blames, not the preset file
+    with pytest.raises(DeepSpecError, match=r"^overrides \(--set / --config\): .*" + msg.replace(".", r"\.").replace("(", r"\(")):
         load_config("tiny", over)
+
+
+def test_bad_key_in_the_preset_file_blames_the_file(tmp_path):
+    bad = _preset(tmp_path, "mine", "base: tiny\ntrain: {lrr: 1}\n")
+    with pytest.raises(DeepSpecError, match=r"mine\.yaml: unknown key 'train\.lrr'"):
+        load_config(bad, {"train": {"lr": 1e-3}})  # an override of a sibling key: still the file's fault
+
+
+def test_missing_preset_file_is_named_as_a_file(tmp_path):
+    for path in (str(tmp_path / "none.yaml"), str(tmp_path / "dir" / "none")):
+        with pytest.raises(DeepSpecError, match=r"^preset file not found: .*none"):
+            load_config(path)
 
 
 @pytest.mark.parametrize("item,msg", [

@@ -135,6 +135,18 @@ def test_user_errors_are_one_line(setup, shared_data, capsys, tmp_path):
                  "--out", str(tmp_path / "y.csv")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("deepspec evaluate: error:") and "target id" in last
+    # a damaged drafter config.json, with and without --drafter; an unknown method
+    (bad / "config.json").write_text(json.dumps(cfg)[:40])
+    for extra in (["--drafter", str(bad)], ["--set", f"results_dir={tmp_path / 'r'}"]):
+        if "--set" in extra:
+            (tmp_path / "r/tiny/drafters").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "r/tiny/drafters/dspark").symlink_to(bad)
+        assert main(["evaluate", *args, "--method", "dspark", "--benchmark", "gsm8k", *extra,
+                     "--out", str(tmp_path / "z.csv")]) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("deepspec evaluate: error:") and "config.json: malformed JSON" in last, last
+    assert main(["evaluate", *args, "--method", "foo", "--benchmark", "gsm8k"]) == 2
+    assert "unknown method 'foo'" in capsys.readouterr().err
     # schedule needs confidence logits
     df = pd.DataFrame({"sample_id": ["a", "b"], "proposal_len": [7, 7], "accepted": [1, 2], "emitted": [2, 3]})
     df.to_csv(tmp_path / "e.csv", index=False)
@@ -154,15 +166,28 @@ def test_evaluate_refuses_a_drafter_of_another_method(setup, shared_data):
 def test_disk_full_is_one_line(monkeypatch, capsys):
     import errno
 
-    import deepspec.config
+    import deepspec.planning.preflight
 
     def full(argv):
         raise OSError(errno.ENOSPC, "No space left on device", "results/x.csv")
 
-    monkeypatch.setattr(deepspec.config, "cli_show_config", full)
+    monkeypatch.setattr(deepspec.planning.preflight, "cli_show_config", full)
     assert main(["show-config"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "disk full writing results/x.csv" in err
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in any command (train, evaluate, ...): one line, exit status 130, no traceback."""
+    import deepspec.planning.preflight
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deepspec.planning.preflight, "cli_show_config", interrupted)
+    assert main(["show-config"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("deepspec show-config: interrupted; nothing half-written was kept")
 
 
 def test_evaluate_every_benchmark_in_one_process(setup, shared_data, tmp_path):

@@ -128,6 +128,13 @@ def test_plan_runs_offline_for_every_preset(name, no_network, tmp_path, capsys, 
     assert plan["cache"]["offline_total_bytes"] == plan["cache"]["bytes_per_token"] * plan["data"]["tokens"]
     printed = capsys.readouterr().out
     assert "FLOPs per step" in printed and "offline total" in printed
+    # what evaluate and the baselines time plainly, from the preset (not a fixed count)
+    cfg = load_config(name, {})
+    timed = plan["evaluation"]["plain_decoding"]["timed_prompts"]
+    assert set(timed) == set(cfg["eval"]["speed_benchmarks"] or cfg["data"]["benchmarks"])
+    assert all(n == min(cfg["eval"]["speed_prompts"], plan["evaluation"]["benchmarks"][b]["prompts"])
+               for b, n in timed.items())
+    assert ", ".join(f"{n} of {b}" for b, n in timed.items() if n) in printed
 
 
 def test_plan_json_goes_to_runpaths(no_network, tmp_path, monkeypatch, shared_data):

@@ -13,6 +13,8 @@ from deepspec.planning.preflight import preflight
     ({"target": {"feature_layers": [0, 1]}}, "layer 1 is out of range for the 2-layer target"),
     ({"target": {"feature_layers": [-2]}}, "minimum of -1"),
     ({"eval": {"speed_benchmarks": ["gsm8k", "mbpp"]}}, "eval.speed_benchmarks: 'mbpp' is not a benchmark of this preset"),
+    ({"eval": {"released_checkpoints": {"dflash": "released/none"}}},
+     "eval.released_checkpoints.dflash: no directory 'released/none' here"),
 ])
 def test_preflight_stops_at_plan_time(over, msg):
     with pytest.raises(DeepSpecError, match=msg):
@@ -24,9 +26,32 @@ def test_eval_needs_two_new_tokens():
         load_config("tiny", {"eval": {"max_new_tokens": 1}})
 
 
-@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "smollm2-135m-full", "qwen3-4b", "gemma4-12b"])
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m", "smollm2-135m-full", "qwen3-4b", "gemma4-12b",
+                                    "rehearsal-qwen3", "rehearsal-gemma4"])
 def test_presets_pass_preflight(preset):
+    """Every preset the README lists runs as it is: none needs a file only a test writes."""
     preflight(load_config(preset))
+
+
+def test_show_config_makes_the_dags_checks(tmp_path):
+    """show-config prints the preset as the run sees it, so it refuses what planning the DAG
+    refuses, in one line; a released checkpoint that is a local directory must exist."""
+    import subprocess
+    import sys
+
+    def show(*sets, cwd=None):
+        args = [a for kv in sets for a in ("--set", kv)]
+        return subprocess.run([sys.executable, "-m", "deepspec", "show-config", "--preset", "tiny", *args],
+                              capture_output=True, text=True, cwd=cwd)
+
+    for kv, msg in [("train.methods=[eagle3, foo]", "unknown method 'foo'"),
+                    ("eval.speed_benchmarks=[nope]", "'nope' is not a benchmark of this preset"),
+                    ("eval.released_checkpoints.dflash=rel/dflash", "no directory 'rel/dflash' here")]:
+        r = show(kv, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and msg in r.stderr, (kv, r.stderr)
+    (tmp_path / "rel" / "dflash").mkdir(parents=True)
+    r = show("eval.released_checkpoints.dflash=rel/dflash", cwd=tmp_path)
+    assert r.returncode == 0 and '"dflash": "rel/dflash"' in r.stdout, r.stderr
 
 
 @pytest.mark.parametrize("preset", ["qwen3-4b", "gemma4-12b"])

@@ -37,8 +37,6 @@ ALLOWED = {
         "build_cache": ("gpu", "mem_mb", "runtime"),
         "train": ("gpu", "mem_mb", "runtime", "threads"), "evaluate": ("gpu", "mem_mb", "runtime", "threads"),
     }.items() for k in ks),
-    # a synthetic released-layout checkpoint (written by the end-to-end test)
-    "eval.released_checkpoints", "eval.released_checkpoints.dflash",
 }
 # rehearsal preset -> its paper preset (the tiny Gemma4 target: the gemma4_unified classes)
 

@@ -217,6 +217,40 @@ def test_report_refuses_records_cut_short(fake_results, monkeypatch):
         cli_report(s)
 
 
+def test_report_refuses_damaged_records_and_summaries(fake_results, monkeypatch):
+    """Hand-damaged evaluation outputs: a column renamed, a cell that is not a number,
+    a summary key removed or not a number: each one line naming the file and the
+    column or key, nothing written."""
+    import pandas as pd
+
+    cfg, tmp = fake_results
+    monkeypatch.chdir(tmp)
+    bench = next(iter(cfg["data"]["benchmarks"]))
+    csv = tmp / "results" / "tiny" / "eval" / "dspark" / f"{bench}.csv"
+    summary = csv.with_suffix(".json")
+    good_csv, good_summary = csv.read_bytes(), summary.read_text()
+    s = ["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"]
+    df = pd.read_csv(csv)
+    bad_cell = df.astype({"accepted": object, "alpha_2": object})
+    bad_cell.loc[3, "alpha_2"] = "x"
+    cases = [
+        (lambda: df.rename(columns={"accepted": "acc"}).to_csv(csv, index=False), rf"{csv}: no column 'accepted'"),
+        (lambda: bad_cell.to_csv(csv, index=False), rf"{csv}: column 'alpha_2' holds 'x' \(line 5\), not a number"),
+        (lambda: summary.write_text(json.dumps({k: v for k, v in json.loads(good_summary).items() if k != "tau"})),
+         rf"{summary}: no 'tau' \(a damaged evaluation summary\)"),
+        (lambda: summary.write_text(json.dumps(dict(json.loads(good_summary), rounds="many"))),
+         rf"{summary}: a non-number 'many' as 'rounds'"),
+    ]
+    for damage, msg in cases:
+        csv.write_bytes(good_csv)
+        summary.write_text(good_summary)
+        damage()
+        with pytest.raises(DeepSpecError, match=msg) as e:
+            cli_report(s)
+        assert "\n" not in str(e.value)
+        assert not (tmp / "results" / "tables").exists() and not (tmp / "figures").exists()
+
+
 def test_paper_macro_gains_come_from_table1():
     from deepspec import paper
 
@@ -341,6 +375,11 @@ def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
     assert "DFlash (Algorithm 1" not in speed and "Eagle3 (Algorithm 1" not in speed
     assert f"over {6 * len(timed)} prompts" in speed
     t1 = pd.read_csv(tmp / "results" / "tables" / "table1.csv")
+    # counts written as integers, empty on the drafter-free baselines' rows
+    raw = pd.read_csv(tmp / "results" / "tables" / "table1.csv", dtype=str)
+    assert raw[raw.method == "plain"]["n_samples"].isna().all() and (raw.method == "plain").any()
+    for col in ("n_samples", "rounds", "skipped_prompts"):
+        assert raw[col].dropna().str.fullmatch(r"\d+").all(), raw[col].tolist()
     row = t1[(t1.method == "dspark") & (t1.benchmark == timed[0])].iloc[0]
     assert row.speedup_ci_low <= row.speedup <= row.speedup_ci_high and row.speedup == pytest.approx(1.4, rel=0.05)
     assert row.speedup_alg1_ci_low <= row.speedup_alg1 <= row.speedup_alg1_ci_high
@@ -369,3 +408,19 @@ def test_compare_runs_pairs_two_runs_over_the_same_prompts():
     rows = {r["quantity"]: r for r in cr.compare(a, better, n_boot=200)}
     assert all(rows[f"{d} p1"]["low"] > 0.1 for d in ("Math", "Code", "Chat")), rows
     assert rows["macro tau"]["low"] > 0
+
+
+def test_speed_scope_counts_what_was_timed():
+    """The report says how many prompts were timed: a benchmark capped below
+    eval.speed_prompts times all it has (the rehearsals: 1 of GSM8K, not 2)."""
+    from deepspec.config import load_config
+    from deepspec.reporting.report import _speed_scope
+    from deepspec.settings import Settings
+
+    def scope(preset, over=None):
+        return _speed_scope(Settings.of(load_config(preset, over)))
+
+    assert scope("rehearsal-qwen3") == "timed on the first prompt of GSM8K"
+    assert scope("qwen3-4b") == "timed on the first 2 prompts of every benchmark"
+    assert scope("tiny", {"eval": {"speed_prompts": 2}, "data": {"benchmarks": {"gsm8k": {"cap": 1}}}}) == \
+        "timed on the first 1 of GSM8K, 2 of MT-Bench prompts"

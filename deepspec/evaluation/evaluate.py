@@ -452,6 +452,7 @@ def cli_evaluate(argv) -> int:
     from ..formats.convert import resolve_drafter
     from ..provenance import evaluation_environment
 
+    base, _ = resolve_method(s.raw, args.method)  # an unknown method is one line, before any work
     paths = RunPaths.of(s.raw)
     benches = args.benchmark or list(s.data.benchmarks)
     if args.out and len(benches) != 1:
@@ -466,7 +467,6 @@ def cli_evaluate(argv) -> int:
     log.info("target %s, drafter %s, %d prompts of %s", s.target.name, path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
     drafter = eval_drafter(path, target, s)  # its layers as drafter.layer_arch builds them, in the target's dtype
-    base, _ = resolve_method(s.raw, args.method)
     if drafter.method != base:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
     # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)

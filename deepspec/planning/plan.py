@@ -372,12 +372,15 @@ def eval_section(s: Settings, data: dict, methods: list[str], rates: dict) -> di
         r["rounds_per_s"] = rates["methods"][m]
         r["hours"] = r["rounds"] / r["rounds_per_s"] / 3600.0
     plain = sum(b["prompts"] for b in benches.values()) * tokens
+    from ..data.prompts import speed_benchmarks
+
+    timed = {b: min(s.eval.speed_prompts, benches[b]["prompts"]) for b in speed_benchmarks(s.raw)}
     return {
         "benchmarks": benches, "new_tokens_per_prompt": tokens, "rates_from": rates["from"],
         "tau_from": "paper Table 1" if paper_name else f"default tau {DEFAULT_TAU:g}",
         "methods": per_method,
         "plain_decoding": {"forwards": plain, "forwards_per_s": rates["plain"],
-                           "hours": plain / rates["plain"] / 3600.0},
+                           "hours": plain / rates["plain"] / 3600.0, "timed_prompts": timed},
     }
 
 

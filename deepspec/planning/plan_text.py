@@ -77,8 +77,10 @@ def format_plan(plan: dict) -> str:
                                              em["kv_bytes_per_token"], em["drafter_kv_bytes_per_token"],
                                              em["longest_row_gib"], em["reserve"])))
     pd_ = ev["plain_decoding"]
+    timed = ", ".join(f"{n} of {b}" for b, n in pd_["timed_prompts"].items() if n) or "none"
     rows.append(("eval: plain decoding", f"{pd_['forwards']:,} forwards, {_h(pd_['hours'])} h at {pd_['forwards_per_s']:.3g} "
-                                         "forwards/s (no job decodes every prompt plainly: the baselines time 2 per benchmark)"))
+                                         "forwards/s if every prompt were decoded plainly (no job does: evaluate and the "
+                                         f"baselines time the first prompts of the timed benchmarks, {timed})"))
     rg = plan["regeneration"]
     if rg["estimated"]:
         rows.append(("regeneration", f"{_h(rg['hours'])} h for the expected answer tokens, {_h(rg['hours_upper_bound'])} h "

@@ -6,7 +6,14 @@ which ones the prepare_data rule can build.)
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
 from ..architectures import check_model_type, draft_model_type, layer_arch_of
+from ..config import add_config_args, config_from_args
 from ..errors import DeepSpecError
 from ..methods import fig3_methods, fig4_methods, resolve_method
 from ..settings import Settings
@@ -45,3 +52,21 @@ def preflight(cfg) -> None:
             raise DeepSpecError(f"target.feature_layers: layer {layer} is out of range for the {n}-layer target "
                                 f"{s.target.spec!r}: use -1 (embeddings) .. {n - 2}; the final layer {n - 1} "
                                 "is not allowed (HF stores its post-norm value)")
+    for method, released in s.eval.released_checkpoints.items():
+        if isinstance(released, str) and not Path(released).is_dir():
+            raise DeepSpecError(f"eval.released_checkpoints.{method}: no directory {released!r} here ({os.getcwd()}): "
+                                "a local checkpoint in DeepSeek's released layout, or {hub: <id>, revision: <commit>}")
+
+
+def cli_show_config(argv) -> int:
+    """The preset as the run sees it: validated, defaults filled in, and checked as
+    the DAG checks it when planned (`preflight`)."""
+    p = argparse.ArgumentParser(prog="deepspec show-config")
+    add_config_args(p)
+    cfg = config_from_args(p.parse_args(argv))
+    preflight(cfg)
+    if os.environ.get("DEEPSPEC_DATA"):
+        print(f"note: prompt files are read from $DEEPSPEC_DATA={os.environ['DEEPSPEC_DATA']}, not data.root",
+              file=sys.stderr)
+    print(json.dumps(cfg, indent=2))
+    return 0

@@ -114,7 +114,7 @@ def build_table1(cfg) -> pd.DataFrame:
     for bench, spec in st.data.benchmarks.items():
         plain = _baseline_tps(paths, bench, "plain", st)
         for method in st.train.methods:
-            s = read_json(require_file(paths.summary(method, bench), "evaluation output", _RUN_EVALUATE))
+            s = read_summary(paths, method, bench)
             check_settings(st, s, paths.summary(method, bench), "evaluate")
             tps = float(_nan(s.get("tokens_per_s", np.nan)))
             # the speedup over plain decoding of the same prompts, timed back to back (evaluate), else
@@ -137,7 +137,9 @@ def build_table1(cfg) -> pd.DataFrame:
                 rows.append(dict(target=t, method=which, benchmark=bench, domain=spec["domain"],
                                  tokens_per_s=tps, speedup=tps / plain))
     # skipped_prompts: the benchmark's prompts over data.max_prompt_tokens, left out of every method and baseline
-    return pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"])
+    t1 = pd.DataFrame(rows, columns=TABLE1_COLUMNS + ["tau_selfcheck", "skipped_prompts"])
+    # counts stay integers in table1.csv, empty on the baselines' rows
+    return t1.astype({c: "Int64" for c in ("n_samples", "rounds", "skipped_prompts")})
 
 
 def speed_claims(s: Settings) -> list[str]:
@@ -183,18 +185,50 @@ def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
             for m in s.train.methods}
 
 
+# What Table 1 and Figure 2 read of evaluate's outputs: the summary's numbers (None where
+# undefined, e.g. tau without rounds) and the records' columns besides the per-position ones
+SUMMARY_NUMBERS = ("n_samples_with_rounds", "rounds", "tau", "tau_ci_low", "tau_ci_high", "verify_rate",
+                   "tau_selfcheck")
+RECORD_NUMBERS = ("proposal_len", "accepted", "emitted")
+PER_POSITION = ("conf_logit_", "accept_prob_", "alpha_")
+
+
+def read_summary(paths: RunPaths, method: str, bench: str) -> dict:
+    """evaluate's summary of one benchmark, with the numbers the report reads; a damaged
+    one (a key missing, a value not a number) is one line naming the file and the key."""
+    path = paths.summary(method, bench)
+    s = read_json(require_file(path, "evaluation output", _RUN_EVALUATE))
+    if not isinstance(s, dict):
+        raise DeepSpecError(f"{path}: an evaluation summary is a JSON object, not {type(s).__name__}: rerun evaluate")
+    for key in SUMMARY_NUMBERS:
+        v = s.get(key, "missing")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            what = "no" if v == "missing" else f"a non-number {v!r} as"
+            raise DeepSpecError(f"{path}: {what} '{key}' (a damaged evaluation summary): rerun evaluate")
+    return s
+
+
 def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
     """evaluate's per-round records of one benchmark, as many rows as its
     summary counts rounds: records cut short or damaged would otherwise give
-    Figure 2 fewer rounds than Table 1 (read from the summary) without a word."""
+    Figure 2 fewer rounds than Table 1 (read from the summary) without a word.
+    A column the report reads that is missing or holds a non-number is one line."""
     csv = require_file(paths.records(method, bench), "evaluation output", _RUN_EVALUATE)
     summary = paths.summary(method, bench)
-    rounds = read_json(summary, f"evaluation output not found: {summary}{_RUN_EVALUATE}").get("rounds")
+    rounds = read_summary(paths, method, bench)["rounds"]
     try:
         df = pd.read_csv(csv)
     except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
         raise DeepSpecError(f"{csv}: unreadable per-round records ({str(e).strip().splitlines()[0]}): "
                             "rerun evaluate") from None
+    for col in ("sample_id", *RECORD_NUMBERS):
+        if col not in df.columns:
+            raise DeepSpecError(f"{csv}: no column '{col}' (damaged per-round records): rerun evaluate")
+    for col in [*RECORD_NUMBERS, *(c for c in df.columns if c.startswith(PER_POSITION))]:
+        if not pd.api.types.is_numeric_dtype(df[col]):
+            bad = df[col][pd.to_numeric(df[col], errors="coerce").isna() & df[col].notna()]
+            raise DeepSpecError(f"{csv}: column '{col}' holds {bad.iloc[0]!r} (line {bad.index[0] + 2}), "
+                                "not a number (damaged per-round records): rerun evaluate")
     if len(df) != rounds:
         raise DeepSpecError(f"{csv}: {len(df)} rounds, but {summary.name} beside it counts {rounds}: "
                             "the records are cut short or damaged (rerun evaluate)")
@@ -328,9 +362,14 @@ def _speed_scope(s: Settings) -> str:
     timed, n = speed_benchmarks(s.raw), s.eval.speed_prompts
     if not timed:
         return "not timed (eval.speed_prompts is 0)"
-    which = "every benchmark" if len(timed) == len(s.data.benchmarks) else \
-        ", ".join(paper.BENCHMARK_LABEL.get(b, b) for b in timed)
-    return f"timed on the first {n} prompts of {which}" if n != 1 else f"timed on the first prompt of {which}"
+    # a benchmark capped below eval.speed_prompts times all its prompts
+    count = {b: min(n, s.data.benchmarks[b].get("cap") or n) for b in timed}
+    label = {b: paper.BENCHMARK_LABEL.get(b, b) for b in timed}
+    if len(set(count.values())) > 1:
+        return "timed on the first " + ", ".join(f"{count[b]} of {label[b]}" for b in timed) + " prompts"
+    k = next(iter(count.values()))
+    which = "every benchmark" if len(timed) == len(s.data.benchmarks) else ", ".join(label.values())
+    return f"timed on the first {k} prompts of {which}" if k != 1 else f"timed on the first prompt of {which}"
 
 
 def _draft_layers(s: Settings) -> str:

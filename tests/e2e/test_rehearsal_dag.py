@@ -45,8 +45,9 @@ def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
     two training processes, the released-layout checkpoint converted and evaluated
     beside the trained drafters; then `plan` on the same preset, whose online
     target forwards are the ones the run counted."""
-    cfg = load_config(rehearsal, {"data": {"root": str(shared_data)}})
-    released = cfg["eval"]["released_checkpoints"]
+    # DFlash from a synthetic checkpoint in DeepSeek's released layout, beside the trained Eagle3 and DSpark
+    released = {"dflash": f"released/dflash_{rehearsal.replace('-', '_')}_block7"}
+    cfg = load_config(rehearsal, {"data": {"root": str(shared_data)}, "eval": {"released_checkpoints": released}})
     for method, rel in released.items():
         _released_checkpoint(cfg, method, tmp_path / rel)
     copy_workflow(tmp_path)
@@ -56,7 +57,8 @@ def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     r = snakemake(tmp_path, "figures/fig2.pdf", "--cores", "2", "--config", f"preset={rehearsal}",
-                   f"regenerate={{server: {{port: {port}}}}}", env=env, timeout=900)
+                   f"regenerate={{server: {{port: {port}}}}}", f"eval={{released_checkpoints: {released}}}".replace("'", ""),
+                   env=env, timeout=900)
     wall = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(f"{rehearsal}: DAG in {wall:.0f} s")
@@ -83,7 +85,8 @@ def test_rehearsal_end_to_end(tmp_path, shared_data, rehearsal):
             assert (tmp_path / summary["drafter"] / "config.json").exists()
     # `plan` on the same preset
     out = tmp_path / "plan.json"
-    p = _run_deepspec(tmp_path, env, "plan", "--preset", rehearsal, "--offline", "--out", str(out))
+    p = _run_deepspec(tmp_path, env, "plan", "--preset", rehearsal, "--offline", "--out", str(out),
+                      "--set", f"eval.released_checkpoints.dflash={released['dflash']}")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     plan = json.loads(out.read_text())["training"]["methods"]
     for method in set(cfg["train"]["methods"]) - set(released):  # the online cost plan predicts is what the run made
