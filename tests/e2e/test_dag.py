@@ -176,6 +176,8 @@ def test_regeneration_waits_for_no_server_before_gpu_jobs(tmp_path):
     assert r.returncode == 0 and not any(conv in j.split("\n")[1] for j in jobs if j.startswith("baseline"))
     # Table 1 from released drafters on a paper preset (a server preset) regenerates nothing
     released = "{released_checkpoints: {eagle3: a/e, dflash: a/f, dspark: a/s}}"
+    for d in ("e", "f", "s"):  # planning checks a local checkpoint exists (converted when evaluated)
+        (tmp_path / "a" / d).mkdir(parents=True)
     r = snakemake(tmp_path, "figures/fig2.pdf", "-n", "--cores", "8", "--config", "preset=qwen3-4b", f"eval={released}")
     assert r.returncode == 0 and "baseline" in r.stdout and "regenerate" not in r.stdout, (r.stdout + r.stderr)[-3000:]
     # a GPU server: run-server claims its 8 GPUs and picks the port when it starts (qwen3-4b: port null)
