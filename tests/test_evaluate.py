@@ -76,12 +76,12 @@ def test_baseline_evaluate_schedule(setup, shared_data, tiny_target):
     assert len(timed) == SPEED and all(smp["plain_time_s"] > 0 and 1 <= smp["plain_new_tokens"] <= 12 for smp in timed)
     inter = s["speedup_interleaved"]
     assert inter["n_samples"] == SPEED and s["speedup_vs_plain"] == inter["speedup"]
-    assert inter["ci_low"] <= inter["speedup"] <= inter["ci_high"]
+    assert inter["speedup"] > 0 and inter["ci_low"] is None and inter["ci_high"] is None  # one prompt: no interval
     # DSpark (a confidence head) also decoded each timed prompt with Algorithm 1 (eval.speed_alg1): timed only
     assert all(smp["alg1_time_s"] > 0 and 1 <= smp["alg1_new_tokens"] <= 12 for smp in timed)
     assert all(0 <= smp["alg1_verified"] <= 7 * smp["alg1_rounds"] for smp in timed)
     alg1 = s["speedup_alg1"]
-    assert alg1["n_samples"] == SPEED and alg1["ci_low"] <= alg1["speedup"] <= alg1["ci_high"]
+    assert alg1["n_samples"] == SPEED and alg1["speedup"] > 0 and alg1["ci_low"] is None
     assert 0 <= alg1["mean_verified"] <= 7
     # the summaries record the settings they were made with, which the report checks (W3)
     from deepspec.config import load_config, parse_set
@@ -367,6 +367,8 @@ def test_interleaved_speedup_is_the_ratio_of_pooled_rates_with_a_paired_interval
     sp = interleaved_speedup(noisy, 500, 0)
     assert sp["ci_low"] < sp["speedup"] < sp["ci_high"] and sp["ci_low"] < 1.5 < sp["ci_high"] * 1.3
     assert interleaved_speedup([{"new_tokens": 9, "time_s": 1.0}], 500, 0) is None
+    one = interleaved_speedup(same[:1], 500, 0)  # one prompt: the ratio, no interval
+    assert one["speedup"] == pytest.approx(1.5) and np.isnan(one["ci_low"]) and np.isnan(one["ci_high"])
 
 
 def test_algorithm1_timing_needs_a_confidence_head(tiny_cfg, tiny_target):

@@ -81,7 +81,12 @@ def test_table1_and_fig2(fake_results):
 def test_report_cli_writes_everything(fake_results, monkeypatch):
     cfg, tmp = fake_results
     monkeypatch.chdir(tmp)
-    rc = cli_report(["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}"])
+    bench = next(iter(cfg["data"]["benchmarks"]))
+    for m in RATES:  # a prompt over data.max_prompt_tokens, left out of every method
+        js = tmp / "results" / "tiny" / "eval" / m / f"{bench}.json"
+        js.write_text(json.dumps(dict(json.loads(js.read_text()), n_skipped_prompts=1)))
+    rc = cli_report(["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set", f"figures_dir={tmp / 'figures'}",
+                     "--set", "train.max_steps={eagle3: 5, dflash: 9}"])
     assert rc == 0
     assert (tmp / "figures" / "fig2.pdf").read_bytes()[:5] == b"%PDF-"
     assert (tmp / "figures" / "fig2.png").stat().st_size > 1000
@@ -90,6 +95,15 @@ def test_report_cli_writes_everything(fake_results, monkeypatch):
                  "p1 >= 0.3", "Eagle3 low at p1, then flat/rising"):
         assert f"**{name}: holds.**" in report, name
     assert "Estimator: the Rao-Blackwellised estimate" in report and "Rao-Blackwellised estimate (every" in report
+    # the setup as run: the step caps beside the epochs, the prompts left out
+    assert "or max_steps eagle3 5, dflash 9, whichever ends first" in report
+    assert f"Left out, over data.max_prompt_tokens: 1 of {bench}" in report
+    # the widest interval is a judged point's, named with its own attempts; unjudged half-widths are blank
+    import re
+
+    widest = re.search(r"Widest 95 % half-interval among the judged points \(at least 30 expected attempts\): "
+                       r"±([\d.]+), (\w+) (\w+) position (\d) \(([\d.]+) expected attempts\)", report)
+    assert widest and float(widest.group(5)) >= 30, report
     md = (tmp / "results" / "tables" / "table1.md").read_text()
     assert "| DSpark |" in md
     # the paper's macro gains, computed from its Table 1 (paper.py), not typed in
@@ -361,6 +375,7 @@ def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
 
             s["speedup_interleaved"] = interleaved_speedup(s["samples"], 200, 0)
             s["speedup_alg1"] = interleaved_speedup(s["samples"], 200, 0, "alg1")
+            s["tokens_per_s"] = sum(x["new_tokens"] for x in s["samples"]) / sum(x["time_s"] for x in s["samples"])
             path.write_text(json.dumps(s))
     monkeypatch.chdir(tmp)
     assert cli_report(["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}",
@@ -373,7 +388,7 @@ def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
     assert "**DFlash (all 7 drafts verified) faster than plain decoding: does not hold.** 0.8" in speed
     assert "**Eagle3 (all 7 drafts verified) faster than plain decoding: does not hold.**" in speed
     assert "DFlash (Algorithm 1" not in speed and "Eagle3 (Algorithm 1" not in speed
-    assert f"over {6 * len(timed)} prompts" in speed
+    assert f"over {6 * len(timed)} prompts" in speed and f"stratified over {len(timed)} strata bootstrap" in speed
     t1 = pd.read_csv(tmp / "results" / "tables" / "table1.csv")
     # counts written as integers, empty on the drafter-free baselines' rows
     raw = pd.read_csv(tmp / "results" / "tables" / "table1.csv", dtype=str)
@@ -386,6 +401,25 @@ def test_speed_section_pools_the_interleaved_timings(fake_results, monkeypatch):
     assert row.speedup_alg1 == pytest.approx(1.54, rel=0.05)
     assert t1[t1.method == "dflash"].speedup_alg1.isna().all()
     assert "(Algorithm 1: 1.5" in report.split("## Table 1", 1)[1].split("Macro means", 1)[0]
+    # each row's speedup is its tokens/s over the plain decoding it was timed against (a drafter's: timed
+    # beside it in its evaluation; the baselines': the baseline job's)
+    timed_rows = t1[t1.tokens_per_s.notna() & t1.method.isin(ratios)]
+    assert len(timed_rows) and np.allclose(timed_rows.speedup, timed_rows.tokens_per_s / timed_rows.plain_tokens_per_s)
+    base = t1[t1.method == "prompt_lookup"]
+    assert np.allclose(base.speedup, base.tokens_per_s / base.plain_tokens_per_s)
+    # one timed prompt in all: its ratio, not judged, no interval
+    for m in ratios:
+        path = RunPaths.of(cfg).summary(m, timed[0])
+        s = json.loads(path.read_text())
+        s["samples"] = s["samples"][:1]
+        s["speedup_interleaved"] = interleaved_speedup(s["samples"], 200, 0)
+        s["speedup_alg1"] = interleaved_speedup(s["samples"], 200, 0, "alg1")
+        path.write_text(json.dumps(s, allow_nan=True))
+    assert cli_report(["--preset", "tiny", "--set", f"results_dir={tmp / 'results'}", "--set",
+                       f"figures_dir={tmp / 'figures'}", "--set", f"eval.speed_benchmarks=[{timed[0]}]"]) == 0
+    speed = (tmp / "results" / "REPORT.md").read_text().split("## Speed at batch size 1", 1)[1]
+    assert "**DSpark (all 7 drafts verified) faster than plain decoding: not judged** (1 timed prompt: a bootstrap" in speed
+    assert "holds" not in speed
 
 
 def test_compare_runs_pairs_two_runs_over_the_same_prompts():

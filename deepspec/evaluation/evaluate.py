@@ -269,7 +269,7 @@ def interleaved_speedup(samples: list[dict], n_boot: int, seed: int, policy: str
     stratified, n_h - 1 draws from each stratum's n_h samples (Rao and Wu's
     rescaling, which gives the design's variance: n_h draws would understate it by
     (n_h - 1) / n_h); with a stratum of one sample it is the plain bootstrap.
-    None without such samples."""
+    One sample has no interval (NaN bounds). None without such samples."""
     import numpy as np
 
     pre = "" if policy == "fixed" else f"{policy}_"
@@ -295,8 +295,9 @@ def interleaved_speedup(samples: list[dict], n_boot: int, seed: int, policy: str
     else:
         idx = np.concatenate([g[rng.integers(0, len(g), (n_boot, len(g) - 1))] for g in groups], axis=1)
     boot = ratio(x[idx])
-    out = {"speedup": float(ratio(x)), "ci_low": float(np.quantile(boot, 0.025)),
-           "ci_high": float(np.quantile(boot, 0.975)), "n_samples": len(x),
+    # one prompt has no interval (its bootstrap would repeat the point)
+    lo, hi = (np.quantile(boot, 0.025), np.quantile(boot, 0.975)) if len(x) >= 2 else (np.nan, np.nan)
+    out = {"speedup": float(ratio(x)), "ci_low": float(lo), "ci_high": float(hi), "n_samples": len(x),
            "plain_tokens_per_s": float(x[:, 2].sum() / x[:, 3].sum()),
            "bootstrap": "plain" if groups is None else f"stratified over {len(groups)} strata"}
     if policy == "alg1":  # drafts verified per round: the lengths Algorithm 1 chose
