@@ -21,7 +21,7 @@ import numpy as np
 
 from deepspec.config import load_config
 from deepspec.core.acceptance import contrast, has_rb_columns, paired_replicates, sample_sums
-from deepspec.reporting.report import load_records
+from deepspec.reporting.records import load_records
 
 K = 3  # positions compared
 

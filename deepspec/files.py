@@ -219,6 +219,15 @@ def read_json(path: str | os.PathLike, missing: str = "", default: Any = _RAISE)
         raise DeepSpecError(f"{path}: malformed JSON ({e.msg})") from None
 
 
+def read_json_object(path: str | os.PathLike, what: str, missing: str = "") -> dict:
+    """`read_json` of a file that holds one JSON object (`what` it is, for the error):
+    any other value is a one-line DeepSpecError naming the file."""
+    obj = read_json(path, missing)
+    if not isinstance(obj, dict):
+        raise DeepSpecError(f"{path}: {what} is a JSON object, not {type(obj).__name__}")
+    return obj
+
+
 def json_safe(obj: Any) -> Any:
     """A JSON-safe copy: NaN/inf -> null, numpy scalars -> Python numbers."""
     import numpy as np

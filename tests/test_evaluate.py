@@ -85,7 +85,7 @@ def test_baseline_evaluate_schedule(setup, shared_data, tiny_target):
     assert 0 <= alg1["mean_verified"] <= 7
     # the summaries record the settings they were made with, which the report checks (W3)
     from deepspec.config import load_config, parse_set
-    from deepspec.reporting.report import check_settings
+    from deepspec.reporting.records import check_settings
 
     sets = args[3::2]
     check_settings(load_config("tiny", parse_set(sets)), s, "dspark/gsm8k.json", "evaluate")

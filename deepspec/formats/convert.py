@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir, check_overwrite, read_json
+from ..files import atomic_dir, check_overwrite, read_json, read_json_object
 from ..paths import RunPaths
 from ..provenance import SOURCE_FILE, read_record, snapshot_commit
 
@@ -420,14 +420,6 @@ def local_checkpoint(spec: str) -> Path:
         raise DeepSpecError(f"no local directory {spec} and cannot download it from the hub: {msg}") from None
 
 
-def _config_of(path: Path) -> dict:
-    """A checkpoint's config.json; malformed or not a JSON object is one line naming it."""
-    cfg = read_json(path)
-    if not isinstance(cfg, dict):
-        raise DeepSpecError(f"{path}: a checkpoint config is a JSON object, not {type(cfg).__name__}")
-    return cfg
-
-
 def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> str:
     """A deepspec drafter directory for `spec`: a deepspec drafter is returned as
     is; a reference DFlash/DSpark checkpoint (directory or hub id) is converted
@@ -435,7 +427,7 @@ def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> 
     from ..drafters import METHODS, read_method
 
     cfg_json = Path(spec) / "config.json"
-    if cfg_json.exists() and "deepspec_method" in _config_of(cfg_json):
+    if cfg_json.exists() and "deepspec_method" in read_json_object(cfg_json, "a checkpoint config"):
         return spec
     src = local_checkpoint(spec)
     if not (src / "config.json").exists():
@@ -445,7 +437,7 @@ def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> 
     done = out / "config.json"
 
     def converted() -> bool:
-        source = _config_of(done).get("deepspec_source", {}) if done.exists() else {}
+        source = read_json_object(done, "a checkpoint config").get("deepspec_source", {}) if done.exists() else {}
         return source.get("checkpoint") == str(src.resolve())
 
     if not converted():

@@ -353,7 +353,7 @@ def regeneration_section(s: Settings, data: dict, target_params: int, hw: dict) 
 
 def eval_section(s: Settings, data: dict, methods: list[str], rates: dict) -> dict:
     """Prompts per benchmark and rounds / time per method at `rates` (`round_rates`)."""
-    from ..data.prompts import data_root, read_turns_jsonl
+    from ..data.prompts import data_root, read_turns_jsonl, speed_benchmarks
     from ..paper import TABLE1
 
     root, paper_name = data_root(s.raw), s.target.paper_name
@@ -372,8 +372,6 @@ def eval_section(s: Settings, data: dict, methods: list[str], rates: dict) -> di
         r["rounds_per_s"] = rates["methods"][m]
         r["hours"] = r["rounds"] / r["rounds_per_s"] / 3600.0
     plain = sum(b["prompts"] for b in benches.values()) * tokens
-    from ..data.prompts import speed_benchmarks
-
     timed = {b: min(s.eval.speed_prompts, benches[b]["prompts"]) for b in speed_benchmarks(s.raw)}
     return {
         "benchmarks": benches, "new_tokens_per_prompt": tokens, "rates_from": rates["from"],

@@ -24,12 +24,10 @@ import pandas as pd
 from .. import paper
 from ..core.acceptance import domain_position_table
 from ..data.prompts import speed_benchmarks
-from ..errors import DeepSpecError
 from ..files import (
     json_safe,
     pyplot,
     read_json,
-    require_file,
     save_figure,
     write_csv_atomic,
     write_json_atomic,
@@ -38,6 +36,7 @@ from ..files import (
 from ..paths import RunPaths
 from ..settings import Settings
 from .claims import MIN_ATTEMPTS, figure_line, judge_claims, verdict
+from .records import check_settings, load_records, read_summary
 from .run_record import collect as collect_provenance
 from .run_record import provenance_markdown
 from .served import served_markdown
@@ -58,41 +57,9 @@ FIG2_COLUMNS = ["target", "method", "domain", "position", "attempts", "accepted"
 FIG2_RB_COLUMNS = ["expected_attempts", "acceptance_rb", "rb_ci_low", "rb_ci_high"]
 
 
-_RUN_EVALUATE = " (run the evaluate rule first)"
 # A speedup is judged from this many timed prompts on: a percentile bootstrap over fewer
 # is little more than their range (the result preset times 15, the quick default 3)
 MIN_SPEED_PROMPTS = 10
-
-
-def _flat(d, prefix=""):
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def check_settings(cfg, summary: dict, path, rule: str) -> None:
-    """Refuse, in one line, an evaluation (rule "evaluate") or baseline summary made
-    with other settings than `cfg`'s (a config or its Settings), which Table 1 and
-    REPORT.md state: e.g. one method re-evaluated with another eval.max_new_tokens.
-    The summary records its settings (evaluation.evaluate.evaluation_settings /
-    baseline_settings); one without them is checked on the temperature and
-    max_new_tokens it records."""
-    from ..evaluation.evaluate import baseline_settings, evaluation_settings
-
-    s = Settings.view(cfg)
-    want = evaluation_settings(s.raw) if rule == "evaluate" else baseline_settings(s.raw)
-    got = summary.get("settings")
-    if got is None:
-        want = {f"eval.{k}": getattr(s.eval, k) for k in ("temperature", "max_new_tokens") if k in summary}
-        got = {f"eval.{k}": summary[k] for k in ("temperature", "max_new_tokens") if k in summary}
-    want, got = dict(_flat(json_safe(want))), dict(_flat(got))
-    for key in sorted(set(want) | set(got)):
-        if want.get(key, "(unset)") != got.get(key, "(unset)"):
-            raise DeepSpecError(f"{path} was made with {key} = {got.get(key, '(unset)')}, this config has "
-                                f"{want.get(key, '(unset)')}: Table 1 would mix settings; rerun it "
-                                f"(snakemake --forcerun {rule})")
 
 
 def _baseline_tps(paths: RunPaths, bench: str, which: str, s: Settings | None = None) -> float:
@@ -184,68 +151,6 @@ def speed_claims(s: Settings) -> list[str]:
                        f"{sp['speedup']:.2f}× [{sp['ci_low']:.2f}, {sp['ci_high']:.2f}] over {sp['n_samples']} prompts "
                        f"(plain {sp['plain_tokens_per_s']:.1f} tokens/s{extra}; {sp['bootstrap']} bootstrap)")
     return out
-
-
-def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
-    """Per method and domain, the per-round records of the domain's benchmarks
-    (in the preset's order, the same for every method). `cfg`: a config or its Settings."""
-    s = Settings.view(cfg)
-    paths = RunPaths.of(s.raw)
-    domains: dict[str, list[str]] = {}
-    for bench, spec in s.data.benchmarks.items():
-        domains.setdefault(spec["domain"], []).append(bench)
-    return {m: {d: [read_records(paths, m, b) for b in benches] for d, benches in domains.items()}
-            for m in s.train.methods}
-
-
-# What Table 1 and Figure 2 read of evaluate's outputs: the summary's numbers (None where
-# undefined, e.g. tau without rounds) and the records' columns besides the per-position ones
-SUMMARY_NUMBERS = ("n_samples_with_rounds", "rounds", "tau", "tau_ci_low", "tau_ci_high", "verify_rate",
-                   "tau_selfcheck")
-RECORD_NUMBERS = ("proposal_len", "accepted", "emitted")
-PER_POSITION = ("conf_logit_", "accept_prob_", "alpha_")
-
-
-def read_summary(paths: RunPaths, method: str, bench: str) -> dict:
-    """evaluate's summary of one benchmark, with the numbers the report reads; a damaged
-    one (a key missing, a value not a number) is one line naming the file and the key."""
-    path = paths.summary(method, bench)
-    s = read_json(require_file(path, "evaluation output", _RUN_EVALUATE))
-    if not isinstance(s, dict):
-        raise DeepSpecError(f"{path}: an evaluation summary is a JSON object, not {type(s).__name__}: rerun evaluate")
-    for key in SUMMARY_NUMBERS:
-        v = s.get(key, "missing")
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            what = "no" if v == "missing" else f"a non-number {v!r} as"
-            raise DeepSpecError(f"{path}: {what} '{key}' (a damaged evaluation summary): rerun evaluate")
-    return s
-
-
-def read_records(paths: RunPaths, method: str, bench: str) -> pd.DataFrame:
-    """evaluate's per-round records of one benchmark, as many rows as its
-    summary counts rounds: records cut short or damaged would otherwise give
-    Figure 2 fewer rounds than Table 1 (read from the summary) without a word.
-    A column the report reads that is missing or holds a non-number is one line."""
-    csv = require_file(paths.records(method, bench), "evaluation output", _RUN_EVALUATE)
-    summary = paths.summary(method, bench)
-    rounds = read_summary(paths, method, bench)["rounds"]
-    try:
-        df = pd.read_csv(csv)
-    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
-        raise DeepSpecError(f"{csv}: unreadable per-round records ({str(e).strip().splitlines()[0]}): "
-                            "rerun evaluate") from None
-    for col in ("sample_id", *RECORD_NUMBERS):
-        if col not in df.columns:
-            raise DeepSpecError(f"{csv}: no column '{col}' (damaged per-round records): rerun evaluate")
-    for col in [*RECORD_NUMBERS, *(c for c in df.columns if c.startswith(PER_POSITION))]:
-        if not pd.api.types.is_numeric_dtype(df[col]):
-            bad = df[col][pd.to_numeric(df[col], errors="coerce").isna() & df[col].notna()]
-            raise DeepSpecError(f"{csv}: column '{col}' holds {bad.iloc[0]!r} (line {bad.index[0] + 2}), "
-                                "not a number (damaged per-round records): rerun evaluate")
-    if len(df) != rounds:
-        raise DeepSpecError(f"{csv}: {len(df)} rounds, but {summary.name} beside it counts {rounds}: "
-                            "the records are cut short or damaged (rerun evaluate)")
-    return df
 
 
 def build_fig2(cfg, gamma: int | None = None, records: dict | None = None) -> pd.DataFrame:
@@ -477,8 +382,9 @@ def write_report(s: Settings, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, 
            "alternating order, in the evaluation's process; the speedup is the ratio of the tokens/s pooled over "
            "every timed prompt, its interval a paired bootstrap over prompts, stratified by benchmark where each "
            "timed benchmark gives at least 2 prompts (each line names its bootstrap), judged from "
-           f"{MIN_SPEED_PROMPTS} timed prompts on (not in the paper, which reports τ only). Table 1's Speedup column is instead the mean of the timed benchmarks' own "
-           "speedups, as its Macro is of their τ. A drafter "
+           f"{MIN_SPEED_PROMPTS} timed prompts on (not in the paper, which reports τ only). Table 1's "
+           "Speedup column is instead the mean of the timed benchmarks' own speedups, as its Macro is of "
+           "their τ. A drafter "
            "with a confidence head also decodes each between the two with Algorithm 1 (Sec. 3.2.2): each "
            "round verifies the prefix that maximises (1 + Σ_{j≤ℓ} Π_{i≤j} σ(c_i)) · SPS(1 + ℓ), SPS this "
            "machine's batch-1 verification speed over 1 + ℓ tokens, profiled at the evaluation's start; "
