@@ -28,6 +28,36 @@ def test_smollm2_converts_reloads_offline_and_answers_paris(tmp_path):
     assert "Paris" in text, text
 
 
+def test_gguf_reader_equals_transformers_gguf_loader():
+    """Our one-pass GGUF conversion (q/k rows un-permuted, Q4_1/Q8_0 de-quantized)
+    is transformers' own GGUF loading bit for bit: every tensor, the config, the logits."""
+    from transformers import AutoModelForCausalLM
+
+    from deepspec.targets.loading import SMOLLM2_GGUF, _load_smollm2_gguf, _smollm2_dir
+
+    ours, _ = _load_smollm2_gguf()
+    ref = AutoModelForCausalLM.from_pretrained(str(_smollm2_dir()), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    a, b = ref.state_dict(), ours.state_dict()
+    assert set(a) == set(b)
+    assert not [k for k in a if not torch.equal(a[k], b[k])]
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()  # tied, as in the GGUF
+    skip = {"_model_name_or_path", "_name_or_path", "dtype", "transformers_version", "quantization_config"}
+    ref_cfg = {k: v for k, v in ref.config.to_dict().items() if k not in skip}
+    assert {k: v for k, v in ours.config.to_dict().items() if k not in skip} == ref_cfg
+    assert ours.generation_config.to_dict() == ref.generation_config.to_dict()
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    assert torch.equal(ours(ids).logits, ref(ids).logits)
+
+
+def test_gguf_names_outside_llama_are_refused():
+    from deepspec.targets.gguf import _hf_name
+
+    assert _hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert _hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(DeepSpecError, match="blk.0.attn_qkv.weight"):
+        _hf_name("blk.0.attn_qkv.weight")
+
+
 def test_tiny_target_features(tiny_target, tiny_cfg):
     t = tiny_target
     assert t.num_layers == 2 and t.hidden_size == 64

@@ -62,17 +62,16 @@ def _smollm2_dir() -> Path:
 
 
 def _load_smollm2_gguf(dtype=torch.float32):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    from .gguf import read_llama_gguf
 
     d = _smollm2_dir()
     tok = AutoTokenizer.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=SMOLLM2_GGUF, dtype=dtype)
-    # A GGUF-loaded model cannot be save_pretrained'ed: copy the dequantised
-    # weights into a fresh model built from a clean config.
-    cfg = AutoConfig.for_model(**{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.load_state_dict(gguf_model.state_dict())
-    model.generation_config = gguf_model.generation_config
+    config, state = read_llama_gguf(d / SMOLLM2_GGUF, dtype)
+    # from the de-quantized tensors, without a random initialisation first (the head tied to the embedding)
+    model = LlamaForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    model.generation_config = GenerationConfig.from_model_config(config)
     return model, tok
 
 
