@@ -253,7 +253,19 @@ def resolve_base(path: Path, raw: dict, seen: tuple = ()) -> dict:
         raise DeepSpecError(f"{path}: base presets form a cycle ({names})")
     inherited = resolve_base(base_path, _read_preset(base_path), chain)
     inherited.pop("preset", None)  # the preset's own name, never its base's
-    return deep_merge(inherited, raw)
+    return merge_layer(inherited, raw)
+
+
+def merge_layer(below: Mapping, above: Mapping) -> dict:
+    """`deep_merge`, except that a target's revision belongs to its spec: a layer
+    (a preset over its base, overrides over the preset) that names another
+    target.spec without a target.revision drops the revision beneath it, which
+    would pin a commit of another repository."""
+    t, bt = above.get("target"), below.get("target")
+    if (isinstance(t, Mapping) and "spec" in t and "revision" not in t and isinstance(bt, Mapping)
+            and bt.get("spec") != t["spec"] and "revision" in bt):
+        below = {**below, "target": {k: v for k, v in bt.items() if k != "revision"}}
+    return deep_merge(below, above)
 
 
 def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) -> dict:
@@ -263,7 +275,7 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
     if overrides and "base" in overrides:
         raise DeepSpecError(f"override 'base': a preset's base is set in the preset file ({path}), not by an override")
     if overrides:
-        raw = deep_merge(raw, overrides)
+        raw = merge_layer(raw, overrides)
     return validate(raw, source=str(path), overrides=overrides)
 
 

@@ -236,12 +236,13 @@ def test_training_reads_only_intact_shards(setup, tmp_path):
 
 # The cache fingerprints of the presets' settings before CACHE_BYTES_SETTINGS named them
 # (target id "target-id", token digest "abc123"): an existing cache stays valid. The
-# default's (a reduced draft vocabulary) changed when its cache began to store target_lse.
+# default's (a reduced draft vocabulary) changed when its cache began to store target_lse, the
+# paper presets' when they pinned their targets at hub commits (target.revision: another cache).
 _FINGERPRINTS = {
     "tiny": "8d69a7867ed64202d2ab11b24fc2b53c8364391b015365d6ac74835086658197",
     "smollm2-135m": "11c7046acc5133736397d22f0cbd339ea7da89d76820a09eb018ee420ed2c858",
-    "qwen3-4b": "070277808ed821fae982b8371679e57c577b1088b3a7c72dd20c657b7c120bcc",
-    "gemma4-12b": "bfa20bce0cf01e72266b7689a9e79b11df1ec67aa976e6d3db6af971c2086d53",
+    "qwen3-4b": "cfa80d6750d9717e2bc539026ee9dc2375706e4e45d249cfa75812d22a55ca66",
+    "gemma4-12b": "5db2fed442d61553aca91d521179061b478aec0adc69b732da7a5db0e488910a",
 }
 
 

@@ -118,6 +118,32 @@ def test_base_preset_is_deep_merged_under_the_file(tmp_path):
     assert load_config(mid)["target"]["feature_layers"] == paper["target"]["feature_layers"]
 
 
+def test_hub_targets_are_pinned_at_commits_of_their_own_repository(tmp_path):
+    """Every preset whose target is a hub id pins it at a commit (a branch moves
+    under a rerun), one commit per repository; a builtin target has none, and a
+    preset or override that names another spec drops the revision beneath it."""
+    import re
+
+    from deepspec.targets.loading import BUILTIN
+
+    commits = {}
+    for p in sorted(PRESETS_DIR.glob("*.yaml")):
+        t = load_config(p.stem)["target"]
+        if t["spec"] in BUILTIN:
+            assert t["revision"] is None, p.stem
+            continue
+        assert re.fullmatch(r"[0-9a-f]{40}", t["revision"] or ""), (p.stem, t["revision"])
+        commits.setdefault(t["revision"], set()).add(t["spec"])
+    assert len(commits) >= 4 and all(len(specs) == 1 for specs in commits.values()), commits
+    paper = load_config("qwen3-4b")["target"]
+    mine = _preset(tmp_path, "mine", "base: qwen3-4b\ntarget: {spec: Qwen/Qwen3-1.7B}\n")
+    assert load_config(mine)["target"]["revision"] is None
+    assert load_config("qwen3-4b", {"target": {"spec": "Qwen/Qwen3-1.7B"}})["target"]["revision"] is None
+    assert load_config("qwen3-4b", {"target": {"spec": "Qwen/Qwen3-1.7B", "revision": "v1"}})["target"]["revision"] == "v1"
+    same = _preset(tmp_path, "same", f"base: qwen3-4b\ntarget: {{spec: {paper['spec']}}}\n")
+    assert load_config(same)["target"]["revision"] == paper["revision"]
+
+
 def test_bad_base_is_one_line(tmp_path):
     cases = {
         "unknown": ("base: qwen3-4bb\n", r"unknown\.yaml: base: unknown preset 'qwen3-4bb' \(known: .*qwen3-4b"),

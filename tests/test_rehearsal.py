@@ -20,7 +20,8 @@ from helpers import REHEARSALS  # noqa: E402
 # the keys a rehearsal may change in its paper preset, as dotted paths
 ALLOWED = {
     # the target: a tiny random one with the SmolLM2 tokenizer, float32 on CPU
-    "preset", "description", "target.name", "target.spec", "target.feature_layers", "target.dtype",
+    # (a builtin target has no hub revision: naming another spec drops the paper preset's commit)
+    "preset", "description", "target.name", "target.spec", "target.revision", "target.feature_layers", "target.dtype",
     "target.device", "drafter.mask_token_id", "eval.dtype",
     # local prompt files in place of Open-PerfectBlend (hub), a few prompts each; plan counts them
     "data.train", *(f"data.benchmarks.{b}.cap" for b in ("gsm8k", "math500", "aime25", "mbpp", "humaneval",
