@@ -3,8 +3,8 @@ Llama checkpoint, read with the `gguf` package in one pass.
 
 transformers can load a GGUF itself (`from_pretrained(..., gguf_file=...)`), but
 it parses the file twice (config, then weights) and de-quantizes through torch,
-~13 s for SmolLM2-135M on one core against ~3 s here: the conversion is on the
-critical path of every first run. The result is the same model bit for bit
+~13 s for SmolLM2-135M on one core against ~4 s here (most of it the reader's parse of
+the tokenizer's 49 k tokens): the conversion is on the critical path of every first run. The result is the same model bit for bit
 (tests/test_target.py compares the two: every tensor equal, the same config).
 
 GGUF stores a llama model's q/k projections with the rows of each head
@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DeepSpecError
 
-# GGUF tensor name -> transformers parameter name ({i}: the layer)
+# GGUF tensor name (blk.<layer>.<name>.weight) -> transformers parameter name
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
