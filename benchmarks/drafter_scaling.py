@@ -37,13 +37,16 @@ CPU-seconds each point cost.
    E[tau] difference, with 95 % paired-bootstrap intervals over the held-out
    samples (both arms measured on the same samples). An arm's `steps=` scales
    the point's steps (e.g. steps=0.5 for an arm whose steps cost twice as much:
-   equal CPU time).
+   equal CPU time). The grid's own axes are contrasted the same way, every
+   point being measured on the same held-out samples: paired-tokens.* gives
+   each token budget minus the smallest at equal steps, paired-steps.* each
+   step count minus the smallest at an equal budget.
 
 Outputs under --out: scaling.csv (method, arm, tokens, steps, domain,
 position, acceptance, ci_low, ci_high, n_samples, train_cpu_s, data_cpu_s),
 scaling.md (the table the docs quote: position-1..3 acceptance per domain,
-expected tau and CPU-seconds per point), scaling.png and, with two or more
-arms, paired.csv and paired.md. A finished point is kept in
+expected tau and CPU-seconds per point), scaling.png and, along each axis with
+two or more values, paired.* (arms), paired-tokens.* and paired-steps.*. A finished point is kept in
 points/<name>.json, so a rerun only computes what is missing.
 """
 from __future__ import annotations
@@ -259,23 +262,33 @@ def markdown(df) -> str:
     return "\n".join(lines) + "\n"
 
 
-def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
-    """Each arm minus the first arm at the same (method, tokens, steps):
-    rows of paired.csv, per domain and position the acceptance difference and,
-    per domain and macro (position "tau"), the E[tau] difference, each with a 95 %
-    paired-bootstrap interval (the same resampled held-out samples for both arms)."""
+# what a contrast holds fixed, per axis it runs along
+HELD = {"arm": ("method", "tokens", "steps"), "tokens": ("method", "arm", "steps"), "steps": ("method", "arm", "tokens")}
+
+
+def paired(points: list[dict], along: str = "arm", n_boot: int = 2000, seed: int = 0):
+    """Contrasts along one axis of the grid, the others held fixed: each arm minus
+    the first arm (`along="arm"`), or each token budget (step count) minus the
+    smallest (`"tokens"`, `"steps"`). Rows of paired*.csv: per domain and position
+    the acceptance difference and, per domain and macro (position "tau"), the
+    E[tau] difference, each with a 95 % paired-bootstrap interval (the same
+    resampled held-out samples for both points)."""
     import pandas as pd
 
     rng = np.random.default_rng(seed)
     groups: dict[tuple, list[dict]] = {}
     for p in points:
-        groups.setdefault((p["method"], p["tokens"], p["steps"]), []).append(p)
+        groups.setdefault(tuple(p.get(k) for k in HELD[along]), []).append(p)
     rows = []
-    for (method, tokens, steps), ps in sorted(groups.items()):
+    for ps in groups.values():
+        if along != "arm":
+            ps = sorted(ps, key=lambda p: p[along])
         base = ps[0]
         for other in ps[1:]:
             if [d for d, _ in other["samples"]] != [d for d, _ in base["samples"]]:
-                raise SystemExit(f"paired: {method} arms were measured on different held-out samples")
+                raise SystemExit(f"paired: {base['method']} points were measured on different held-out samples")
+            ident = {"method": other["method"], "tokens": other["tokens"], "steps": other["steps"],
+                     "arm": other.get("arm"), "along": along, "baseline": base.get(along)}
             taus_a, taus_b = [], []
             for domain in DOMAINS:
                 idx = [i for i, (d, _) in enumerate(base["samples"]) if d == domain]
@@ -288,8 +301,7 @@ def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
                 ta, tb = 1 + np.cumprod(ma, 1).sum(1), 1 + np.cumprod(mb, 1).sum(1)
                 taus_a.append((1 + np.cumprod(a.mean(0)).sum(), ta))
                 taus_b.append((1 + np.cumprod(b.mean(0)).sum(), tb))
-                head = {"method": method, "tokens": tokens, "steps": steps, "arm": other.get("arm"),
-                        "baseline": base.get("arm"), "domain": domain, "n_samples": len(idx)}
+                head = {**ident, "domain": domain, "n_samples": len(idx)}
                 for k in range(a.shape[1]):
                     diff = mb[:, k] - ma[:, k]
                     rows.append({**head, "position": k + 1, "baseline_value": a[:, k].mean(),
@@ -301,28 +313,40 @@ def paired(points: list[dict], n_boot: int = 2000, seed: int = 0):
             ma_tau = np.mean([t for t, _ in taus_a])
             mb_tau = np.mean([t for t, _ in taus_b])
             dboot = np.mean([tb for _, tb in taus_b], 0) - np.mean([ta for _, ta in taus_a], 0)
-            rows.append({"method": method, "tokens": tokens, "steps": steps, "arm": other.get("arm"),
-                         "baseline": base.get("arm"), "domain": "macro", "n_samples": len(base["samples"]),
+            rows.append({**ident, "domain": "macro", "n_samples": len(base["samples"]),
                          "position": "tau", "baseline_value": ma_tau, "arm_value": mb_tau, "diff": mb_tau - ma_tau,
                          "ci_low": np.quantile(dboot, 0.025), "ci_high": np.quantile(dboot, 0.975)})
     return pd.DataFrame(rows)
 
 
+def _k(n: int) -> str:
+    return f"{n / 1000:.0f}k" if n >= 1000 else str(n)
+
+
 def paired_markdown(df) -> str:
-    """paired.csv as the table the docs quote: positions 1..GAMMA_SHOWN per domain and macro E[tau]."""
-    lines = ["| method | steps | arm − baseline | " + " | ".join(f"{d} Δc*1..{GAMMA_SHOWN}" for d in DOMAINS)
+    """paired*.csv as the table the docs quote: what the contrast holds fixed, the
+    contrast, positions 1..GAMMA_SHOWN per domain and macro E[tau]."""
+    lines = ["| method | at | contrast | " + " | ".join(f"{d} Δc*1..{GAMMA_SHOWN}" for d in DOMAINS)
              + " | Δ macro E[tau] |", "|---" * (4 + len(DOMAINS)) + "|"]
 
     def cell(r):
         return f"{r['diff']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
 
-    for (m, _tokens, s, arm, base), g in df.groupby(["method", "tokens", "steps", "arm", "baseline"], sort=False):
+    for _, g in df.groupby(["method", "tokens", "steps", "arm", "along", "baseline"], sort=False, dropna=False):
+        r0 = g.iloc[0]
+        arm = "" if r0.arm is None or r0.arm != r0.arm else f" ({r0.arm})"
+        if r0.along == "arm":
+            at, contrast = f"{r0.steps}", f"{r0.arm} − {r0.baseline}"
+        elif r0.along == "tokens":
+            at, contrast = f"{r0.steps} steps{arm}", f"{_k(r0.tokens)} − {_k(r0.baseline)} tokens"
+        else:
+            at, contrast = f"{_k(r0.tokens)} tokens{arm}", f"{r0.steps} − {r0.baseline} steps"
         cells = []
         for d in DOMAINS:
             pos = g[(g.domain == d) & (g.position.astype(str).isin([str(k) for k in range(1, GAMMA_SHOWN + 1)]))]
             cells.append("<br>".join(cell(r) for _, r in pos.iterrows()) or "-")
         macro = g[(g.domain == "macro")].iloc[0]
-        lines.append(f"| {m} | {s} | {arm} − {base} | " + " | ".join(cells) + f" | {cell(macro)} |")
+        lines.append(f"| {r0.method} | {at} | {contrast} | " + " | ".join(cells) + f" | {cell(macro)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -331,6 +355,7 @@ def plot(df, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(4 * len(DOMAINS), 3.2), sharey=True)
     p1 = df[df.position == 1]
@@ -340,6 +365,9 @@ def plot(df, path: Path) -> None:
             ax.errorbar(g.actual_tokens, g.acceptance, yerr=[g.acceptance - g.ci_low, g.ci_high - g.acceptance],
                         marker="o", capsize=2, label=f"{m}{'' if a == 'preset' else f' ({a})'}, {s} steps")
         ax.set_xscale("log")
+        ticks = sorted(set(p1.actual_tokens))
+        ax.set_xticks(ticks, [_k(int(t)) for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_title(d)
         ax.set_xlabel("regenerated training tokens")
         ax.grid(alpha=0.3)
@@ -458,11 +486,14 @@ def main(argv=None) -> int:
     write_text_atomic(out / "scaling.md", table)
     plot(df, out / "scaling.png")
     print(table)
-    if len(arms) > 1:
-        pairs = paired(points)
-        pairs.to_csv(out / "paired.csv", index=False)
-        write_text_atomic(out / "paired.md", paired_markdown(pairs))
-        print(paired_markdown(pairs))
+    # contrasts along each axis with two or more values: arms (paired.*), budgets, step counts
+    for along, n, name in (("arm", len(arms), "paired"), ("tokens", len(args.tokens), "paired-tokens"),
+                           ("steps", len(set(args.steps) | set(args.eagle3_steps or [])), "paired-steps")):
+        pairs = paired(points, along) if n > 1 else None
+        if pairs is not None and len(pairs):
+            pairs.to_csv(out / f"{name}.csv", index=False)
+            write_text_atomic(out / f"{name}.md", paired_markdown(pairs))
+            print(paired_markdown(pairs))
     return 0
 
 
