@@ -39,8 +39,8 @@ CPU-seconds each point cost.
    the point's steps (e.g. steps=0.5 for an arm whose steps cost twice as much:
    equal CPU time). The grid's own axes are contrasted the same way, every
    point being measured on the same held-out samples: paired-tokens.* gives
-   each token budget minus the smallest at equal steps, paired-steps.* each
-   step count minus the smallest at an equal budget.
+   each token budget minus each smaller one at equal steps, paired-steps.*
+   each step count minus each smaller one at an equal budget.
 
 Outputs under --out: scaling.csv (method, arm, tokens, steps, domain,
 position, acceptance, ci_low, ci_high, n_samples, train_cpu_s, data_cpu_s),
@@ -268,8 +268,8 @@ HELD = {"arm": ("method", "tokens", "steps"), "tokens": ("method", "arm", "steps
 
 def paired(points: list[dict], along: str = "arm", n_boot: int = 2000, seed: int = 0):
     """Contrasts along one axis of the grid, the others held fixed: each arm minus
-    the first arm (`along="arm"`), or each token budget (step count) minus the
-    smallest (`"tokens"`, `"steps"`). Rows of paired*.csv: per domain and position
+    the first arm (`along="arm"`), or each token budget (step count) minus each
+    smaller one (`"tokens"`, `"steps"`). Rows of paired*.csv: per domain and position
     the acceptance difference and, per domain and macro (position "tau"), the
     E[tau] difference, each with a 95 % paired-bootstrap interval (the same
     resampled held-out samples for both points)."""
@@ -281,10 +281,12 @@ def paired(points: list[dict], along: str = "arm", n_boot: int = 2000, seed: int
         groups.setdefault(tuple(p.get(k) for k in HELD[along]), []).append(p)
     rows = []
     for ps in groups.values():
-        if along != "arm":
+        if along == "arm":
+            pairs = [(ps[0], other) for other in ps[1:]]
+        else:
             ps = sorted(ps, key=lambda p: p[along])
-        base = ps[0]
-        for other in ps[1:]:
+            pairs = [(base, other) for i, base in enumerate(ps) for other in ps[i + 1:]]
+        for base, other in pairs:
             if [d for d, _ in other["samples"]] != [d for d, _ in base["samples"]]:
                 raise SystemExit(f"paired: {base['method']} points were measured on different held-out samples")
             ident = {"method": other["method"], "tokens": other["tokens"], "steps": other["steps"],
@@ -489,8 +491,8 @@ def main(argv=None) -> int:
     # contrasts along each axis with two or more values: arms (paired.*), budgets, step counts
     for along, n, name in (("arm", len(arms), "paired"), ("tokens", len(args.tokens), "paired-tokens"),
                            ("steps", len(set(args.steps) | set(args.eagle3_steps or [])), "paired-steps")):
-        pairs = paired(points, along) if n > 1 else None
-        if pairs is not None and len(pairs):
+        pairs = paired(points, along) if n > 1 else []
+        if len(pairs):
             pairs.to_csv(out / f"{name}.csv", index=False)
             write_text_atomic(out / f"{name}.md", paired_markdown(pairs))
             print(paired_markdown(pairs))

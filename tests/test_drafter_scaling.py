@@ -80,8 +80,8 @@ def test_arms_are_names_with_preset_overrides_and_a_step_scale():
 
 
 def test_the_grids_own_axes_are_contrasted_against_their_smallest_value():
-    """paired(along="tokens" / "steps"): each budget (step count) minus the smallest
-    at the other axes held fixed, whatever order the points come in; a point with no
+    """paired(along="tokens" / "steps"): each budget (step count) minus each smaller
+    one at the other axes held fixed, whatever order the points come in; a point with no
     partner along the axis contributes no row."""
     rng = np.random.default_rng(1)
     base = [(d, list(rng.uniform(0.0, 0.5, 7))) for d in S.DOMAINS for _ in range(20)]
@@ -94,11 +94,14 @@ def test_the_grids_own_axes_are_contrasted_against_their_smallest_value():
               pt(30000, 300, 0.0, method="eagle3")]
     tok = S.paired(points, "tokens")
     p = tok[tok.position.astype(str) != "tau"]
-    assert set(zip(p.tokens, p.baseline)) == {(300000, 30000), (100000, 30000)} and set(p.steps) == {2700}
-    assert np.allclose(p[p.tokens == 300000]["diff"], 0.05) and np.allclose(p[p.tokens == 100000]["diff"], 0.02)
+    assert set(zip(p.tokens, p.baseline)) == {(300000, 30000), (100000, 30000), (300000, 100000)} and set(p.steps) == {2700}
+    assert np.allclose(p[(p.tokens == 300000) & (p.baseline == 30000)]["diff"], 0.05)
+    assert np.allclose(p[p.tokens == 100000]["diff"], 0.02)
+    assert np.allclose(p[(p.tokens == 300000) & (p.baseline == 100000)]["diff"], 0.03)
     steps = S.paired(points, "steps")
     assert set(zip(steps.steps, steps.baseline)) == {(2700, 900)}
     assert np.allclose(steps[steps.position.astype(str) == "1"]["diff"], 0.03)
     table = S.paired_markdown(tok)
     assert "| dflash | 2700 steps | 300k − 30k tokens |" in table and "| dflash | 2700 steps | 100k − 30k tokens |" in table
+    assert "| dflash | 2700 steps | 300k − 100k tokens |" in table
     assert "| dflash | 30k tokens | 2700 − 900 steps |" in S.paired_markdown(steps)
