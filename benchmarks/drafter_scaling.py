@@ -129,7 +129,7 @@ def build_data(preset: str, results: Path, data: dict, cores: int, log: Path) ->
     if manifest.exists() and cost_file.exists():
         return {**json.loads(cost_file.read_text()), "manifest": json.loads(manifest.read_text())}
     cmd = [sys.executable, "-m", "snakemake", "--cores", str(cores), str(manifest), "--config",
-           f"preset={preset}", f"results_dir={results}", "data=" + json.dumps(data)]
+           f"preset={preset}", f"results_dir={results}", f"logs_dir={results / 'logs'}", "data=" + json.dumps(data)]
     t0, c0 = time.perf_counter(), _cpu_children()
     with open(log, "w") as f:
         r = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)

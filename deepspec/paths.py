@@ -21,8 +21,8 @@ patterns), then passes `{output}` to the commands. R = results_dir, T = target n
   R/T/serve/<method>.json, R/T/serve/<method>.vllm/  the drafter served in vLLM, checked (serve_check)
   R/tables/{table1.csv,table1.md,fig2.csv}, figures/fig2.{pdf,png}, R/REPORT.md, R/provenance.json (report)
   R/tables/figN.csv, figures/figN.pdf  ablations                    (fig3 .. fig6)
-  logs/T/<job>.log                     one log per job (logs/T/<job>/<sub>.log per file of a job
-                                       family, e.g. prepare_data); logs/T/<job>.benchmark.tsv its timing
+  L/T/<job>.log                        one log per job, L = logs_dir (L/T/<job>/<sub>.log per file of a
+                                       job family, e.g. prepare_data); L/T/<job>.benchmark.tsv its timing
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class RunPaths:
 
     @classmethod
     def of(cls, cfg: dict, target: str | None = None) -> "RunPaths":
-        return cls(cfg["results_dir"], cfg["figures_dir"], cfg["resources_dir"], target or cfg["target"]["name"])
+        return cls(cfg["results_dir"], cfg["figures_dir"], cfg["resources_dir"], target or cfg["target"]["name"],
+                   cfg.get("logs_dir", LOGS))
 
     @property
     def run(self) -> Path:

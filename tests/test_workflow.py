@@ -157,6 +157,21 @@ def test_readme_commands_plan(tmp_path, cmd):
     assert r.returncode == 0, " ".join(cmd) + "\n" + r.stdout[-2000:] + r.stderr[-2000:]
 
 
+def test_a_run_with_its_own_results_dir_keeps_its_own_logs(tmp_path):
+    """The README's second run of the default (fp32 forced) goes to results/fp32;
+    its logs go to logs/fp32, so its jobs do not overwrite the first run's logs."""
+    cmds = [c for c in _readme_snakemake_commands() if any(a.startswith("results_dir=") for a in c)]
+    assert cmds, "the README shows no run with its own results_dir"
+    for cmd in cmds:
+        assert any(a.startswith("logs_dir=") for a in cmd), " ".join(cmd)
+    copy_workflow(tmp_path)
+    r = snakemake(tmp_path, "figures/fp32/fig2.pdf", "-n", "--cores", "1", "--config", "preset=tiny",
+                  "results_dir=results/fp32", "figures_dir=figures/fp32", "logs_dir=logs/fp32")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    logs = re.findall(r"^\s+log: (\S+)", r.stdout, flags=re.M)
+    assert logs and all(p.startswith("logs/fp32/tiny/") for p in logs), logs
+
+
 @pytest.mark.parametrize("preset", ["smollm2-135m", "qwen3-4b"])  # the CPU default; a GPU preset with its server rule
 def test_snakemake_lint_is_clean(tmp_path, shared_data, preset):
     """`snakemake --lint` finds nothing: every rule names its environment, takes its
