@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         claims = judge(args.preset, seed, run)
         names = names or [c.name for c in claims]
         rows.append({"seed": seed, "wall_s": wall, **{c.name: verdict(c.holds) for c in claims}})
-        details += [f"- seed {seed}, {c.name}: {c.text}" for c in claims if c.name in names[:3]]
+        details += [f"- seed {seed}, {c.name}: {c.text}" for c in claims]
         print(f"seed {seed}: {wall / 60:.1f} min; " + "; ".join(f"{c.name}: {verdict(c.holds)}" for c in claims),
               flush=True)
     with open(out / "seeds.csv", "w", newline="") as f:

@@ -48,7 +48,7 @@ class RunPaths:
     @classmethod
     def of(cls, cfg: dict, target: str | None = None) -> "RunPaths":
         return cls(cfg["results_dir"], cfg["figures_dir"], cfg["resources_dir"], target or cfg["target"]["name"],
-                   cfg.get("logs_dir", LOGS))
+                   cfg["logs_dir"])
 
     @property
     def run(self) -> Path:

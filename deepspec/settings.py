@@ -277,7 +277,7 @@ class Settings:
         """The typed view of a validated config (`config.load_config`)."""
         sections = {name: section.of(cfg.get(name, {})) for name, section in SECTIONS.items()}
         return cls(preset=cfg.get("preset", ""), results_dir=cfg["results_dir"], figures_dir=cfg["figures_dir"],
-                   resources_dir=cfg["resources_dir"], logs_dir=cfg.get("logs_dir", "logs"), resources=cfg.get("resources", {}),
+                   resources_dir=cfg["resources_dir"], logs_dir=cfg["logs_dir"], resources=cfg.get("resources", {}),
                    description=cfg.get("description", ""), raw=cfg, **sections)
 
     @classmethod
