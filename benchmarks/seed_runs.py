@@ -5,7 +5,9 @@ Seed s runs the DAG with data.seed, regenerate.seed, train.seed and eval.seed al
 set to s: other prompts from the same training sources and benchmarks, other
 regenerated answers, another initialisation and batch order, other decoding draws.
 `preset` runs the preset's own seeds. Each run has its own results_dir, figures_dir
-and logs_dir under --out; a run whose REPORT.md and wall-clock record exist is reused.
+and logs_dir under --out. A finished run is reused while a Snakemake dry run finds it up
+to date; one resumed or rerun in part is marked so, its wall-clock being its last part's.
+A seed that fails is named; the others are still tabulated.
 Each run's claims are then judged as REPORT.md judges them
 (`deepspec.reporting.claims.judge_claims` on the run's records) and tabulated: the
 verdict of every claim per run, with DFlash's decay per domain and the run's wall-clock.
@@ -51,24 +53,40 @@ def snakemake_args(preset: str, cfg: dict) -> list[str]:
     return out
 
 
-def run_dag(preset: str, seed: str, run: Path, cores: str) -> float:
-    """The DAG of one seed, to Figure 2 and REPORT.md; returns its wall-clock seconds
-    (recorded in run/wall.json, read back when the run is already there)."""
+def snakemake(preset: str, cfg: dict, run: Path, cores: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "snakemake", "--cores", cores, str(run / "figures" / "fig2.pdf"), *extra,
+            "--config", *snakemake_args(preset, cfg)]
+
+
+def up_to_date(preset: str, cfg: dict, run: Path) -> bool:
+    """Snakemake's own judgement (a dry run): nothing of this run's Figure 2 and REPORT.md
+    would rerun under today's preset and code."""
+    r = subprocess.run(snakemake(preset, cfg, run, "1", "--dry-run"), cwd=REPO, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"the dry run of {run} failed: {(r.stdout + r.stderr).strip().splitlines()[-1:]}")
+    return "Nothing to be done" in r.stdout + r.stderr
+
+
+def run_dag(preset: str, seed: str, run: Path, cores: str) -> dict:
+    """The DAG of one seed, to Figure 2 and REPORT.md. Returns its record (run/wall.json):
+    the wall-clock seconds, and whether they are the whole run's (a run resumed over
+    earlier outputs, or rerun in part after a change of preset or code, times only its
+    last part). A recorded run is reused only while Snakemake finds it up to date."""
     record = run / "wall.json"
     cfg = overrides(seed, run)
-    if record.exists() and (run / "results" / "REPORT.md").exists():
-        return json.loads(record.read_text())["wall_s"]
+    if record.exists() and up_to_date(preset, cfg, run):
+        return {"whole": True, **json.loads(record.read_text())}
+    whole = not (run / "results").exists()
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "snakemake", "--cores", cores, str(run / "figures" / "fig2.pdf"),
-           "--config", *snakemake_args(preset, cfg)]
+    cmd = snakemake(preset, cfg, run, cores)
     t0 = time.perf_counter()
     with open(run / "snakemake.log", "w") as f:
         r = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode:
-        sys.exit(f"seed_runs: seed {seed} failed (see {run / 'snakemake.log'}): {' '.join(cmd)}")
-    wall = time.perf_counter() - t0
-    record.write_text(json.dumps({"wall_s": wall, "seed": seed}))
-    return wall
+        raise RuntimeError(f"seed {seed} failed (see {run / 'snakemake.log'}): {' '.join(cmd)}")
+    out = {"wall_s": time.perf_counter() - t0, "seed": seed, "whole": whole}
+    record.write_text(json.dumps(out))
+    return out
 
 
 def judge(preset: str, seed: str, run: Path) -> list:
@@ -82,7 +100,8 @@ def table(rows: list[dict], names: list[str]) -> str:
     head = "| seed | wall-clock | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (len(names) + 2)]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['wall_s'] / 60:.1f} min | " + " | ".join(r[n] for n in names) + " |")
+        wall = f"{r['wall_s'] / 60:.1f} min" + ("" if r.get("whole", True) else " (resumed: its last part only)")
+        lines.append(f"| {r['seed']} | {wall} | " + " | ".join(r[n] for n in names) + " |")
     holds = {n: sum(r[n] == "holds" for r in rows) for n in names}
     lines.append("| runs where it holds | | " + " | ".join(f"{holds[n]} of {len(rows)}" for n in names) + " |")
     return "\n".join(lines)
@@ -99,24 +118,35 @@ def main(argv=None) -> int:
         if s != "preset" and not s.lstrip("-").isdigit():
             ap.error(f"--seeds: '{s}' is neither 'preset' nor an integer")
     out = args.out.resolve()
-    rows, names, details = [], [], []
+    rows, names, details, failed = [], [], [], []
     for seed in args.seeds:
         run = out / f"seed-{seed}"
-        wall = run_dag(args.preset, seed, run, args.cores)
+        try:
+            rec = run_dag(args.preset, seed, run, args.cores)
+        except RuntimeError as e:  # the other seeds still run, and are tabulated
+            print(f"seed_runs: {e}", file=sys.stderr, flush=True)
+            failed.append(seed)
+            continue
         claims = judge(args.preset, seed, run)
         names = names or [c.name for c in claims]
-        rows.append({"seed": seed, "wall_s": wall, **{c.name: verdict(c.holds) for c in claims}})
+        rows.append({"seed": seed, "wall_s": rec["wall_s"], "whole": rec["whole"],
+                     **{c.name: verdict(c.holds) for c in claims}})
         details += [f"- seed {seed}, {c.name}: {c.text}" for c in claims]
-        print(f"seed {seed}: {wall / 60:.1f} min; " + "; ".join(f"{c.name}: {verdict(c.holds)}" for c in claims),
-              flush=True)
+        print(f"seed {seed}: {rec['wall_s'] / 60:.1f} min; "
+              + "; ".join(f"{c.name}: {verdict(c.holds)}" for c in claims), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "seeds.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["seed", "wall_s", *names])
+        w = csv.DictWriter(f, fieldnames=["seed", "wall_s", "whole", *names])
         w.writeheader()
         w.writerows(rows)
     md = f"# {args.preset} under other seeds\n\n{table(rows, names)}\n\n" + "\n".join(details) + "\n"
+    if failed:
+        md += "".join(f"- seed {s} failed: {out / f'seed-{s}' / 'snakemake.log'}\n" for s in failed)
     (out / "seeds.md").write_text(md)
     print(md)
-    return 0
+    if failed:
+        print(f"seed_runs: seeds {', '.join(failed)} failed; the table holds the others", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-LOGS = "logs"
-
 
 def target_dir(resources: str, name: str) -> Path:
     """A prepared target checkpoint: <resources>/targets/<name>."""
@@ -43,7 +41,7 @@ class RunPaths:
     figures: str = "figures"
     resources: str = "resources"
     target: str = "{target}"  # the target name (RunPaths.of(cfg) fills it in)
-    logs: str = LOGS
+    logs: str = "logs"
 
     @classmethod
     def of(cls, cfg: dict, target: str | None = None) -> "RunPaths":
@@ -140,11 +138,11 @@ class RunPaths:
         return Path(self.results) / "provenance.json"
 
     def log(self, job: str, sub: str | None = None) -> Path:
-        """logs/T/<job>.log, or with `sub` logs/T/<job>/<sub>.log (one per file of a job family)."""
+        """L/T/<job>.log, or with `sub` L/T/<job>/<sub>.log (one per file of a job family)."""
         return Path(self.logs) / self.target / (f"{job}/{sub}.log" if sub else f"{job}.log")
 
     def job_benchmark(self, job: str) -> Path:
-        """The job's Snakemake benchmark (wall time, memory): logs/T/<job>.benchmark.tsv."""
+        """The job's Snakemake benchmark (wall time, memory): L/T/<job>.benchmark.tsv."""
         return Path(self.logs) / self.target / f"{job}.benchmark.tsv"
 
 
