@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import subprocess
 import sys
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from deepspec.config import load_config
+from deepspec.files import write_text_atomic
 from deepspec.reporting.claims import judge_claims, verdict
 from deepspec.reporting.records import load_records
 from deepspec.settings import Settings
@@ -85,7 +87,7 @@ def run_dag(preset: str, seed: str, run: Path, cores: str) -> dict:
     if r.returncode:
         raise RuntimeError(f"seed {seed} failed (see {run / 'snakemake.log'}): {' '.join(cmd)}")
     out = {"wall_s": time.perf_counter() - t0, "seed": seed, "whole": whole}
-    record.write_text(json.dumps(out))
+    write_text_atomic(record, json.dumps(out))
     return out
 
 
@@ -135,17 +137,16 @@ def main(argv=None) -> int:
         print(f"seed {seed}: {rec['wall_s'] / 60:.1f} min; "
               + "; ".join(f"{c.name}: {verdict(c.holds)}" for c in claims), flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "seeds.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["seed", "wall_s", "whole", *names])
-        w.writeheader()
-        w.writerows(rows)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=["seed", "wall_s", "whole", *names])
+    w.writeheader()
+    w.writerows(rows)
+    write_text_atomic(out / "seeds.csv", buf.getvalue())
     md = f"# {args.preset} under other seeds\n\n{table(rows, names)}\n\n" + "\n".join(details) + "\n"
     if failed:
         md += "".join(f"- seed {s} failed: {out / f'seed-{s}' / 'snakemake.log'}\n" for s in failed)
-    (out / "seeds.md").write_text(md)
+    write_text_atomic(out / "seeds.md", md)
     print(md)
-    if failed:
-        print(f"seed_runs: seeds {', '.join(failed)} failed; the table holds the others", file=sys.stderr)
     return 1 if failed else 0
 
 
