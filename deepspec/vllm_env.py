@@ -8,7 +8,9 @@ checked against transformers 5.24. So vLLM lives in a virtual environment of its
 own (`install-vllm`, default `.venv-vllm/` in the checkout), and the project
 reaches it through one Python path: `--vllm-python`, `serve.vllm_python`, or
 $DEEPSPEC_VLLM_PYTHON. On a GPU machine vLLM may also be installed into the
-project's environment (`pip install -e .[vllm]`); it is then found there.
+project's environment (`pip install -e .[vllm]`); it is then found there, but
+the CUDA vllm 0.32.0 requires torch==2.13.0 and transformers>=5.16.1,<5.20, so
+that install downgrades the project's transformers (docs/GPU.md).
 """
 from __future__ import annotations
 

@@ -358,8 +358,14 @@ def test_install_vllm_pins_the_tested_series_for_gpus_too(tmp_path, monkeypatch)
     vllm_env.install_vllm(tmp_path / "v", gpu=True)
     wanted = f"vllm~={vllm_env.VLLM_VERSION}.0"
     assert any(wanted in cmd for cmd in ran), ran
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    root = Path(__file__).parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [wanted]
+    # docs/GPU.md names the same pin and says what the extra does to the project's environment
+    # (vllm 0.32.0's METADATA: transformers>=5.16.1,<5.20.0, below the drafters' checked 5.24/5.25)
+    gpu = " ".join((root / "docs" / "GPU.md").read_text().split())
+    assert wanted in gpu and "install-vllm --gpu" in gpu
+    assert "transformers>=5.16.1,<5.20" in gpu and "downgrades transformers" in gpu
 
 
 def _fake_vllm_python(where: Path, version: str) -> Path:
