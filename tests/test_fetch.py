@@ -81,6 +81,40 @@ def test_the_pinned_revision_reaches_the_download_and_the_fingerprints(tmp_path,
     assert settings_fingerprint(cfg, "evaluate") != settings_fingerprint(other, "evaluate")
 
 
+def test_a_branch_revision_is_resolved_once_and_the_commit_reaches_the_provenance(tmp_path, fake_hub, shared_data):
+    """NR10: a hub dataset at a branch (qwen3-4b's Open-PerfectBlend at `main`: no commit of
+    it could be read when the preset was written) is not a pin. The fetch resolves it once;
+    results/provenance.json and REPORT.md give the commit it resolved to, say that the
+    revision is a branch, and when it was resolved. A pinned commit is recorded as pinned."""
+    from deepspec.fetch import snapshot_dir
+    from deepspec.reporting.run_record import _data, provenance_markdown
+    from deepspec.settings import Settings
+
+    def recorded(revision):
+        cfg = load_config("tiny", {"resources_dir": str(tmp_path / "resources"), "data": {
+            "root": str(shared_data), "train": [{"path": "hub:someone/chats", "revision": revision}]}})
+        return cfg, _data(Settings.of(cfg))["hub:someone/chats"]
+
+    cfg, rec = recorded("main")
+    assert rec["commit"] is None and "not fetched yet" in rec["commit_from"]
+    fetch_snapshot("someone/chats", "main", snapshot_dir(cfg, "dataset", "someone/chats", "main"), repo_type="dataset")
+    cfg, rec = recorded("main")
+    assert (rec["source"], rec["revision"], rec["commit"]) == ("someone/chats", "main", COMMIT)
+    assert re.fullmatch(r"branch or tag 'main' \(not a pin\), resolved by the fetch at \d{4}-.*", rec["commit_from"])
+    row = [line for line in provenance_markdown({
+        "packages": {}, "hardware": {"gpus": [], "cpu": "x", "cpus_usable": 1, "cpu_count": 1, "memory_gib": 1,
+                                     "cuda_available": False, "torch_cuda": None},
+        "dtypes": {"target": "float32", "cache": None}, "code": {"package_dir": ".", "git_error": "none"},
+        "target": {"spec": "tiny", "recorded": False, "note": "-"}, "data": {"hub:someone/chats": rec},
+        "drafters": {}}) if line.startswith("| hub:someone/chats")]
+    assert row == [f"| hub:someone/chats | someone/chats | main (a branch or tag, not a pin) | {COMMIT[:12]} | "
+                   "not recorded | no reference |"]
+    fetch_snapshot("someone/chats", COMMIT, snapshot_dir(cfg, "dataset", "someone/chats", COMMIT), repo_type="dataset")
+    _, rec = recorded(COMMIT)
+    assert (rec["commit"], rec["commit_from"]) == (COMMIT, "pinned revision")
+    assert len(fake_hub) == 2  # each revision fetched once; the record is read, not the hub
+
+
 def test_hub_sources_need_a_revision_and_never_replace_what_we_did_not_write(tmp_path, fake_hub):
     with pytest.raises(DeepSpecError, match=r"data.train.0: 'revision' is a required property"):
         load_config("tiny", {"data": {"train": [{"path": "hub:someone/chats"}]}})
