@@ -394,6 +394,30 @@ def test_vllm_versions_are_data(tmp_path, monkeypatch):
         vllm_env.installed_vllm_version(sys.executable)  # the project's environment has none
 
 
+def test_serve_check_refuses_an_untested_vllm_in_one_line_before_any_export(tmp_path, monkeypatch, capsys):
+    """serve-check's own path (cli_serve_check): the vLLM Python's package version is read
+    first; another major.minor stops it in one line naming the tested series, before the
+    target is loaded or an export is written; the tested series goes on to the check."""
+    from deepspec.cli import main
+    from deepspec.serving import serve_check
+
+    monkeypatch.delenv(vllm_env.ALLOW_UNTESTED, raising=False)
+    monkeypatch.setattr(serve_check, "serve_and_compare", lambda *a, **kw: pytest.fail("reached the export"))
+    out = tmp_path / "serve" / "eagle3.json"
+    argv = ["serve-check", "--preset", "tiny", "--set", f"results_dir={tmp_path / 'results'}",
+            "--set", f"resources_dir={tmp_path / 'resources'}", "--method", "eagle3", "--out", str(out), "--no-sampled"]
+    for untested in ("0.34.0", "0.31.2"):
+        assert main(argv + ["--vllm-python", str(_fake_vllm_python(tmp_path, untested))]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(rf"vLLM {re.escape(untested)} \(.*\) is untested: .* tested with vLLM "
+                                           rf"{re.escape(vllm_env.VLLM_VERSION)}\.x", err[0]), err
+        assert not out.parent.exists() and not (tmp_path / "results").exists()
+    # the tested series passes the check and stops only at the next step (no prepared target here)
+    assert main(argv + ["--vllm-python", str(_fake_vllm_python(tmp_path, vllm_env.VLLM_VERSION + ".0"))]) == 2
+    err = capsys.readouterr().err
+    assert "no prepared target" in err and "untested" not in err and not out.parent.exists()
+
+
 def test_an_export_for_vllm_records_the_vllm_beside_it_and_refuses_an_untested_one(tiny_target, tiny_cfg, tmp_path,
                                                                                   monkeypatch):
     import json
