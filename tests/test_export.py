@@ -659,6 +659,84 @@ def test_an_export_carries_a_model_card_to_publish(qwen3_target, qwen3_cfg, tmp_
     assert (tmp_path / "pub" / "provenance.json").exists() and "Not measured yet" not in card
 
 
+# SGLang 0.5.23's server flags our SGLang commands use: "--" + a ServerArgs field with "_" as "-"
+# (srt/arg_groups/arg_utils.py:_field_to_cli_name), the fields read in srt/arg_groups/fields/model.py
+# (model_path), schedule.py (max_running_requests) and spec.py (speculative_*); its verify mode is the
+# environment variable SGLANG_RAGGED_VERIFY_MODE (srt/environ.py, default "static"; ragged_verify.py:
+# static | cap-accept | compact; models/dspark.py builds the confidence head in every mode but static).
+SGLANG_0_5_23_FLAGS = {"--model-path", "--max-running-requests", "--speculative-algorithm",
+                       "--speculative-draft-model-path", "--speculative-num-steps", "--speculative-eagle-topk",
+                       "--speculative-num-draft-tokens", "--speculative-dspark-block-size",
+                       "--speculative-dspark-sps-table-path", "--speculative-dspark-confidence-sts-path"}
+
+
+def _card_command(card: str, engine: str) -> list[str]:
+    """The card's one-line command for `engine`, its placeholder for the export's path
+    (`<this directory>`, which the reader replaces) read as one word, DIR."""
+    import shlex
+
+    block = card.split(f"\n{engine}:\n\n```bash\n", 1)[1].split("\n```", 1)[0]
+    assert "\n" not in block
+    return shlex.split(block.replace("<this directory>", "DIR"))
+
+
+def _sglang_parts(cmd: list[str]):
+    """(environment, launcher, {flag: value}) of an SGLang command line."""
+    env = dict(x.split("=", 1) for x in cmd[:cmd.index("python")])
+    launcher, args = cmd[len(env):len(env) + 3], cmd[len(env) + 3:]
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
+    return env, launcher, dict(zip(args[::2], args[1::2]))
+
+
+def test_the_model_cards_sglang_command_is_what_the_sglang_export_needs(qwen3_target, qwen3_cfg, tmp_path,
+                                                                         monkeypatch):
+    """The card's SGLang command serves the export as SGLang 0.5.23 must be told to: its
+    launcher with the target and the export, DSPARK at the drafter's block size, only flags
+    SGLang declares, the STS/SPS files the export holds (by path: SGLang reads them as given)
+    with the compact ragged verify mode that reads them and the request cap their table
+    spans; a drafter without a confidence head with SGLANG_RAGGED_VERIFY_MODE=static (its
+    other modes build the head and fail on its missing weights)."""
+    import shlex
+
+    from deepspec.cli import main as cli_main
+    from deepspec.targets import loading as target_mod
+
+    monkeypatch.setattr(target_mod, "target_from_config", lambda cfg: qwen3_target)
+    monkeypatch.setattr(qwen3_target, "target_id", "Qwen/Qwen3-4B")
+    alg1 = _alg1(tmp_path)
+    for name, kw in (("scheduled", {}), ("headless", {"confidence_head": False})):
+        d, _ = _drafter("dspark", qwen3_target, qwen3_cfg, mask_token_id=3, **kw)
+        d.config.deepspec_target_id = "Qwen/Qwen3-4B"
+        d.save_pretrained(str(tmp_path / f"src-{name}"))
+        out = tmp_path / name
+        files = ["--sts", str(alg1), "--sps", str(alg1)] if name == "scheduled" else []
+        assert cli_main(["export-checkpoint", "--preset", "tiny", "--set", f"results_dir={tmp_path / 'results'}",
+                         "--src", str(tmp_path / f"src-{name}"), "--format", "deepspec", "--engine", "sglang",
+                         *files, "--out", str(out)]) == 0
+        cfg = json.loads((out / "config.json").read_text())
+        card = (out / "README.md").read_text()
+        env, launcher, flags = _sglang_parts(_card_command(card, "sglang"))
+        # the written config's settings give the same command (in the order its keys were written)
+        assert _sglang_parts(shlex.split(export.serve_commands(cfg, out, "Qwen/Qwen3-4B")["sglang"].replace(
+            str(out), "DIR"))) == (env, launcher, flags)
+        assert launcher == ["python", "-m", "sglang.launch_server"]
+        assert set(flags) <= SGLANG_0_5_23_FLAGS, set(flags) - SGLANG_0_5_23_FLAGS
+        assert flags["--model-path"] == "Qwen/Qwen3-4B" and flags["--speculative-draft-model-path"] == "DIR"
+        assert flags["--speculative-algorithm"] == "DSPARK"
+        assert flags["--speculative-dspark-block-size"] == str(cfg["block_size"]) == "7"
+        if name == "scheduled":
+            assert env == {"SGLANG_RAGGED_VERIFY_MODE": "compact"} and cfg["enable_confidence_head"] is True
+            for flag, file in (("--speculative-dspark-confidence-sts-path", sglang.SGLANG_STS_FILE),
+                               ("--speculative-dspark-sps-table-path", sglang.SGLANG_SPS_FILE)):
+                assert flags[flag] == f"DIR/{file}" and (out / file).is_file()
+            table = json.loads((out / sglang.SGLANG_SPS_FILE).read_text())
+            assert flags["--max-running-requests"] == str(table["max_batch_tokens"] // (cfg["block_size"] + 1))
+        else:
+            assert env == {"SGLANG_RAGGED_VERIFY_MODE": "static"} and cfg["enable_confidence_head"] is False
+            assert set(flags) == {"--model-path", "--speculative-draft-model-path", "--speculative-algorithm",
+                                  "--speculative-dspark-block-size"}
+
+
 # --------------------------------------------------------------------------- DeepSeek's released Eagle3 layout
 
 
