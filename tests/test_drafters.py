@@ -396,10 +396,78 @@ def test_a_tampered_drafter_config_names_the_tensor_and_the_key(tiny_target, tin
     with pytest.raises(DeepSpecError, match=r"markov.* is \[.*\], but config\.json \(.*deepspec_markov_rank.*\) implies") as e:
         load_drafter(d, tiny_target)
     assert "\n" not in str(e.value)
-    d2 = _saved("dflash", tiny_target, tiny_cfg, tmp_path / "d2")
-    _edit_config(d2, num_hidden_layers=lambda n: n + 1)
-    with pytest.raises(DeepSpecError, match=r"layers\.\d+\..* is not in the weights file.*config num_hidden_layers"):
-        load_drafter(d2, tiny_target)
+    for i, delta in enumerate((1, -1)):  # a layer more or less than the weights hold
+        d2 = _saved("dflash", tiny_target, tiny_cfg, tmp_path / f"d2_{i}")
+        _edit_config(d2, num_hidden_layers=lambda n: n + delta)
+        with pytest.raises(DeepSpecError, match=r"config\.json: num_hidden_layers is \d+, but the weights file has "
+                                                r"\d+ draft layers") as e:
+            load_drafter(d2, tiny_target)
+        assert "\n" not in str(e.value)
+
+
+def _one_line(path, target, *patterns, drafter_cfg=None):
+    """load_drafter refuses `path` with a one-line DeepSpecError that names its config.json and each pattern."""
+    with pytest.raises(DeepSpecError) as e:
+        load_drafter(path, target, drafter_cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}/"), msg
+    for pattern in patterns:
+        assert re.search(pattern, msg), (pattern, msg)
+    return msg
+
+
+@pytest.mark.parametrize("delta", [1, -1])
+def test_a_qwen3_layer_drafter_with_a_layer_more_or_less_is_one_line(tiny_target, tiny_cfg, tmp_path, delta):
+    """B10: num_hidden_layers +-1 in a Qwen3-layer DSpark drafter's config.json fails
+    transformers' config validation with huggingface_hub's StrictDataclassClassValidationError
+    (an Exception, not a ValueError): one line naming config.json and the key, no traceback."""
+    cfg = _cfg(tiny_cfg, layer_arch="qwen3")
+    d = _saved("dspark", tiny_target, cfg, tmp_path / "d")
+    _edit_config(d, num_hidden_layers=lambda n: n + delta)
+    _one_line(d, tiny_target, r"^\S+/config\.json: ", r"\(config num_hidden_layers, layer_types\)",
+              r"must be equal to the number of `layer_types`", drafter_cfg=cfg["drafter"])
+
+
+def test_every_invalid_drafter_config_value_is_one_line_naming_the_key(tiny_target, tiny_cfg, tmp_path):
+    """A config.json value transformers' validators refuse (a hidden size no multiple of
+    the heads, a field of the wrong type), one the drafter cannot be built of (zero heads),
+    or a deepspec_* field of the wrong type: one line naming config.json and the key."""
+    cases = [
+        ("eagle3", {"num_attention_heads": 3}, [r"config\.json: not a valid drafter config \(config hidden_size, "
+                                                r"num_attention_heads\): The hidden size \(64\) is not a multiple"]),
+        ("eagle3", {"attention_bias": None}, [r"\(config attention_bias\)", "expected bool"]),
+        ("dflash", {"num_key_value_heads": 0}, [r"config\.json: num_key_value_heads is 0, but it must be a positive"]),
+        ("dflash", {"hidden_act": "nope"}, [r"\(config hidden_act\)"]),
+        ("dspark", {"deepspec_feature_layers": "x"}, [r"deepspec_feature_layers is \"x\", but it must be a list"]),
+        ("dspark", {"deepspec_markov_rank": None}, [r"deepspec_markov_rank is null, but it must be an integer >= 0"]),
+        ("dspark", {"dtype": "x"}, [r"config\.json: dtype is \"x\""]),
+        ("dspark", {"num_hidden_layers": 10**12}, [r"num_hidden_layers is 1000000000000, but the weights file has"]),
+    ]
+    for i, (method, change, patterns) in enumerate(cases):
+        d = _saved(method, tiny_target, tiny_cfg, tmp_path / f"d{i}")
+        _edit_config(d, **change)
+        _one_line(d, tiny_target, *patterns)
+
+
+def test_a_tampered_drafter_config_names_its_size_or_method_key(tiny_target, tiny_cfg, tmp_path):
+    """B8 beyond the Markov rank: a changed hidden size, head size or intermediate size
+    names that key (the config's sizes against the draft config of the target); a
+    changed deepspec_method (weights of another drafter) names deepspec_method."""
+    qwen3 = _cfg(tiny_cfg, layer_arch="qwen3")
+    cases = [
+        ("dspark", tiny_cfg, {"hidden_size": lambda h: h // 2}, [r"model\.safetensors: \S+ is \[\d+.*\], but config\.json "
+                                                                 r"\(hidden_size\) implies"]),
+        ("dspark", qwen3, {"head_dim": lambda h: h * 2}, [r"q_proj\.weight is .*config\.json \(head_dim\) implies"]),
+        ("dflash", tiny_cfg, {"intermediate_size": lambda n: n * 2}, [r"\(intermediate_size\) implies"]),
+        ("eagle3", tiny_cfg, {"deepspec_method": "dspark"}, [r"config\.json: deepspec_method is 'dspark', but the weights "
+                                                            r"file holds the tensors of the eagle3 method"]),
+        ("dspark", tiny_cfg, {"deepspec_method": "eagle3"}, [r"deepspec_method is 'eagle3'.* of the dspark method"]),
+        ("dspark", tiny_cfg, {"deepspec_method": "dflash"}, [r"deepspec_method is 'dflash'.* of the dspark method"]),
+    ]
+    for i, (method, cfg, change, patterns) in enumerate(cases):
+        d = _saved(method, tiny_target, cfg, tmp_path / f"d{i}")
+        _edit_config(d, **change)
+        _one_line(d, tiny_target, *patterns, drafter_cfg=cfg["drafter"])
 
 
 def test_non_finite_drafter_weights_are_refused(tiny_target, tiny_cfg, tmp_path):

@@ -13,13 +13,19 @@ load_drafter(path, target, drafter_cfg=None) -> a saved drafter, checked against
     drafter of other draft layers than the config builds is refused), and
     against its own config.json (`check_weights`: every tensor the config
     implies is in the weights file with the shape it implies, and every loaded
-    value is finite; nothing is initialised at random).
+    value is finite; nothing is initialised at random). Reading the config
+    (`read_drafter_config`) and building the drafter it describes fail in one
+    line naming config.json and the key, whatever transformers raises (its
+    strict-dataclass validators raise no ValueError).
 """
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Mapping
 
 from ..errors import DeepSpecError
+from ..files import read_json_object
 from ..settings import Drafter, Settings
 from .base import METHODS, check_layer_arch, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
 from .dflash import DFlashDrafter
@@ -50,23 +56,134 @@ def build_drafter(method: str, target, cfg: Settings | Mapping, token_counts=Non
 
 def load_drafter(path, target, drafter_cfg: Drafter | Mapping | None = None):
     from safetensors import SafetensorError
-    from transformers import AutoConfig
 
     method = read_method(path)
+    config = read_drafter_config(path)
     try:
-        config = AutoConfig.from_pretrained(str(path))
         check_target_match(config, target, where=f"drafter at {path}")
         if drafter_cfg is not None:
             check_layer_arch(config, target, drafter_cfg, where=f"drafter at {path}")
-        check_weights(path, CLASSES[method], config)
+    except DeepSpecError:
+        raise
+    except Exception as e:  # a value of a type the checks cannot compare: one line naming the key
+        raise _config_error(path, e) from None
+    try:
+        check_weights(path, CLASSES[method], config, target)
         model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
-    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # missing / truncated weights, bad config
+    except DeepSpecError:
+        raise
+    except (OSError, SafetensorError) as e:  # missing / truncated weights
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DeepSpecError(f"cannot load the drafter at {path}: {first}") from None
+    except Exception as e:  # the config describes a drafter transformers cannot build
+        raise _config_error(path, e) from None
     check_finite(path, model)
     model.attach_target(target)
     freeze_mask_embedding(model, target, init=False)
     return model.eval()
+
+
+# The checks of a drafter config.json's own fields, by key (a value `draft_config`
+# cannot have written is refused as one line naming the key, before anything is built):
+# deepspec_* fields and the sizes that shape the draft layers, each where present.
+_POSITIVE = ("deepspec_target_vocab_size", "deepspec_target_hidden_size", "deepspec_target_num_layers",
+             "deepspec_block_size", "deepspec_ttt_length", "num_hidden_layers", "hidden_size",
+             "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+             "num_global_key_value_heads", "deepspec_draft_vocab_size")
+_NULLABLE = ("deepspec_draft_vocab_size", "deepspec_mask_token_id", "num_key_value_heads", "head_dim",
+             "global_head_dim", "num_global_key_value_heads")
+_BOOLS = ("deepspec_confidence_head", "deepspec_confidence_with_markov")
+_CHOICES = {"deepspec_markov_head_type": ("vanilla", "rnn")}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _field_problem(key: str, v) -> str | None:
+    """What is wrong with config.json's value `v` for `key`, or None."""
+    import torch
+
+    if v is None and key in _NULLABLE:
+        return None
+    if key in _POSITIVE and not (_is_int(v) and v > 0):
+        return "a positive integer"
+    if key in ("deepspec_markov_rank", "deepspec_mask_token_id") and not (_is_int(v) and v >= 0):
+        return "an integer >= 0"
+    if key == "deepspec_feature_layers" and not (isinstance(v, list) and v and all(_is_int(x) for x in v)):
+        return "a list of layer indices"
+    if key == "model_type" and not (isinstance(v, str) and v):
+        return "the name of a transformers model type"
+    if key in _BOOLS and not isinstance(v, bool):
+        return "true or false"
+    if key in _CHOICES and v not in _CHOICES[key]:
+        return f"one of {', '.join(_CHOICES[key])}"
+    if key in ("dtype", "torch_dtype") and v is not None and not (
+            isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)):
+        return "a torch dtype name (float32, bfloat16, ...)"
+    return None
+
+
+def read_drafter_config(path):
+    """A saved drafter's config.json as its transformers config class, each failure one
+    line naming the file and the key: a value of the wrong type or range (`_field_problem`),
+    or one the config class's validators refuse (e.g. Qwen3's `num_hidden_layers` against
+    `layer_types`, a hidden size no multiple of the heads), never their multi-line traceback."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    cfg_file = Path(path) / "config.json"
+    raw = read_json_object(cfg_file, "a drafter config")
+    for key, v in raw.items():
+        want = _field_problem(key, v)
+        if want:
+            raise DeepSpecError(f"{cfg_file}: {key} is {json.dumps(v)}, but it must be {want}")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # huggingface_hub's StrictDataclassError (not a ValueError), ValueError, ...
+        raise _config_error(path, e, raw) from None
+
+
+def _config_error(path, e: BaseException, raw: dict | None = None) -> DeepSpecError:
+    """One line for a drafter config transformers refused (or could not build a drafter
+    of): the file, the config.json keys the reason names, and that reason. A strict
+    dataclass validation error's first line only says which validator failed; its
+    cause is on the last."""
+    import re
+    from pathlib import Path
+
+    cfg_file = Path(path) / "config.json"
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
+    field = re.match(r"Validation error for field '(\w+)'", lines[0])
+    reason = lines[-1] if re.match(r"(Class )?[Vv]alidation error for", lines[0]) and len(lines) > 1 else lines[0]
+    reason = re.sub(r"^\w+(Error|Exception): ", "", reason) or type(e).__name__
+    if raw is None:
+        with contextlib.suppress(DeepSpecError):
+            raw = read_json_object(cfg_file, "a drafter config")
+    keys = [field.group(1)] if field else _keys_named(reason, raw or {})
+    named = f"config {', '.join(keys)}" if keys else "no key named"
+    return DeepSpecError(f"{cfg_file}: not a valid drafter config ({named}): {reason}")
+
+
+def _keys_named(text: str, raw: dict) -> list:
+    """The keys of `raw` that `text` names, as written (`num_hidden_layers`) or in words
+    ("hidden size", "attention heads" for num_attention_heads), in the order it names them;
+    failing that, the keys whose string value it quotes."""
+    import re
+
+    found = {}
+    for k in raw:
+        m = re.search(rf"(?<!\w){re.escape(k)}(?!\w)", text)
+        words = re.sub(r"^num_", "", k).replace("_", " ")
+        if m is None and " " in words:
+            m = re.search(rf"(?<!\w){re.escape(words)}(?!\w)", text, re.I)
+        if m is not None:
+            found[k] = m.start()
+    if not found:  # else a string value it quotes (transformers' KeyError of an unknown hidden_act, e.g.)
+        found = {k: text.find(q) for k, v in raw.items() if isinstance(v, str) and v
+                 for q in (f"'{v}'", f'"{v}"', f"`{v}`") if q in text}
+    return sorted(found, key=found.get)
 
 
 def freeze_mask_embedding(model, target, init: bool) -> None:
@@ -97,7 +214,10 @@ def _stored_shapes(path) -> dict:
 
     d = Path(path)
     index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise DeepSpecError(f"{index}: malformed index (no weight_map)") from None
     out = {}
     for name in files:
         if not (d / name).exists():
@@ -115,7 +235,30 @@ def _config_keys_for(config, dims) -> str:
     return ", ".join(keys) if keys else "its sizes"
 
 
-def check_weights(path, cls, config) -> None:
+def _keys_off_target(config, target) -> list:
+    """The size fields of a drafter config that differ from the draft config deepspec
+    builds for `target` with the drafter's own deepspec_* settings (`draft_config`):
+    the keys a tampered config.json changed (to name them when a tensor's shape is off)."""
+    if target is None:
+        return []
+    try:
+        from .base import draft_config
+
+        c = config
+        arch = "qwen3" if c.model_type == "qwen3" and target.text_config.model_type != "qwen3" else "target"
+        d = dict(num_layers={c.deepspec_method: c.num_hidden_layers}, block_size=c.deepspec_block_size,
+                 ttt_length=c.deepspec_ttt_length, markov_rank=c.deepspec_markov_rank,
+                 markov_head_type=c.deepspec_markov_head_type, confidence_head=c.deepspec_confidence_head,
+                 confidence_with_markov=c.deepspec_confidence_with_markov, init_from_target=False, layer_arch=arch,
+                 draft_vocab_size=c.deepspec_draft_vocab_size, mask_token_id=c.deepspec_mask_token_id)
+        want = draft_config(c.deepspec_method, target, d, c.deepspec_feature_layers).to_dict()
+    except Exception:  # noqa: BLE001 -- only a hint for the message
+        return []
+    have = config.to_dict()
+    return sorted(k for k, v in have.items() if _is_int(v) and _is_int(want.get(k)) and v != want[k])
+
+
+def check_weights(path, cls, config, target=None) -> None:
     """Every parameter and persistent buffer the drafter `config` describes is
     in the weights file under its name and with its shape: one line naming the
     file, the tensor and the config key otherwise (transformers would initialise
@@ -124,10 +267,22 @@ def check_weights(path, cls, config) -> None:
 
     import torch
 
+    stored = _stored_shapes(path)
+    # the draft depth first (a config with a layer more or less names the key, and a
+    # tampered huge depth is not built): the layers the weights file holds
+    n, have = config.num_hidden_layers, sorted({int(m.group(1)) for k in stored if (m := re.match(r"layers\.(\d+)\.", k))})
+    if have and n != len(have):
+        raise DeepSpecError(f"{path}/config.json: num_hidden_layers is {n}, but the weights file has {len(have)} draft "
+                            f"layers (layers.{have[0]} to layers.{have[-1]}): the weights and config.json do not belong "
+                            "together (retrain or re-export)")
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
-    stored = _stored_shapes(path)
     missing = [k for k in expected if k not in stored]
+    other = _method_of_weights(config, cls, stored) if missing or set(stored) - set(expected) else None
+    if other:
+        raise DeepSpecError(f"{path}/config.json: deepspec_method is {config.deepspec_method!r}, but the weights file "
+                            f"holds the tensors of the {other} method" + (f" ({missing[0]} is not in it)" if missing else "")
+                            + ": the weights and config.json do not belong together (retrain or re-export)")
     if missing:
         k = missing[0]
         layer = re.match(r"(?:.*\.)?layers\.(\d+)\.", k)
@@ -142,9 +297,26 @@ def check_weights(path, cls, config) -> None:
     for k, shape in expected.items():
         if stored[k][0] != shape:
             found, name = stored[k]
-            key = _config_keys_for(config, set(shape) - set(found) or set(shape))
+            key = ", ".join(_keys_off_target(config, target)) or _config_keys_for(config, set(shape) - set(found) or set(shape))
             raise DeepSpecError(f"{path}/{name}: {k} is {list(found)}, but config.json ({key}) implies "
                                 f"{list(shape)}: the weights and config.json do not belong together")
+
+
+def _method_of_weights(config, cls, stored) -> str | None:
+    """The other drafter method whose drafter of `config` has exactly the stored tensors
+    (a config.json whose deepspec_method was changed), or None."""
+    import torch
+
+    for method, other in CLASSES.items():
+        if other is cls:
+            continue
+        try:
+            with torch.device("meta"):
+                if set(other(config).state_dict()) == set(stored):
+                    return method
+        except Exception:  # noqa: BLE001 -- a config that other method cannot build: not its weights
+            continue
+    return None
 
 
 def check_finite(path, model) -> None:
