@@ -312,3 +312,61 @@ def test_out_that_is_contains_or_lies_inside_src_is_refused(tiny_target, tiny_cf
         err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert rc == 2 and len(err) == 1 and f" {how} --src " in err[0], err
         assert _tree(tmp_path) == before
+
+
+def _nan_at_first(t):
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+def test_a_non_finite_source_tensor_is_refused_before_anything_is_written(tiny_target, tiny_cfg, tmp_path, capsys):
+    """A NaN in the source checkpoint is one line naming the source file and tensor;
+    no --out is written (the reload used to refuse the written output, naming the
+    output and advising to retrain a download)."""
+    d = _original("dspark", tiny_target, tiny_cfg)
+    name = "markov_head.markov_w1.weight"
+    w = convert.to_reference("layers.0.mlp.up_proj.weight")
+    sd = {convert.to_reference(k): v.detach() for k, v in d.state_dict().items()}
+    src = write_reference(d, tiny_target, tmp_path / "ref", extra={name: _nan_at_first(sd[name])})
+    msg = _fails(src, tiny_target, tmp_path / "out", rf"tensor '{name}' has 1 non-finite value")
+    assert msg.startswith(str(src / "model.safetensors")) and "retrain" not in msg
+    src = write_reference(d, tiny_target, tmp_path / "ref2", shards=2, extra={w: _nan_at_first(sd[w])})
+    msg = _fails(src, tiny_target, tmp_path / "out", rf"tensor '{w}' has 1 non-finite value")
+    assert "-of-00002.safetensors" in msg
+    sets = ["--preset", "tiny", "--set", f"resources_dir={tiny_cfg['resources_dir']}",
+            "--set", f"data.root={tiny_cfg['data']['root']}"]
+    assert cli_main(["convert-checkpoint", "--src", str(src), "--out", str(tmp_path / "out"), *sets]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([x for x in err if "error" in x]) == 1 and str(src) in err[-1], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_resolve_never_keeps_a_damaged_conversion(tiny_target, tiny_cfg, tmp_path):
+    """A cached conversion under resources/drafters that holds a NaN (as an older deepspec
+    wrote from a damaged source) is converted again from an intact source, and removed,
+    with the source named, when the source is damaged too; never returned as it is."""
+    from safetensors.torch import load_file, save_file
+
+    d = _original("dflash", tiny_target, tiny_cfg)
+    src = write_reference(d, tiny_target, tmp_path / "dflash_ref")
+    cfg = dict(tiny_cfg, resources_dir=str(tmp_path / "resources"))
+    path = convert.resolve_drafter(str(src), tiny_target, cfg)
+    weights = os.path.join(path, "model.safetensors")
+
+    def damage(f):
+        sd = load_file(f)
+        k = next(k for k, v in sd.items() if v.is_floating_point())
+        sd[k] = _nan_at_first(sd[k])
+        save_file(sd, f, metadata={"format": "pt"})
+
+    damage(weights)
+    with pytest.raises(DeepSpecError, match=rf"non-finite value.*converted from {src}; check that checkpoint"):
+        load_drafter(path, tiny_target)
+    assert convert.resolve_drafter(str(src), tiny_target, cfg) == path  # converted again
+    assert load_drafter(path, tiny_target).method == "dflash"
+    damage(weights)
+    damage(str(src / "model.safetensors"))  # the source damaged too
+    with pytest.raises(DeepSpecError, match=rf"^{src}/model\.safetensors: tensor '.*' has 1 non-finite value"):
+        convert.resolve_drafter(str(src), tiny_target, cfg)
+    assert not os.path.exists(path)

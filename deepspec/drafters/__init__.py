@@ -327,5 +327,7 @@ def check_finite(path, model) -> None:
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point() and not torch.isfinite(t).all():
             n = int((~torch.isfinite(t)).sum())
-            raise DeepSpecError(f"{path}: {name} has {n} non-finite value(s) (NaN or inf): the drafter is damaged "
-                                "(a diverged or corrupted training run); retrain it")
+            source = (getattr(model.config, "deepspec_source", None) or {}).get("checkpoint")
+            advice = (f": it was converted from {source}; check that checkpoint and convert it again" if source
+                      else " (a diverged or corrupted training run); retrain it")
+            raise DeepSpecError(f"{path}: {name} has {n} non-finite value(s) (NaN or inf): the drafter is damaged{advice}")

@@ -56,12 +56,13 @@ import contextlib
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import DeepSpecError
-from ..files import atomic_dir, check_overwrite, read_json, read_json_object
+from ..files import OUTPUT_MARKER, atomic_dir, check_overwrite, read_json, read_json_object
 from ..paths import RunPaths
 from ..provenance import SOURCE_FILE, read_record, snapshot_commit
 
@@ -322,6 +323,7 @@ def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | No
                         raise DeepSpecError(f"{path}: {name} has shape {list(shape)}, the target's {list(w.shape)}")
                     skip = mask_row if name == "embed_tokens.weight" else None
                     t = f.get_tensor(name)
+                    _check_finite(t, name, path)
                     _check_same(name, w, t, str(path), skip_row=skip)
                     row = t[skip].float() if skip is not None else row
                     continue
@@ -339,8 +341,36 @@ def _read_tensors(src: Path, want: dict, target, method: str, mask_row: int | No
                 t = f.get_tensor(name)
                 if not t.is_floating_point():
                     raise DeepSpecError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a floating type")
+                _check_finite(t, name, path)
                 state[ours] = t.float()
     return state, row
+
+
+def _check_finite(t: torch.Tensor, name: str, path: Path) -> None:
+    """A source checkpoint's tensor holds no NaN or inf: refused before anything is
+    written, naming the source file and tensor (a damaged download or a diverged run)."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        n = int((~torch.isfinite(t)).sum())
+        raise DeepSpecError(f"{path}: tensor {name!r} has {n} non-finite value(s) (NaN or inf): the checkpoint is "
+                            "damaged (download or copy it again); nothing was converted")
+
+
+def damaged_conversion(out: Path) -> str | None:
+    """Why the converted drafter at `out` cannot be used as it is (its weights missing,
+    unreadable, or holding a NaN or inf, as one an older deepspec wrote from a damaged
+    source could), or None. Read a tensor at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        for path in sorted(set(tensor_files(out).values())):
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        return f"{path.name}: {name} has non-finite values"
+    except (DeepSpecError, SafetensorError, OSError) as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
 
 
 def save_model_atomic(model, out: Path, overwrite: bool) -> None:
@@ -390,6 +420,9 @@ def convert_reference_checkpoint(src, target, out, *, overwrite: bool = False) -
     if "mask_embedding" in model.state_dict():
         if overwritten and row is None:
             raise DeepSpecError(f"{where}: {MASK_ROW_FIELD} is set but the checkpoint has no embed_tokens.weight")
+        if overwritten:  # the learned mask embedding, a row _check_same skips
+            _check_finite(row, f"embed_tokens.weight (row {int(ref['mask_token_id'])}, the mask embedding)",
+                          tensor_files(src)["embed_tokens.weight"])
         with torch.no_grad():
             mid = torch.tensor([int(ref["mask_token_id"])], device=target.embed_tokens.weight.device)
             emb = row * embed_scale(target) if overwritten else target.embed_tokens(mid)[0].float().cpu()
@@ -423,7 +456,9 @@ def local_checkpoint(spec: str) -> Path:
 def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> str:
     """A deepspec drafter directory for `spec`: a deepspec drafter is returned as
     is; a reference DFlash/DSpark checkpoint (directory or hub id) is converted
-    once into <resources_dir>/drafters/<target name>/<name> and that returned."""
+    once into <resources_dir>/drafters/<target name>/<name> and that returned (converted
+    again when that conversion is damaged, `damaged_conversion`; removed when the source
+    is damaged too, so that no damaged conversion is kept)."""
     from ..drafters import METHODS, read_method
 
     cfg_json = Path(spec) / "config.json"
@@ -436,15 +471,20 @@ def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> 
     out = RunPaths.of(cfg).converted_drafters() / name
     done = out / "config.json"
 
-    def converted() -> bool:
+    def ours() -> bool:  # a conversion of this source
         source = read_json_object(done, "a checkpoint config").get("deepspec_source", {}) if done.exists() else {}
         return source.get("checkpoint") == str(src.resolve())
 
-    if not converted():
+    damaged = damaged_conversion(out) if ours() else None
+    if damaged:  # e.g. written by an older deepspec from a damaged source: never used as it is
+        log.warning("the conversion of %s at %s is damaged (%s): converting it again", src, out, damaged)
+    if not ours() or damaged:
         try:
             convert_reference_checkpoint(src, target, out, overwrite=done.exists())
         except DeepSpecError:
-            if not converted():  # else another job converted it meanwhile
+            if not ours() or damaged_conversion(out):  # else another job converted it meanwhile
+                if damaged and (out / OUTPUT_MARKER).is_file():  # the damaged conversion is not kept
+                    shutil.rmtree(out, ignore_errors=True)
                 raise
     if method in METHODS and read_method(out) != method:
         raise DeepSpecError(f"{spec} is a {read_method(out)} checkpoint, not {method}")
