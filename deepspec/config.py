@@ -284,8 +284,9 @@ def load_config(preset: str = "smollm2-135m", overrides: Mapping | None = None) 
 # and execution-only keys (server URLs, concurrency, timeouts, retries,
 # checkpoint cadence, GPU counts), which do not change what a rule computes.
 _TARGET = ["target.spec", "target.revision", "target.dtype"]
-# what decoding also depends on: the CPU linear-layer kernels (oneDNN's packed matmuls or
-# torch's) round differently, by up to ~4e-6 in the records' probabilities (probe-3, C8)
+# what decoding (and regeneration's sampling) also depends on: the CPU linear-layer kernels
+# (oneDNN's packed matmuls or torch's) round differently, by up to ~4e-6 in the records'
+# probabilities (probe-3, C8)
 _DECODE = _TARGET + ["target.cpu_matmul"]
 _TOKENS = ["data.max_length", "data.min_loss_tokens", "data.system_prompt"]
 # What a target cache's bytes depend on besides the target and the token data:
@@ -296,7 +297,9 @@ CACHE_BYTES_SETTINGS = {
 }
 RULE_SETTINGS = {
     "prepare_target": ["target.spec", "target.revision"],
-    "regenerate": _TARGET + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
+    # target.cpu_matmul: the local backend samples a bf16 target on oneDNN-packed weights
+    # only with onednn (regeneration/local.py:sampling_kernels), so its tokens depend on it
+    "regenerate": _DECODE + ["data.train", "data.seed", "data.system_prompt", "data.max_prompt_tokens", "regenerate"],
     "tokenize": ["target.spec", "target.revision", *_TOKENS],
     # drafter.draft_vocab_size: whether the cache holds target_lse (cache.stores_log_normalizers)
     "build_cache": ["target.spec", *CACHE_BYTES_SETTINGS.values(), "cache.precision", "drafter.draft_vocab_size",

@@ -322,12 +322,48 @@ def test_a_key_given_twice_in_a_preset_is_refused(tmp_path):
 
 def test_the_cpu_matmul_kernels_are_part_of_the_decoding_rules_settings():
     """C8: target.cpu_matmul changes the records (kernels round differently), so the rules
-    that decode rerun when it changes; the ones that do not decode do not."""
+    that decode rerun when it changes. Regeneration too: its local backend samples a
+    bf16 target inside `prepacked_linears` (regeneration/local.py:sampling_kernels), which
+    packs the target's weights for oneDNN only with cpu_matmul onednn, so the sampled
+    tokens can differ between the two settings. The rules that run no CPU decoding
+    forward (the cache's features and training run with gradients or torch's kernels
+    only) do not rerun, and no rule but these lists the key."""
     from deepspec import config as C
 
     cfg = load_config("tiny")
     other = load_config("tiny", {"target": {"cpu_matmul": "torch" if cfg["target"]["cpu_matmul"] != "torch" else "onednn"}})
-    for rule in ("evaluate", "baseline", "throughput", "serve_check"):
+    decoding = {"evaluate", "baseline", "throughput", "serve_check", "regenerate"}
+    for rule in decoding:
         assert C.settings_fingerprint(cfg, rule) != C.settings_fingerprint(other, rule), rule
-    for rule in ("regenerate", "build_cache", "train"):
+    for rule in set(C.RULE_SETTINGS) - decoding - {"report"}:  # (report: the whole target section)
         assert C.settings_fingerprint(cfg, rule) == C.settings_fingerprint(other, rule), rule
+    assert {r for r, keys in C.RULE_SETTINGS.items() if "target.cpu_matmul" in keys} == decoding
+
+
+def test_regeneration_samples_a_bf16_target_through_the_cpu_matmul_setting(tiny_target, monkeypatch):
+    """The fact the regenerate rule's settings rest on: `sampling_kernels` enters
+    `prepacked_linears` for a bf16 target, and that context packs the weights exactly
+    when target.cpu_matmul is onednn (`Target.packed_matmuls`)."""
+    import contextlib
+
+    import torch
+
+    from deepspec.core import target as T
+    from deepspec.regeneration import local
+
+    entered = []
+    monkeypatch.setattr(T, "prepacked_linears", lambda t: entered.append(t) or contextlib.nullcontext())
+    bf16 = type("BF16Target", (), {"lm_head": torch.nn.Linear(2, 2, dtype=torch.bfloat16)})()
+    with local.sampling_kernels(bf16):
+        pass
+    with local.sampling_kernels(type("FP32Target", (), {"lm_head": torch.nn.Linear(2, 2)})()):
+        pass
+    assert entered == [bf16]
+    monkeypatch.undo()
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch: prepacked_linears packs nothing either way")
+    for packed in (True, False):  # the flag target_from_config sets from target.cpu_matmul
+        monkeypatch.setattr(tiny_target, "packed_matmuls", packed)
+        with torch.no_grad(), T.prepacked_linears(tiny_target):
+            patched = any("forward" in m.__dict__ for m in tiny_target.model.modules() if isinstance(m, torch.nn.Linear))
+        assert patched == packed
