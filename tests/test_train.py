@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -658,3 +659,47 @@ def test_a_launcher_that_ignores_the_shutdown_timeout_is_named(monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert stopping.warn_if_sigterm_checkpoint_may_be_cut(8)
     assert "SIGKILL 30 s after SIGTERM" in caplog.text
+
+
+def _saved_toy(path, **config):
+    torch.manual_seed(0)
+    ToyModel(ToyConfig(**config)).save_pretrained(str(path))
+    return path
+
+
+def test_resume_loader_refuses_a_misshapen_tensor_in_one_line(tmp_path):
+    """A checkpoint tensor of another shape than the model's (a checkpoint of another
+    drafter) is one line naming the checkpoint file, the tensor and both shapes, not
+    torch's multi-line load_state_dict report."""
+    from deepspec.errors import DeepSpecError
+    from deepspec.training.checkpoints import load_model_weights
+
+    ckpt = _saved_toy(tmp_path / "step_3", dim=8)
+    with pytest.raises(DeepSpecError) as e:
+        load_model_weights(toy_model(), ckpt)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{ckpt / 'model.safetensors'}: "), msg
+    assert re.search(r": \S+\.weight is \[(32, )?8(, 8)?\], but the drafter being trained has \[(32, )?16(, 16)?\]", msg), msg
+    ok = _saved_toy(tmp_path / "step_4")
+    model = toy_model(seed=1)
+    load_model_weights(model, ok)
+    assert torch.equal(model.head.weight, toy_model(seed=0).head.weight)
+
+
+def test_resume_loader_refuses_non_finite_weights(tmp_path):
+    """A NaN in a checkpoint's weights (a diverged or damaged run) is not resumed: one
+    line naming the checkpoint file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from deepspec.errors import DeepSpecError
+    from deepspec.training.checkpoints import load_model_weights
+
+    ckpt = _saved_toy(tmp_path / "step_3")
+    f = ckpt / "model.safetensors"
+    sd = load_file(str(f))
+    sd["head.weight"][0, 0] = float("nan")
+    save_file(sd, str(f), metadata={"format": "pt"})
+    with pytest.raises(DeepSpecError) as e:
+        load_model_weights(toy_model(), ckpt)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{f}: head.weight has 1 non-finite value"), msg

@@ -134,16 +134,38 @@ def find_resumable(out_dir: str | os.PathLike, fingerprint: str) -> tuple[Option
 
 
 def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> None:
-    """Load a `save_pretrained` directory's safetensors into `model` in place;
-    every trainable parameter must be present."""
+    """Load a `save_pretrained` directory's safetensors into `model` in place:
+    every trainable parameter must be present, every stored tensor the model has
+    must have its shape, and every value must be finite; each a one-line
+    DeepSpecError naming the checkpoint file and the tensor (not torch's
+    multi-line load_state_dict report)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    state: dict = {}
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise DeepSpecError(f"{index}: malformed index (no weight_map)") from None
+    state, where = {}, {}
     for name in files:
-        state.update(load_file(str(directory / name)))
+        try:
+            part = load_file(str(directory / name))
+        except (SafetensorError, OSError) as e:
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DeepSpecError(f"{directory / name}: cannot read the checkpoint's weights ({msg})") from None
+        state.update(part)
+        where.update(dict.fromkeys(part, directory / name))
+    have = model.state_dict()
+    for k, t in state.items():
+        if k in have and tuple(t.shape) != tuple(have[k].shape):
+            raise DeepSpecError(f"{where[k]}: {k} is {list(t.shape)}, but the drafter being trained has "
+                                f"{list(have[k].shape)}: the checkpoint was written for another drafter")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise DeepSpecError(f"{where[k]}: {k} has {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN or "
+                                f"inf): a diverged or damaged checkpoint is not resumed (remove {directory} to resume "
+                                "from an earlier one, or start afresh)")
     missing = set(model.load_state_dict(state, strict=False).missing_keys)
     lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and n in missing)
     if lost:
