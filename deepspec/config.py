@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping, Optional
 import yaml
 
 from .errors import DeepSpecError
+from .settings import Settings
 
 # DeepSpec runs from its checkout (`pip install -e .`): the presets, the schema and
 # the target facts are files of the checkout beside the package, not package data.
@@ -363,14 +364,20 @@ def _may_be_absent(dotted: str) -> bool:
     return False
 
 
-def pick(cfg: Mapping, dotted: str):
+def as_config(cfg: Settings | Mapping) -> Mapping:
+    """The validated config itself, as the preset wrote it: what rule settings and
+    their fingerprints are computed over (a typed Settings carries it as `raw`)."""
+    return cfg.raw if isinstance(cfg, Settings) else cfg
+
+
+def pick(cfg: Settings | Mapping, dotted: str):
     """The value at dotted path `dotted` of a validated config. A path the schema
     does not have is an error (a misspelled RULE_SETTINGS entry would otherwise
     fingerprint None and never rerun its rule); a key the schema leaves optional
     without a default reads as None when absent."""
     if schema_node(dotted) is None:
         raise DeepSpecError(f"config key '{dotted}' is not in {SCHEMA_PATH.name}")
-    node = cfg
+    node = as_config(cfg)
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
             if _may_be_absent(dotted):
@@ -392,7 +399,7 @@ def _drop_execution_keys(node, prefix: str):
     return {k: _drop_execution_keys(v, f"{prefix}.{k}") for k, v in node.items() if f"{prefix}.{k}" not in EXECUTION_KEYS}
 
 
-def rule_settings(cfg: dict, rule: str) -> dict:
+def rule_settings(cfg: Settings | Mapping, rule: str) -> dict:
     """The part of the (validated) config that rule `rule` depends on."""
     unknown = unknown_setting_paths()
     if unknown:
@@ -401,7 +408,7 @@ def rule_settings(cfg: dict, rule: str) -> dict:
     return {key: _drop_execution_keys(pick(cfg, key), key) for key in RULE_SETTINGS[rule]}
 
 
-def settings_fingerprint(cfg: dict, rule: str) -> str:
+def settings_fingerprint(cfg: Settings | Mapping, rule: str) -> str:
     """sha256 (16 hex digits) of `rule_settings`, canonical JSON."""
     blob = json.dumps(rule_settings(cfg, rule), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -26,12 +26,13 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from .errors import DeepSpecError
 from .files import atomic_dir, write_json_atomic
 from .paths import RunPaths
 from .provenance import SOURCE_FILE, is_commit, now_utc, read_record, snapshot_commit
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +57,24 @@ def snapshot_name(repo_id: str, revision: str) -> str:
     return f"{repo_id.replace('/', '--')}@{revision.replace('/', '--')}"
 
 
-def hub_datasets(cfg: dict) -> dict[str, tuple[str, str]]:
+def hub_datasets(cfg: Settings | Mapping) -> dict[str, tuple[str, str]]:
     """{snapshot name: (dataset id, revision)} of the preset's hub: training sources."""
     out = {}
-    for e in cfg["data"]["train"]:
+    for e in Settings.view(cfg).data.train:
         if e["path"].startswith("hub:"):
             repo = e["path"][4:]
             out[snapshot_name(repo, e["revision"])] = (repo, e["revision"])
     return out
 
 
-def released_hub(cfg: dict) -> dict[str, tuple[str, str]]:
+def released_hub(cfg: Settings | Mapping) -> dict[str, tuple[str, str]]:
     """{method: (hub id, revision)} of the released checkpoints given as {hub, revision}
     (a string is a local directory)."""
-    return {m: (v["hub"], v["revision"]) for m, v in cfg["eval"]["released_checkpoints"].items() if isinstance(v, dict)}
+    released = Settings.view(cfg).eval.released_checkpoints
+    return {m: (v["hub"], v["revision"]) for m, v in released.items() if isinstance(v, dict)}
 
 
-def snapshot_dir(cfg: dict, repo_type: str, repo_id: str, revision: str) -> Path:
+def snapshot_dir(cfg: Settings | Mapping, repo_type: str, repo_id: str, revision: str) -> Path:
     return RunPaths.of(cfg).hub_snapshot(f"{repo_type}s", snapshot_name(repo_id, revision))
 
 
@@ -132,7 +134,7 @@ def fetch_snapshot(repo_id: str, revision: str, out: str | os.PathLike, *, repo_
     return out
 
 
-def fetched(cfg: dict, repo_type: str, repo_id: str, revision: str, allow_patterns=None) -> Path:
+def fetched(cfg: Settings | Mapping, repo_type: str, repo_id: str, revision: str, allow_patterns=None) -> Path:
     """The preset's snapshot directory of `repo_id`@`revision`; fetched now (with a
     warning) when the DAG's local rule has not fetched it (a command run by hand)."""
     out = snapshot_dir(cfg, repo_type, repo_id, revision)

@@ -10,14 +10,17 @@ eagle3, dflash, dspark or dspark_rnn (DSpark with the RNN head of Eq. 6):
 
 ``resolve_method(cfg, name)`` returns the base method and the config with the
 variant's overrides applied (and per-method ``train.max_steps`` and
-``train.lr`` mappings resolved to this method's value).
+``train.lr`` mappings resolved to this method's value); ``method_settings``
+the same as typed settings.
 """
 from __future__ import annotations
 
 import copy
 import re
+from typing import Mapping
 
 from .errors import DeepSpecError
+from .settings import Settings
 
 PAPER_LR = 6.0e-4  # train.lr of a method a per-method mapping does not name (the schema's default)
 BASES = {"eagle3": ("eagle3", {}), "dflash": ("dflash", {}), "dspark": ("dspark", {}),
@@ -33,10 +36,11 @@ def variant_base(name: str) -> str:
     return m.group("base")
 
 
-def resolve_method(cfg: dict, name: str) -> tuple[str, dict]:
+def resolve_method(cfg: Settings | Mapping, name: str) -> tuple[str, dict]:
+    """(base method, the validated config with variant `name`'s overrides)."""
     m = _NAME.match(name)
     method, drafter_over = BASES[variant_base(name)]
-    cfg = copy.deepcopy(cfg)
+    cfg = copy.deepcopy(cfg.raw if isinstance(cfg, Settings) else cfg)
     cfg["drafter"].update(drafter_over)
     if m.group("layers"):
         cfg["drafter"]["num_layers"] = {**cfg["drafter"]["num_layers"], method: int(m.group("layers"))}
@@ -53,16 +57,24 @@ def resolve_method(cfg: dict, name: str) -> tuple[str, dict]:
     return method, cfg
 
 
-def fig3_methods(cfg) -> list[str]:
+def method_settings(cfg: Settings | Mapping, name: str) -> tuple[str, Settings]:
+    """`resolve_method` as typed settings: (base method, the variant's Settings)."""
+    base, resolved = resolve_method(cfg, name)
+    return base, Settings.of(resolved)
+
+
+def fig3_methods(cfg: Settings | Mapping) -> list[str]:
     """DSpark at each depth of ablations.depths, plus 5-layer DFlash."""
-    full = cfg["drafter"]["num_layers"]["dspark"]
-    return [("dspark" if d == full else f"dspark-l{d}") for d in cfg["ablations"]["depths"]] + ["dflash"]
+    s = Settings.view(cfg)
+    full = s.drafter.num_layers["dspark"]
+    return [("dspark" if d == full else f"dspark-l{d}") for d in s.ablations.depths] + ["dflash"]
 
 
-def fig4_methods(cfg) -> list[str]:
-    base_block = cfg["drafter"]["block_size"]
+def fig4_methods(cfg: Settings | Mapping) -> list[str]:
+    s = Settings.view(cfg)
+    base_block = s.drafter.block_size
     out = []
     for base in ("dspark", "dspark_rnn", "dflash"):
-        for b in cfg["ablations"]["block_sizes"]:
+        for b in s.ablations.block_sizes:
             out.append(base if (b == base_block and base != "dspark_rnn") else f"{base}-b{b}")
     return out

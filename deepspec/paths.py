@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
+
+from .settings import Settings
 
 
 def target_dir(resources: str, name: str) -> Path:
@@ -44,7 +47,10 @@ class RunPaths:
     logs: str = "logs"
 
     @classmethod
-    def of(cls, cfg: dict, target: str | None = None) -> "RunPaths":
+    def of(cls, cfg: Settings | Mapping, target: str | None = None) -> "RunPaths":
+        """A run's paths, from its settings (or its validated config)."""
+        if isinstance(cfg, Settings):
+            return cls(cfg.results_dir, cfg.figures_dir, cfg.resources_dir, target or cfg.target.name, cfg.logs_dir)
         return cls(cfg["results_dir"], cfg["figures_dir"], cfg["resources_dir"], target or cfg["target"]["name"],
                    cfg["logs_dir"])
 

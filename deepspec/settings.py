@@ -280,6 +280,11 @@ class Settings:
                    resources_dir=cfg["resources_dir"], logs_dir=cfg["logs_dir"], resources=cfg.get("resources", {}),
                    description=cfg.get("description", ""), raw=cfg, **sections)
 
+    def as_written(self, section: str, key: str):
+        """A value as the preset wrote it (1 stays 1, not the typed 1.0): for the
+        records and tables that have always printed it so."""
+        return self.raw[section][key]
+
     @classmethod
     def view(cls, cfg_or_settings) -> "Settings":
         """Settings as they are, or built from a validated config: for the entry

@@ -22,19 +22,21 @@ from .paths import RunPaths
 from .planning.preflight import preflight
 from .provenance import SOURCE_FILE
 from .regeneration.supervisor import fill_command
+from .settings import Settings
 from .training.launch import launcher as train_launcher
 from .vllm_env import vllm_command
 
 __all__ = ["DeepSpecError", "RunPaths", "SOURCE_FILE", "check_sources", "coerce_overrides", "data_root",
            "enter_checkout", "fig3_methods", "fig4_methods", "gpu_env", "hub_datasets", "is_prompt_file", "load_config",
            "needed_files",
-           "preflight", "released_hub", "server_command", "settings_fingerprint", "snapshot_name", "speed_benchmarks",
+           "preflight", "released_hub", "server_command", "settings_fingerprint", "Settings", "snapshot_name",
+           "speed_benchmarks",
            "train_launcher"]
 
 log = logging.getLogger(__name__)
 
 
-def server_command(cfg: Mapping) -> tuple[str, Optional[str]]:
+def server_command(cfg: Settings | Mapping) -> tuple[str, Optional[str]]:
     """(command line, engine) of the regeneration server (regenerate.server) that
     `python -m deepspec run-server` starts: regenerate.server.command with {model},
     {host} and {name} filled in, {port} too when the port is fixed (else run-server
@@ -42,15 +44,16 @@ def server_command(cfg: Mapping) -> tuple[str, Optional[str]]:
     `vllm` takes vLLM from its own environment where it has one (serve.vllm_python,
     deepspec/vllm_env.py), and its engine is "vllm" (run-server checks its
     /version), else None. A bad placeholder is a one-line DeepSpecError."""
-    srv = cfg["regenerate"]["server"]
-    paths = RunPaths.of(cfg)
+    s = Settings.view(cfg)
+    srv = s.regenerate.server
+    paths = RunPaths.of(s)
     try:
         command = fill_command(
             srv["command"],
             model=shlex.quote(str(paths.target_checkpoint())),
             port=srv["port"],  # None: chosen by run-server, which fills in {port}
             host=srv["host"] or "127.0.0.1",
-            name=shlex.quote(cfg["regenerate"]["model_name"] or cfg["target"]["spec"]),
+            name=shlex.quote(s.regenerate.model_name or s.target.spec),
         )
     except (KeyError, IndexError, ValueError) as e:
         raise DeepSpecError(f"regenerate.server.command: cannot fill in {e} (placeholders: {{model}}, {{port}}, "
@@ -58,7 +61,7 @@ def server_command(cfg: Mapping) -> tuple[str, Optional[str]]:
     if command.split()[:1] != ["vllm"]:
         return command, None
     try:
-        vllm = vllm_command(cfg["serve"]["vllm_python"])
+        vllm = vllm_command(s.serve.vllm_python)
     except DeepSpecError as e:  # planned anyway (a dry run of a GPU preset on a laptop); run-server fails at once
         log.warning("the regeneration server runs vLLM: %s", e)
         return command, "vllm"

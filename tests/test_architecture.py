@@ -174,6 +174,18 @@ def test_functions_are_short():
     assert not long, long
 
 
+def test_modules_are_short():
+    """No module of the package over 500 lines: a longer one holds several concepts."""
+    long = [f"{module}: {n} lines" for path, module, _ in _modules()
+            if (n := len(path.read_text().splitlines())) > 500]
+    assert not long, long
+
+
+def test_the_readme_is_short():
+    """The README is a user's document of at most 300 lines; the rest is in docs/."""
+    assert len(README.read_text().splitlines()) <= 300
+
+
 def _readme_map():
     """(concept, module, name) rows of the README's "Where the paper lives" table."""
     text = README.read_text()

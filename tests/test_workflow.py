@@ -173,12 +173,12 @@ def test_a_run_with_its_own_results_dir_keeps_its_own_logs(tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "qwen3-4b"])  # the CPU default; a GPU preset with its server rule
-def test_snakemake_lint_is_clean(tmp_path, shared_data, preset):
+def test_snakemake_lint_is_clean(tmp_path, preset):
     """`snakemake --lint` finds nothing: every rule names its environment, takes its
     values through input, output, params or resources, and no rule file mixes rules
-    and functions."""
+    and functions. It needs no prompt data (a fresh clone, before prepare-data)."""
     copy_workflow(tmp_path)
-    env = dict(os.environ, DEEPSPEC_DATA=str(shared_data))
+    env = {k: v for k, v in os.environ.items() if k != "DEEPSPEC_DATA"}
     r = snakemake(tmp_path, "--lint", "--config", f"preset={preset}", env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "Congratulations, your workflow is in a good condition" in out, out[-3000:]

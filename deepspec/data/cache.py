@@ -144,7 +144,7 @@ def data_fingerprint(cfg: Settings | Mapping, target_id: str, samples: TokenArra
     s = Settings.view(cfg)
     h = hashlib.sha256()
     settings = dict(version=VERSION, target_id=target_id,
-                    **{name: pick(s.raw, path) for name, path in CACHE_BYTES_SETTINGS.items()})
+                    **{name: pick(s, path) for name, path in CACHE_BYTES_SETTINGS.items()})
     compute = cache_precision(s)
     if compute != s.target.dtype:
         settings["compute_dtype"] = compute
@@ -206,7 +206,7 @@ def build_cache(
     from ..targets.loading import load_tokenizer
 
     s = Settings.view(cfg)
-    paths = RunPaths.of(s.raw)
+    paths = RunPaths.of(s)
     conversations = Path(conversations) if conversations else paths.conversations()
     out = Path(out) if out else paths.cache_dir()
     samples, stats = tokenized_samples(s.data, target.tokenizer if target is not None else load_tokenizer(s), conversations,

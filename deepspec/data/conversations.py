@@ -356,7 +356,7 @@ def cli_tokenize(argv) -> int:
     if args.workers < 1:
         raise DeepSpecError(f"--workers {args.workers}: at least 1")
     s = Settings.of(config_from_args(args))
-    paths = RunPaths.of(s.raw)
+    paths = RunPaths.of(s)
     conversations = args.conversations or paths.conversations()
     tokenizer = load_tokenizer(s)
     arrays, stats = tokenized_samples(s.data, tokenizer, conversations, workers=args.workers)

@@ -169,11 +169,11 @@ def make_train_dataset(
             from ..targets.loading import target_from_config
 
             target = target_from_config(s)
-        paths = RunPaths.of(s.raw)
+        paths = RunPaths.of(s)
         samples, _ = tokenized_samples(s.data, target.tokenizer, conversations or paths.conversations(),
                                        record=paths.tokens_record())
         return OnlineDataset(s, cache_target(s, target), samples)  # features as the offline cache computes them
-    d = Path(cache_dir) if cache_dir else RunPaths.of(s.raw).cache_dir()
+    d = Path(cache_dir) if cache_dir else RunPaths.of(s).cache_dir()
     m = validate_cache(d, checksums=False)
     want = {"feature_layers": list(t.feature_layers), "dtype": c.dtype, "target_name": t.name}
     for k, v in want.items():

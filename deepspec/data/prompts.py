@@ -105,7 +105,7 @@ def _read_hub(s: Settings, dataset_id: str, revision: str, split: str) -> list[P
         import datasets
     except ImportError:  # pragma: no cover - datasets is a dependency
         raise DeepSpecError("reading hub datasets needs the `datasets` package") from None
-    local = fetched(s.raw, "dataset", dataset_id, revision)
+    local = fetched(s, "dataset", dataset_id, revision)
     try:
         ds = datasets.load_dataset(str(local), split=split)
     except (OSError, ValueError) as e:

@@ -56,13 +56,13 @@ def cli_baseline(argv) -> int:
     p.add_argument("--out-dir", help="directory for <benchmark>.json and .csv (default R/T/eval/baseline/)")
     args = p.parse_args(argv)
     s = Settings.of(config_from_args(args))
-    timed = speed_benchmarks(s.raw)
+    timed = speed_benchmarks(s)
     benches = args.benchmark or timed
     for b in benches:
         if b not in timed:
             raise DeepSpecError(f"--benchmark {b}: not a timed benchmark of this preset ({', '.join(timed)}; "
                                 "eval.speed_benchmarks)")
-    paths = RunPaths.of(s.raw)
+    paths = RunPaths.of(s)
     target = eval_target(s)  # in evaluate's dtype
     # one process for every benchmark: the start-up (~7 s) and the warm-up are paid once
     for i, bench in enumerate(benches):
@@ -73,14 +73,14 @@ def cli_baseline(argv) -> int:
 
 
 def _write_baseline(s: Settings, target, bench: str, out_json: Path, *, warmup: bool) -> None:
-    kept, skipped = benchmark_prompt_set(s.raw, target, bench)
+    kept, skipped = benchmark_prompt_set(s, target, bench)
     prompts = speed_sample(s, kept, bench)
     runs = run_baselines(s, target, prompts, s.eval.baselines, warmup=warmup)
     # temperature as the preset wrote it (1, not 1.0: the JSON is unchanged)
     summary = {"target": s.target.name, "benchmark": bench, "n_samples": len(prompts), **skipped_fields(s, skipped),
                "sample_ids": [p.id for p, _ in prompts],
-               "temperature": s.raw["eval"]["temperature"], "max_new_tokens": s.eval.max_new_tokens,
-               "prompt_lookup_num_tokens": s.eval.prompt_lookup_num_tokens, "settings": baseline_settings(s.raw)}
+               "temperature": s.as_written("eval", "temperature"), "max_new_tokens": s.eval.max_new_tokens,
+               "prompt_lookup_num_tokens": s.eval.prompt_lookup_num_tokens, "settings": baseline_settings(s)}
     for kind, samples in runs.items():
         summary[kind] = {"tokens_per_s": tokens_per_s(samples),
                          "total_new_tokens": sum(x["new_tokens"] for x in samples),

@@ -24,11 +24,12 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Mapping
 
 import pandas as pd
 import torch
 
-from ..config import add_config_args, config_from_args, rule_settings, settings_fingerprint
+from ..config import add_config_args, as_config, config_from_args, rule_settings, settings_fingerprint
 from ..data.prompts import benchmark_prompt_set, speed_benchmarks
 from ..errors import DeepSpecError
 from ..files import ResumableLog, json_safe, write_csv_atomic, write_json_atomic
@@ -56,7 +57,7 @@ def eval_target(s: Settings, dtype: str | None = None):
     evaluates its bf16 checkpoints, docs/FIDELITY.md), or `dtype`."""
     from ..targets.loading import target_from_config
 
-    return target_from_config(s.raw, dtype=dtype or eval_dtype(s))
+    return target_from_config(s, dtype=dtype or eval_dtype(s))
 
 
 def eval_drafter(path, target, s: Settings, dtype: str | None = None):
@@ -65,7 +66,7 @@ def eval_drafter(path, target, s: Settings, dtype: str | None = None):
     from ..drafters import load_drafter
 
     dt = getattr(torch, dtype) if dtype else next(target.model.parameters()).dtype
-    return load_drafter(path, target, s.raw["drafter"]).to(dt).eval()
+    return load_drafter(path, target, s.drafter).to(dt).eval()
 
 
 def sample_generator(ev: Eval, target, idx: int) -> torch.Generator:
@@ -84,13 +85,13 @@ def drafter_path(cfg, method: str, override: str | None = None) -> str:
     s = Settings.view(cfg)
     released = s.eval.released_checkpoints.get(method)
     if isinstance(released, dict):
-        return str(fetched(s.raw, "model", released["hub"], released["revision"], RELEASED_FILES))
+        return str(fetched(s, "model", released["hub"], released["revision"], RELEASED_FILES))
     if released:
         if not Path(released).is_dir():
             raise DeepSpecError(f"eval.released_checkpoints.{method}: no directory {released!r} (a checkpoint on "
                                 f"the hub is given as {{hub: <id>, revision: <commit>}})")
         return released
-    return str(RunPaths.of(s.raw).drafter_dir(method))
+    return str(RunPaths.of(s).drafter_dir(method))
 
 
 def tokens_per_s(samples: list[dict]) -> float:
@@ -103,7 +104,7 @@ def tokens_per_s(samples: list[dict]) -> float:
 def n_speed(s: Settings, benchmark: str) -> int:
     """How many of a benchmark's first prompts are timed at batch size 1: eval.speed_prompts
     for the timed benchmarks (eval.speed_benchmarks), none for the others."""
-    return s.eval.speed_prompts if benchmark in speed_benchmarks(s.raw) else 0
+    return s.eval.speed_prompts if benchmark in speed_benchmarks(s) else 0
 
 
 def speed_sample(s: Settings, prompts: list, benchmark: str) -> list:
@@ -150,24 +151,28 @@ class Progress:
 ROWS_KEYS = ("batch_size", "kv_budget_gb")
 
 
-def evaluation_settings(cfg: dict) -> dict:
+def _without_rows_keys(cfg: Settings | Mapping) -> dict:
+    cfg = as_config(cfg)
+    return {**cfg, "eval": {k: v for k, v in cfg["eval"].items() if k not in ROWS_KEYS}}
+
+
+def evaluation_settings(cfg: Settings | Mapping) -> dict:
     """The settings an evaluation's records and summary depend on, recorded in the
     summary (the report checks them against its own config): the evaluate rule's
     settings less ROWS_KEYS."""
-    return rule_settings({**cfg, "eval": {k: v for k, v in cfg["eval"].items() if k not in ROWS_KEYS}}, "evaluate")
+    return rule_settings(_without_rows_keys(cfg), "evaluate")
 
 
-def baseline_settings(cfg: dict) -> dict:
+def baseline_settings(cfg: Settings | Mapping) -> dict:
     """The settings a baseline's tokens/s depend on (the baseline rule's), recorded in its JSON."""
     return rule_settings(cfg, "baseline")
 
 
-def progress_header(cfg: dict, method: str, drafter, benchmarks: list) -> dict:
+def progress_header(cfg: Settings | Mapping, method: str, drafter, benchmarks: list) -> dict:
     """What the records in a partial file depend on: the evaluate rule's settings less
     ROWS_KEYS (a job stopped by an out-of-memory error resumes at a smaller
     eval.batch_size or eval.kv_budget_gb), the method, the drafter, the benchmarks."""
-    kept = {**cfg, "eval": {k: v for k, v in cfg["eval"].items() if k not in ROWS_KEYS}}
-    return {"fingerprint": settings_fingerprint(kept, "evaluate"), "method": method, "drafter": str(drafter),
+    return {"fingerprint": settings_fingerprint(_without_rows_keys(cfg), "evaluate"), "method": method, "drafter": str(drafter),
             "benchmarks": list(benchmarks)}
 
 
@@ -374,7 +379,7 @@ def run_batched(s: Settings, target, drafter, bench_prompts: dict, *, method: st
     engine.generate(reqs, on_finish=finished)
     wall = time.perf_counter() - t0
     # kv_budget_gb as the preset wrote it (48, not 48.0: the JSON is unchanged)
-    info = {"batch_size": ev.batch_size, "kv_budget_gb": s.raw["eval"]["kv_budget_gb"], "requests": len(todo),
+    info = {"batch_size": ev.batch_size, "kv_budget_gb": s.as_written("eval", "kv_budget_gb"), "requests": len(todo),
             "resumed_requests": len(todo) - len(reqs), "wall_s": wall, **engine.stats,
             "padding_share": padding_share(engine.stats)}
     info["tokens_per_s"] = new_tokens[0] / wall if reqs else None
@@ -420,11 +425,11 @@ def _write_benchmark(s: Settings, method: str, bench: str, df, samples, out_csv:
     summary = summarize(s.eval, df, samples, gamma=gamma)
     # temperature and confidence_threshold as the preset wrote them (1, not 1.0: the JSON is unchanged)
     summary = {"target": s.target.name, "method": method, "benchmark": bench, "domain": domain,
-               "drafter": drafter_src, "temperature": s.raw["eval"]["temperature"],
+               "drafter": drafter_src, "temperature": s.as_written("eval", "temperature"),
                "max_new_tokens": s.eval.max_new_tokens,
-               "confidence_threshold": s.raw["eval"]["confidence_threshold"], "engine": engine,
+               "confidence_threshold": s.as_written("eval", "confidence_threshold"), "engine": engine,
                "environment": environment, **skipped_fields(s, skipped), **summary,
-               "settings": evaluation_settings(s.raw)}
+               "settings": evaluation_settings(s)}
     write_csv_atomic(df, out_csv)
     write_json_atomic(out_csv.with_suffix(".json"), json_safe(summary))
     speedup = summary["speedup_vs_plain"]
@@ -453,18 +458,18 @@ def cli_evaluate(argv) -> int:
     from ..formats.convert import resolve_drafter
     from ..provenance import evaluation_environment
 
-    base, _ = resolve_method(s.raw, args.method)  # an unknown method is one line, before any work
-    paths = RunPaths.of(s.raw)
+    base, _ = resolve_method(s, args.method)  # an unknown method is one line, before any work
+    paths = RunPaths.of(s)
     benches = args.benchmark or list(s.data.benchmarks)
     if args.out and len(benches) != 1:
         raise DeepSpecError("--out names one records file: give one --benchmark, or use --out-dir")
     outs = {b: Path(args.out) if args.out else (Path(args.out_dir) / f"{b}.csv" if args.out_dir
                                                  else paths.records(args.method, b)) for b in benches}
     target = eval_target(s)  # eval.precision (bf16 where native), else eval.dtype
-    sets = {b: benchmark_prompt_set(s.raw, target, b) for b in benches}
+    sets = {b: benchmark_prompt_set(s, target, b) for b in benches}
     bench_prompts = {b: kept for b, (kept, _) in sets.items()}
     # a released reference checkpoint (hub id or directory) is converted once (deepspec/formats/convert.py)
-    path = resolve_drafter(drafter_path(s, args.method, args.drafter), target, s.raw, method=args.method)
+    path = resolve_drafter(drafter_path(s, args.method, args.drafter), target, s, method=args.method)
     log.info("target %s, drafter %s, %d prompts of %s", s.target.name, path,
              sum(map(len, bench_prompts.values())), ", ".join(benches))
     drafter = eval_drafter(path, target, s)  # its layers as drafter.layer_arch builds them, in the target's dtype
@@ -472,7 +477,7 @@ def cli_evaluate(argv) -> int:
         raise DeepSpecError(f"{path} is a {drafter.method} drafter, not {base} (--method {args.method})")
     # finished requests are kept as they finish; a rerun after a kill resumes from them (Progress)
     progress = Progress(outs[benches[0]].parent / f".{args.method}.partial.jsonl",
-                        progress_header(s.raw, args.method, path, benches))
+                        progress_header(s, args.method, path, benches))
     results, engine = run_method(s, target, drafter, bench_prompts, method=args.method, progress=progress)
     environment = evaluation_environment(target, drafter)  # dtypes, device, machine (the provenance record's)
     for b, (df, samples) in results.items():

@@ -35,7 +35,7 @@ def schedule(s: Settings, method: str, benchmark: str, records: str | None = Non
     from ..core.scheduler import simulate_schedule, threshold_sweep
     from .evaluate import eval_target
 
-    records = Path(records) if records else RunPaths.of(s.raw).records(method, benchmark)
+    records = Path(records) if records else RunPaths.of(s).records(method, benchmark)
     df = pd.read_csv(require_file(records, "evaluation records"))
     x = conf_logits(df)
     if x.shape[1] == 0 or not np.isfinite(x).any():

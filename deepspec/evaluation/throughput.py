@@ -49,7 +49,7 @@ def load_prompts(cfg, target, n: int) -> list:
     """n prompt token lists, round-robin over the benchmarks (repeating when fewer).
     `cfg`: a config or Settings."""
     s = Settings.view(cfg)
-    per = [[ids for _, ids in benchmark_prompt_ids(s.raw, target, b)] for b in s.data.benchmarks]
+    per = [[ids for _, ids in benchmark_prompt_ids(s, target, b)] for b in s.data.benchmarks]
     pool = [p[i] for i in range(max(map(len, per))) for p in per if i < len(p)]
     if not pool:
         raise DeepSpecError("throughput: the preset's benchmarks have no prompts")
@@ -144,7 +144,7 @@ def cli_throughput(argv) -> int:
     from .evaluate import drafter_path, eval_drafter, eval_target
 
     method = args.method or s.throughput.method
-    out = Path(args.out) if args.out else RunPaths.of(s.raw).table("throughput.csv")
+    out = Path(args.out) if args.out else RunPaths.of(s).table("throughput.csv")
     target = eval_target(s)  # evaluate's dtype (eval.precision)
     drafter = eval_drafter(drafter_path(s, method, args.drafter), target, s)
     temps = read_json(Path(args.sts))["sts_temperatures"] if args.sts else None

@@ -58,6 +58,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
@@ -65,6 +66,7 @@ from ..errors import DeepSpecError
 from ..files import OUTPUT_MARKER, atomic_dir, check_overwrite, read_json, read_json_object
 from ..paths import RunPaths
 from ..provenance import SOURCE_FILE, read_record, snapshot_commit
+from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -453,7 +455,7 @@ def local_checkpoint(spec: str) -> Path:
         raise DeepSpecError(f"no local directory {spec} and cannot download it from the hub: {msg}") from None
 
 
-def resolve_drafter(spec: str, target, cfg: dict, method: str | None = None) -> str:
+def resolve_drafter(spec: str, target, cfg: Settings | Mapping, method: str | None = None) -> str:
     """A deepspec drafter directory for `spec`: a deepspec drafter is returned as
     is; a reference DFlash/DSpark checkpoint (directory or hub id) is converted
     once into <resources_dir>/drafters/<target name>/<name> and that returned (converted

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..core.target import Target
+from ..settings import Settings
 
 aten = torch.ops.aten
 
@@ -288,14 +290,15 @@ def measure_target_forward(target: Target, batch: dict, layers, lse: bool = Fals
     return int(fc.get_total_flops())
 
 
-def build_meta_drafter(method: str, target: Target, cfg: dict):
-    """`build_drafter` on the meta device, in bf16 (as autocast computes)."""
+def build_meta_drafter(method: str, target: Target, cfg: Settings | Mapping):
+    """`build_drafter` on the meta device, in bf16 (as autocast computes), and the
+    method's settings (`methods.method_settings`)."""
     from .. import drafters
-    from ..methods import resolve_method
+    from ..methods import method_settings
 
-    base, mcfg = resolve_method(cfg, method)
+    base, ms = method_settings(cfg, method)
     with torch.device("meta"):
-        return drafters.build_drafter(base, target, mcfg).to(torch.bfloat16), mcfg
+        return drafters.build_drafter(base, target, ms).to(torch.bfloat16), ms
 
 
 def param_counts(drafter, target: Target) -> dict:

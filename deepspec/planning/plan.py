@@ -101,7 +101,7 @@ def data_section(s: Settings) -> dict:
     """Training prompts and tokens per sample (hints first, then a sample of the files)."""
     from ..data.prompts import data_root, is_prompt_file, read_turns_jsonl, subsample, synthetic_source
 
-    hints, root = s.plan, data_root(s.raw)
+    hints, root = s.plan, data_root(s)
     n, plen, rlen, sources = 0, [], [], []
     for entry in s.data.train:
         path = entry["path"]
@@ -198,9 +198,9 @@ def checkpoint_disk(train: Train, drafter, trainable: int, total_steps: int) -> 
 
 def method_section(method: str, s: Settings, target: Target, data: dict) -> dict:
     """Parameters, measured FLOPs per step and activation memory of one method."""
-    drafter, mcfg = build_meta_drafter(method, target, s.raw)
-    spec = step_spec(mcfg)
-    t = Settings.of(mcfg).train  # the method's train section (train.max_steps, train.lr resolved)
+    drafter, ms = build_meta_drafter(method, target, s)
+    spec = step_spec(ms)
+    t = ms.train  # the method's train section (train.max_steps, train.lr resolved)
     mb = t.micro_batch
     n_feat, d, V = len(s.target.feature_layers), target.hidden_size, target.vocab_size
     prompt = int(round(data["prompt_tokens_per_sample"]))
@@ -217,7 +217,7 @@ def method_section(method: str, s: Settings, target: Target, data: dict) -> dict
         "gamma": int(drafter.gamma), "markov_rank": int(getattr(drafter.config, "deepspec_markov_rank", 0) or 0),
         "params": params,
         "checkpoints": checkpoint_disk(t, drafter, params["trainable"], total),
-        "memory_per_gpu": training_memory(mcfg, sum(p.numel() for p in target.model.parameters()), params,
+        "memory_per_gpu": training_memory(ms, sum(p.numel() for p in target.model.parameters()), params,
                                           worst["peak_activation_bytes"]),
         "micro_batch": mb, "micro_batches_per_step": micro_batches,
         "flops_per_micro_batch": typical["flops"], "flops_forward_per_micro_batch": typical["flops_forward"],
@@ -356,7 +356,7 @@ def eval_section(s: Settings, data: dict, methods: list[str], rates: dict) -> di
     from ..data.prompts import data_root, read_turns_jsonl, speed_benchmarks
     from ..paper import TABLE1
 
-    root, paper_name = data_root(s.raw), s.target.paper_name
+    root, paper_name = data_root(s), s.target.paper_name
     tokens = min(s.eval.max_new_tokens, int(round(data["answer_tokens_per_sample"])))
     benches, per_method = {}, {m: {"rounds": 0.0} for m in methods}
     for name, b in s.data.benchmarks.items():
@@ -372,7 +372,7 @@ def eval_section(s: Settings, data: dict, methods: list[str], rates: dict) -> di
         r["rounds_per_s"] = rates["methods"][m]
         r["hours"] = r["rounds"] / r["rounds_per_s"] / 3600.0
     plain = sum(b["prompts"] for b in benches.values()) * tokens
-    timed = {b: min(s.eval.speed_prompts, benches[b]["prompts"]) for b in speed_benchmarks(s.raw)}
+    timed = {b: min(s.eval.speed_prompts, benches[b]["prompts"]) for b in speed_benchmarks(s)}
     return {
         "benchmarks": benches, "new_tokens_per_prompt": tokens, "rates_from": rates["from"],
         "tau_from": "paper Table 1" if paper_name else f"default tau {DEFAULT_TAU:g}",
@@ -417,10 +417,10 @@ def build_plan(cfg, hw: dict, offline: bool = False, methods: Optional[list[str]
     """The whole plan (see the module docstring); nothing is downloaded or run on a
     device. `cfg`: a config or its Settings."""
     s = Settings.view(cfg)
-    facts, facts_from = load_facts(s.raw)
+    facts, facts_from = load_facts(s)
     hub = check_against_hub(facts, s.target.spec, offline) if facts_from.startswith("config/targets") else \
         {"checked": False, "reason": f"facts from {facts_from}"}
-    target = meta_target(s.raw, facts)
+    target = meta_target(s, facts)
     layers = s.target.feature_layers
     target.check_feature_layers(layers)
     data = data_section(s)

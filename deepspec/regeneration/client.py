@@ -216,7 +216,7 @@ def regenerate_server(s: Settings, prompts: list[Prompt], write, fail, bar, *, t
                                 "(snakemake passes --server-token); to use a server of your own set "
                                 "regenerate.server=null and regenerate.urls=[http://<host>:<port>/v1]")
         from .server_status import wait_for_own_server
-        own = (RunPaths.of(s.raw).server_status(), server_token)
+        own = (RunPaths.of(s).server_status(), server_token)
         urls = [_chat_url(wait_for_own_server(*own, regen.server["health_timeout_s"]))]
     else:
         urls = server_urls(regen)

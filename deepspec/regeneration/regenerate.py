@@ -82,7 +82,7 @@ def regenerate(cfg: Settings | Mapping, out: Optional[str | os.PathLike] = None,
     server this run started (regeneration/supervisor.py). One regeneration of `out` at a
     time: a second one stops in one line (a lock beside it)."""
     s = Settings.view(cfg)
-    out = Path(out) if out else RunPaths.of(s.raw).conversations()
+    out = Path(out) if out else RunPaths.of(s).conversations()
     with file_lock(out.with_name(out.name + ".lock"), busy=f"another regeneration is writing {out}", remove=True):
         return _regenerate(s, out, prompts=prompts, target=target, server_token=server_token)
 
@@ -97,8 +97,8 @@ def _regenerate(s: Settings, out: Path, *, prompts, target, server_token) -> dic
     # records made under other regeneration settings are never reused; the settings and the compute
     # dtype this machine regenerates in (local backend) are recorded beside `out`, for provenance
     used = regenerate_precision(s) if s.regenerate.backend == "local" else "server"
-    progress = ResumableLog(partial, settings_fingerprint(s.raw, "regenerate"), sidecar=settings_path(out), stale=(out,),
-                            record={"settings": rule_settings(s.raw, "regenerate"), "precision": used})
+    progress = ResumableLog(partial, settings_fingerprint(s, "regenerate"), sidecar=settings_path(out), stale=(out,),
+                            record={"settings": rule_settings(s, "regenerate"), "precision": used})
     if out.exists():  # reopen a finished file to add what is missing (e.g. a larger cap)
         done = recover_jsonl(out)
         if done.issuperset(ids):
@@ -205,6 +205,6 @@ def cli_regenerate(argv) -> int:
     if args.shard:
         shard, shards = parse_shard(args.shard)
         prompts = shard_of(prompts, shard, shards)
-        out = out or RunPaths.of(s.raw).conversations_shard(shard, shards)
+        out = out or RunPaths.of(s).conversations_shard(shard, shards)
     regenerate(s, out, prompts=prompts, server_token=args.server_token)
     return 0

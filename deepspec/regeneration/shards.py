@@ -57,10 +57,10 @@ def merge_shards(cfg: Settings | Mapping, shard_files: Sequence[str | os.PathLik
     import numpy as np
 
     s = Settings.view(cfg)
-    out = Path(out) if out else RunPaths.of(s.raw).conversations()
+    out = Path(out) if out else RunPaths.of(s).conversations()
     ids = [p.id for p in (load_train_prompts(s) if prompts is None else prompts)]
     rank = {pid: i for i, pid in enumerate(ids)}
-    fp = settings_fingerprint(s.raw, "regenerate")
+    fp = settings_fingerprint(s, "regenerate")
     files: list[tuple[Path, bool]] = []  # (file, holds records: True / errors: False)
     src = np.full(len(ids), -1, dtype=np.int32)
     off = np.zeros(len(ids), dtype=np.int64)
@@ -114,7 +114,7 @@ def merge_shards(cfg: Settings | Mapping, shard_files: Sequence[str | os.PathLik
     finally:
         for h in handles:
             h.close()
-    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(s.raw, "regenerate"),
+    write_json_atomic(settings_path(out), {"fingerprint": fp, "settings": rule_settings(s, "regenerate"),
                                            "precision": ", ".join(str(u) for u in used) if len(used) > 1 else (used or [None])[0]})
     log.info("merged %d shards: %d records, %d failed or skipped -> %s", len(shard_files), n_recs, n_errs, out)
     return n_recs

@@ -17,7 +17,7 @@ import pandas as pd
 from .. import paper
 from ..errors import DeepSpecError
 from ..files import pyplot, read_json, save_figure, write_csv_atomic
-from ..methods import fig3_methods, fig4_methods, resolve_method, variant_base
+from ..methods import fig3_methods, fig4_methods, method_settings, variant_base
 from ..paths import RunPaths
 from ..settings import Settings
 
@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 
 def tau_table(s: Settings, methods: list[str]) -> pd.DataFrame:
     """tau with its CI per variant and benchmark, from evaluate's summaries."""
-    paths, rows = RunPaths.of(s.raw), []
+    paths, rows = RunPaths.of(s), []
     for method in methods:
-        base, vcfg = resolve_method(s.raw, method)
-        variant = Settings.of(vcfg).drafter  # the variant's drafter section (block size, depth)
+        base, vs = method_settings(s, method)
+        variant = vs.drafter  # the variant's drafter section (block size, depth)
         for bench, spec in s.data.benchmarks.items():
             summary = read_json(paths.summary(method, bench), f"evaluation summary not found: {paths.summary(method, bench)}")
             rows.append(dict(method=method, benchmark=bench, domain=spec["domain"], tau=summary["tau"],
@@ -43,7 +43,7 @@ def _save(fig, pdf: Path) -> None:
 
 
 def fig3(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
-    df = tau_table(s, fig3_methods(s.raw))
+    df = tau_table(s, fig3_methods(s))
     plt = pyplot()
     benches = list(s.data.benchmarks)
     methods = list(dict.fromkeys(df["method"]))
@@ -64,7 +64,7 @@ def fig3(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
 
 
 def fig4(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
-    df = tau_table(s, fig4_methods(s.raw))
+    df = tau_table(s, fig4_methods(s))
     heads = {"dspark": "DSpark (Markov)", "dspark_rnn": "DSpark (RNN)", "dflash": "DFlash"}
     df["head"] = df["method"].map(lambda m: heads[variant_base(m)])
     df["draft_length"] = df["block_size"] + 1
@@ -86,7 +86,7 @@ def fig4(s: Settings, out_csv: Path, out_pdf: Path) -> pd.DataFrame:
 
 
 def _per_benchmark_files(s: Settings, suffix: str) -> dict[str, pd.DataFrame]:
-    d = RunPaths.of(s.raw).eval_dir() / "dspark"
+    d = RunPaths.of(s).eval_dir() / "dspark"
     found = {p.name[: -len(suffix)]: pd.read_csv(p) for p in sorted(d.glob(f"*{suffix}"))}
     if not found:
         raise DeepSpecError(f"no {suffix} files under {d} (run the schedule rule first)")

@@ -31,7 +31,7 @@ def check_settings(cfg, summary: dict, path, rule: str) -> None:
     from ..evaluation.evaluate import baseline_settings, evaluation_settings
 
     s = Settings.view(cfg)
-    want = evaluation_settings(s.raw) if rule == "evaluate" else baseline_settings(s.raw)
+    want = evaluation_settings(s) if rule == "evaluate" else baseline_settings(s)
     got = summary.get("settings")
     if got is None:
         want = {f"eval.{k}": getattr(s.eval, k) for k in ("temperature", "max_new_tokens") if k in summary}
@@ -48,7 +48,7 @@ def load_records(cfg) -> dict[str, dict[str, list[pd.DataFrame]]]:
     """Per method and domain, the per-round records of the domain's benchmarks
     (in the preset's order, the same for every method). `cfg`: a config or its Settings."""
     s = Settings.view(cfg)
-    paths = RunPaths.of(s.raw)
+    paths = RunPaths.of(s)
     domains: dict[str, list[str]] = {}
     for bench, spec in s.data.benchmarks.items():
         domains.setdefault(spec["domain"], []).append(bench)

@@ -80,7 +80,7 @@ def build_table1(cfg) -> pd.DataFrame:
     are computed there, once), plus the drafter-free baselines' tokens/s. `cfg`:
     a config or its Settings."""
     st = Settings.view(cfg)
-    t, paths = st.target.name, RunPaths.of(st.raw)
+    t, paths = st.target.name, RunPaths.of(st)
     rows = []
     for bench, spec in st.data.benchmarks.items():
         plain = _baseline_tps(paths, bench, "plain", st)
@@ -125,10 +125,10 @@ def speed_claims(s: Settings) -> list[str]:
     Empty when nothing was timed both ways."""
     from ..evaluation.evaluate import interleaved_speedup
 
-    paths, out = RunPaths.of(s.raw), []
+    paths, out = RunPaths.of(s), []
     for method in s.train.methods:
         samples, strata = [], []
-        for bench in speed_benchmarks(s.raw):
+        for bench in speed_benchmarks(s):
             got = read_json(paths.summary(method, bench), default={}).get("samples") or []
             samples += got
             strata += [bench] * len(got)
@@ -282,7 +282,7 @@ def _estimator_notes(fig2: pd.DataFrame) -> list[str]:
 
 def _speed_scope(s: Settings) -> str:
     """Which prompts the speedup was timed on (eval.speed_prompts of eval.speed_benchmarks)."""
-    timed, n = speed_benchmarks(s.raw), s.eval.speed_prompts
+    timed, n = speed_benchmarks(s), s.eval.speed_prompts
     if not timed:
         return "not timed (eval.speed_prompts is 0)"
     # a benchmark capped below eval.speed_prompts times all its prompts
@@ -298,13 +298,13 @@ def _speed_scope(s: Settings) -> str:
 def _draft_layers(s: Settings) -> str:
     """drafter.layer_arch in words: whose layer classes each method's draft layers are."""
     from ..architectures import layer_arch_of
-    from ..methods import resolve_method
+    from ..methods import method_settings
 
     names = {"target": "the target's layer type", "qwen3": "Qwen3 layers"}
     per = {}
     for m in s.train.methods:
-        base, mcfg = resolve_method(s.raw, m)
-        per.setdefault(names[layer_arch_of(mcfg["drafter"], base)], []).append(m)
+        base, ms = method_settings(s, m)
+        per.setdefault(names[layer_arch_of(ms.drafter, base)], []).append(m)
     if len(per) == 1:
         return f"draft layers: {next(iter(per))}"
     return "draft layers: " + "; ".join(f"{', '.join(ms)}: {what}" for what, ms in per.items())
@@ -313,7 +313,7 @@ def _draft_layers(s: Settings) -> str:
 def _as_written(s: Settings, section: str, key: str):
     """A number as the preset wrote it (1, not the typed 1.0): what REPORT.md and
     table1.md have always printed."""
-    return s.raw[section][key]
+    return s.as_written(section, key)
 
 
 def _per_method(v) -> str:
@@ -348,7 +348,7 @@ def write_report(s: Settings, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, 
         f"{_per_method(s.drafter.num_layers)} ({_draft_layers(s)}), Markov rank {s.drafter.markov_rank}.",
         f"- Training: {_as_written(s, 'train', 'epochs')} epochs"
         + (f" or max_steps {_per_method(_as_written(s, 'train', 'max_steps'))}, whichever ends first (the "
-           "Training section gives the steps each drafter ran)" if s.raw["train"].get("max_steps") else "")
+           "Training section gives the steps each drafter ran)" if s.train.max_steps else "")
         + f", global batch {s.train.global_batch}, lr {_per_method(_as_written(s, 'train', 'lr'))}, "
         f"{s.train.num_anchors} anchors per sequence.",
         f"- Evaluation: T = {_as_written(s, 'eval', 'temperature')}, max new tokens {s.eval.max_new_tokens}, caps "

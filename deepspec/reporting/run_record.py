@@ -33,7 +33,7 @@ def _target(s: Settings) -> dict:
     from ..paths import RunPaths
 
     t = s.target
-    path = RunPaths.of(s.raw).target_checkpoint() / SOURCE_FILE
+    path = RunPaths.of(s).target_checkpoint() / SOURCE_FILE
     rec = read_record(path)
     if rec is None:
         return {"spec": t.spec, "revision": t.revision, "recorded": False,
@@ -53,12 +53,12 @@ def _data(s: Settings) -> dict:
     from ..data.sources import needed_files, read_sums, source_for
     from ..files import sha256_file
 
-    root = data_root(s.raw)
+    root = data_root(s)
     built = read_record(root / DATA_SOURCES_FILE) or {}
     sums = read_sums(root)
     out = {}
-    for rel in needed_files(s.raw):
-        src, path = source_for(s.raw, rel), root / rel
+    for rel in needed_files(s):
+        src, path = source_for(s, rel), root / rel
         sha = sha256_file(path) if path.exists() else None
         rec = built.get(rel) if (built.get(rel) or {}).get("sha256") == sha and sha else None
         reference = (sha == src.sha256) if src is not None and src.sha256 and sha else None
@@ -111,7 +111,7 @@ def _drafters(s: Settings) -> dict:
     code commit, machine; [] when none did)."""
     from ..paths import RunPaths
 
-    paths = RunPaths.of(s.raw)
+    paths = RunPaths.of(s)
     released = s.eval.released_checkpoints
     out = {}
     for method in s.train.methods:
@@ -159,7 +159,7 @@ def precision(s: Settings) -> dict:
     from ..paths import RunPaths
     from ..runtime import bf16_matmul_support, resolve_precision
 
-    paths, dev = RunPaths.of(s.raw), s.target.device
+    paths, dev = RunPaths.of(s), s.target.device
 
     def recorded(files, read):
         got = []
@@ -188,7 +188,7 @@ def precision(s: Settings) -> dict:
     from ..evaluation.evaluate import eval_dtype
 
     evals = [paths.summary(m, b) for m in s.train.methods for b in s.data.benchmarks]
-    out["evaluate"] = {"setting": s.eval.precision, "here": eval_dtype(s.raw), "recorded": recorded(
+    out["evaluate"] = {"setting": s.eval.precision, "here": eval_dtype(s), "recorded": recorded(
         evals, lambda r: r["environment"]["target_dtype"])}
     return out
 

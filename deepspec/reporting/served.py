@@ -12,7 +12,7 @@ def served_markdown(cfg) -> list[str]:
     (results/<target>/serve/<method>.json): the greedy checks, and tau in vLLM beside
     ours on the same prompts at the evaluation temperature. `cfg`: a config or its Settings."""
     st = Settings.view(cfg)
-    paths = RunPaths.of(st.raw)
+    paths = RunPaths.of(st)
     recs = {m: read_json(paths.serve_check(m)) for m in st.train.methods if paths.serve_check(m).exists()}
     if not recs:
         return []

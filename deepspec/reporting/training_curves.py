@@ -29,7 +29,7 @@ def training_logs(s: Settings) -> dict[str, pd.DataFrame]:
     order. A released checkpoint (eval.released_checkpoints) was not trained here
     and has none; a trained drafter whose log is missing or unreadable is left
     out with a warning."""
-    paths, released = RunPaths.of(s.raw), s.eval.released_checkpoints
+    paths, released = RunPaths.of(s), s.eval.released_checkpoints
     logs = {}
     for method in (m for m in s.train.methods if m not in released):
         path = paths.drafter_dir(method) / LOG_NAME
@@ -76,7 +76,7 @@ def training_markdown(s: Settings, logs: dict[str, pd.DataFrame], figure: Path, 
     the released checkpoints that were not trained, and where TensorBoard finds
     every column of the logs."""
     released = [m for m in s.train.methods if m in s.eval.released_checkpoints]
-    drafters_dir = RunPaths.of(s.raw).drafter_dir("_").parent
+    drafters_dir = RunPaths.of(s).drafter_dir("_").parent
     lines = ["## Training", "", f"![training curves]({Path(os.path.relpath(figure, report.parent)).as_posix()})", "",
              "Each trained drafter's `train_log.csv` against the optimiser step: the loss (each method's own "
              "objective, so its level does not compare across methods), c*₁ (the expected acceptance "

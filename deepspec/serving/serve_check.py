@@ -398,7 +398,7 @@ def cli_serve_check(argv) -> int:
     from ..data.prompts import benchmark_prompt_set
     from ..evaluation.evaluate import drafter_path, eval_drafter, eval_target, feature_layers
 
-    paths = RunPaths.of(s.raw)
+    paths = RunPaths.of(s)
     out = Path(args.out) if args.out else paths.serve_check(args.method)
     if s.target.device == "cpu" and args.method != "eagle3":
         raise DeepSpecError(f"vLLM runs {args.method} only in its model runner V2, which needs a GPU: serve-check "
@@ -412,7 +412,7 @@ def cli_serve_check(argv) -> int:
     if drafter.method != args.method:
         raise DeepSpecError(f"{args.drafter} is a {drafter.method} drafter, not {args.method}")
     benches = list(s.data.benchmarks)
-    sets = {b: benchmark_prompt_set(s.raw, target, b)[0] for b in benches}
+    sets = {b: benchmark_prompt_set(s, target, b)[0] for b in benches}
     n_greedy = args.prompts if args.prompts is not None else s.serve.greedy_prompts
     greedy = [(f"{b}/{pr.id}", ids) for b in benches for pr, ids in sets[b][:n_greedy]]
     allp = [(f"{b}/{pr.id}", ids) for b in benches for pr, ids in sets[b]]

@@ -223,7 +223,7 @@ def target_from_config(cfg: Settings | Mapping, *, device: Optional[str] = None,
         keep_large_allocations_on_heap()  # CPU runs: no page faults per large temporary
     target = load_target(
         t.spec,
-        path=paths.RunPaths.of(s.raw).target_checkpoint(),
+        path=paths.RunPaths.of(s).target_checkpoint(),
         dtype=dtype or t.dtype,
         device=dev,
         revision=t.revision,
@@ -240,7 +240,7 @@ def load_tokenizer(cfg: Settings | Mapping):
 
     s = Settings.view(cfg)
     t = s.target
-    path = paths.RunPaths.of(s.raw).target_checkpoint()
+    path = paths.RunPaths.of(s).target_checkpoint()
     src = str(path) if (path / "tokenizer_config.json").exists() else t.spec
     try:
         tok = AutoTokenizer.from_pretrained(src, **({"revision": t.revision} if t.revision and src == t.spec else {}))

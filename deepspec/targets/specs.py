@@ -42,7 +42,7 @@ def known_config(cfg: Settings | Mapping) -> tuple[Optional[dict], str]:
     SmolLM2's vocabulary); (None, "") when none of them knows it."""
     s = Settings.view(cfg)
     t = s.target
-    prepared = RunPaths.of(s.raw).target_checkpoint() / "config.json"
+    prepared = RunPaths.of(s).target_checkpoint() / "config.json"
     if prepared.exists():
         return json.loads(prepared.read_text()), str(prepared)
     shipped = facts_path(t.name)

@@ -31,7 +31,7 @@ try:
     from deepspec.workflow import (SOURCE_FILE, DeepSpecError, RunPaths, check_sources, coerce_overrides, data_root,
                                    enter_checkout, fig3_methods, fig4_methods, gpu_env, hub_datasets, is_prompt_file,
                                    load_config, needed_files, preflight, released_hub, server_command, settings_fingerprint,
-                                   snapshot_name, speed_benchmarks, train_launcher)
+                                   Settings, snapshot_name, speed_benchmarks, train_launcher)
 
     enter_checkout(CHECKOUT)
 except ImportError as e:  # another deepspec, older than this one, was imported first
@@ -44,6 +44,7 @@ PRESET = str(config.get("preset", "smollm2-135m"))
 _OVERRIDES = coerce_overrides({k: v for k, v in config.items() if k != "preset"})
 try:
     CFG = load_config(PRESET, _OVERRIDES)
+    S = Settings.of(CFG)  # its typed sections: S.train.methods, S.eval.gpus, ...
 except DeepSpecError as e:
     raise WorkflowError(f"config error: {e}")
 
@@ -67,23 +68,23 @@ CONFIG_ARGS = " ".join(
     + [f"--set {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in _flatten(_OVERRIDES)]
 )
 
-PATHS = RunPaths.of(CFG)  # this preset's files (given wildcards such as "{method}": rule patterns)
-METHODS = list(CFG["train"]["methods"])
-FIG3_METHODS = fig3_methods(CFG)
-FIG4_METHODS = fig4_methods(CFG)
+PATHS = RunPaths.of(S)  # this preset's files (given wildcards such as "{method}": rule patterns)
+METHODS = list(S.train.methods)
+FIG3_METHODS = fig3_methods(S)
+FIG4_METHODS = fig4_methods(S)
 ALL_METHODS = list(dict.fromkeys(METHODS + FIG3_METHODS + FIG4_METHODS))
-for _m in CFG["train"]["start_first"]:
+for _m in S.train.start_first:
     if _m not in ALL_METHODS:
         raise DeepSpecError(f"train.start_first: '{_m}' is none of this preset's methods ({', '.join(ALL_METHODS)})")
-BENCHMARKS = list(CFG["data"]["benchmarks"])
+BENCHMARKS = list(S.data.benchmarks)
 # The prompt files the preset reads, under data.root (DEEPSPEC_DATA overrides);
 # prepare_data builds the missing ones. A missing file without a known source
 # stops the plan here.
-DATA_ROOT = data_root(CFG)
-DATA_FILES = needed_files(CFG)
+DATA_ROOT = data_root(S)
+DATA_FILES = needed_files(S)
 try:
-    check_sources(CFG)
-    preflight(CFG)  # every check that needs only the config and the file system
+    check_sources(S)
+    preflight(S)  # every check that needs only the config and the file system
 except DeepSpecError as e:
     raise WorkflowError(f"config error: {e}")
 
@@ -99,7 +100,7 @@ wildcard_constraints:
 
 def settings(rule):
     """params.settings of a rule: the fingerprint of the settings it depends on."""
-    return settings_fingerprint(CFG, rule)
+    return settings_fingerprint(S, rule)
 
 
 def res(rule, key, default):
@@ -108,7 +109,7 @@ def res(rule, key, default):
     cpus_per_task: Snakemake caps `threads` at the --cores of the machine it runs
     on, even for SLURM jobs, while the SLURM executor asks for cpus_per_task as
     it is (profiles/slurm)."""
-    return CFG["resources"].get(rule, {}).get(key, default)
+    return S.resources.get(rule, {}).get(key, default)
 
 
 
@@ -123,8 +124,8 @@ TARGET_CONFIG = PATHS.target_checkpoint() / "config.json"  # the prepared target
 # Hub snapshots at the preset's pinned revisions, fetched by the local rules fetch_dataset and
 # fetch_released (prepare_data.smk; deepspec/fetch.py): {snapshot name: (hub id, revision)}; each
 # is ready once its record (deepspec_source.json, written last) exists.
-HUB_DATASETS = hub_datasets(CFG)  # data.train's hub: sources
-RELEASED_HUB = {snapshot_name(*v): v for v in released_hub(CFG).values()}  # eval.released_checkpoints {hub, revision}
+HUB_DATASETS = hub_datasets(S)  # data.train's hub: sources
+RELEASED_HUB = {snapshot_name(*v): v for v in released_hub(S).values()}  # eval.released_checkpoints {hub, revision}
 
 
 def hub_record(kind, name):
@@ -132,42 +133,42 @@ def hub_record(kind, name):
 
 
 # the training prompt files on disk, and the snapshots of the hub: sources
-TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in CFG["data"]["train"] if is_prompt_file(e["path"])] + \
+TRAIN_PROMPT_FILES = [DATA_ROOT / e["path"] for e in S.data.train if is_prompt_file(e["path"])] + \
     [hub_record("datasets", name) for name in HUB_DATASETS]
 
 
 def released_input(method):
     """{"released": the fetched snapshot's record} for a method evaluated from a released hub checkpoint."""
-    v = CFG["eval"]["released_checkpoints"].get(method)
+    v = S.eval.released_checkpoints.get(method)
     return {"released": hub_record("models", snapshot_name(v["hub"], v["revision"]))} if isinstance(v, dict) else {}
 
 # the benchmarks with a batch-1 timed sample, and so a baseline (eval.speed_benchmarks)
-SPEED_BENCHMARKS = speed_benchmarks(CFG)
+SPEED_BENCHMARKS = speed_benchmarks(S)
 # the benchmark prompt files on disk (a hub: benchmark is read from the hub)
-BENCHMARK_FILES = [DATA_ROOT / f for f in (CFG["data"]["benchmarks"][b]["path"] for b in BENCHMARKS)
+BENCHMARK_FILES = [DATA_ROOT / f for f in (S.data.benchmarks[b]["path"] for b in BENCHMARKS)
                    if is_prompt_file(f)]
 # The baselines of the timed benchmarks run in eval.baseline_jobs jobs (evaluate.smk),
 # job I timing every N-th of them from the I-th.
-BASELINE_JOBS = min(int(CFG["eval"]["baseline_jobs"]), len(SPEED_BENCHMARKS))
+BASELINE_JOBS = min(S.eval.baseline_jobs, len(SPEED_BENCHMARKS))
 BASELINES = [PATHS.baseline_part(i, BASELINE_JOBS) for i in range(BASELINE_JOBS)]
 # Paper Figure 6 uses Alpaca; a preset without it falls back to its first Chat benchmark
 # (the calibration of ablations.smk, which throughput.smk's Algorithm 1 reads).
-FIG6_BENCHMARK = CFG["ablations"]["calibration_benchmark"]
+FIG6_BENCHMARK = S.ablations.calibration_benchmark
 if FIG6_BENCHMARK not in BENCHMARKS:
-    FIG6_BENCHMARK = next((b for b in BENCHMARKS if CFG["data"]["benchmarks"][b]["domain"] == "Chat"), BENCHMARKS[0])
+    FIG6_BENCHMARK = next((b for b in BENCHMARKS if S.data.benchmarks[b]["domain"] == "Chat"), BENCHMARKS[0])
 
-REGEN_SERVER = CFG["regenerate"]["server"]
+REGEN_SERVER = S.regenerate.server
 # The merged conversations, for the GPU jobs that must not start beside a
 # running regeneration server (baseline, evaluate of released checkpoints,
 # throughput; regenerate.smk): nothing without regenerate.server or when every
 # method of train.methods is a released checkpoint (Table 1 from the released
 # drafters needs no regeneration; the ablations' extra methods do not count).
-_TRAINED = [m for m in METHODS if m not in CFG["eval"]["released_checkpoints"]]
+_TRAINED = [m for m in METHODS if m not in S.eval.released_checkpoints]
 REGENERATION_DONE = [PATHS.conversations()] if REGEN_SERVER and _TRAINED else []
 
 # The evaluation jobs (evaluate, baseline, schedule, throughput): on GPU presets
 # each takes a GPU no other job holds (gpu_env: claim-gpus).
-EVAL_GPUS = int(CFG["eval"]["gpus"])
+EVAL_GPUS = S.eval.gpus
 EVAL_ENV = gpu_env(min(EVAL_GPUS, 1))
 EVAL_RESOURCES = dict(
     cpus_per_task=res("evaluate", "threads", 2),
@@ -183,7 +184,7 @@ EVAL_RESOURCES = dict(
 def train_data(wc):
     """The cache manifest, or with cache.mode: online the conversations themselves
     (and their token arrays, the tokenize rule's)."""
-    if CFG["cache"]["mode"] == "online":
+    if S.cache.mode == "online":
         return [PATHS.conversations(), PATHS.tokens_record()]
     return PATHS.cache_dir() / "manifest.json"
 
@@ -197,7 +198,7 @@ BASELINE_AFTER = [ancient(f) for f in (_data if isinstance(_data, list) else [_d
 
 def _first_rank(method) -> int:
     """len(train.start_first) for its first method down to 1 for its last; 0 for the others."""
-    first = CFG["train"]["start_first"]
+    first = S.train.start_first
     return len(first) - first.index(method) if method in first else 0
 
 
@@ -217,7 +218,7 @@ def eval_priority(wc):
 def train_port(wc):
     """Each method its own rendezvous port (parallel trainers on one machine do
     not collide): train.main_process_port + crc32(method) % 1000."""
-    return int(CFG["train"]["main_process_port"]) + zlib.crc32(wc.method.encode()) % 1000
+    return S.train.main_process_port + zlib.crc32(wc.method.encode()) % 1000
 
 
 
@@ -227,7 +228,7 @@ def eval_inputs(wc):
     released checkpoint (eval.released_checkpoints) is evaluated from the hub
     and needs no trained drafter."""
     inputs = {"target": TARGET_CONFIG, "prompts": BENCHMARK_FILES}
-    if wc.method not in CFG["eval"]["released_checkpoints"]:
+    if wc.method not in S.eval.released_checkpoints:
         inputs["drafter"] = PATHS.drafter_dir(wc.method) / "config.json"
     return {**inputs, **released_input(wc.method)}
 
@@ -248,14 +249,14 @@ def baseline_args(wc):
     return " ".join(f"--benchmark {shlex.quote(b)}" for b in benches)
 
 
-THROUGHPUT_METHOD = CFG["throughput"]["method"]
+THROUGHPUT_METHOD = S.throughput.method
 
 
 def throughput_inputs(wc):
     """The target, the benchmarks' prompts and the drafter (trained, unless it is a released checkpoint)."""
     inputs = {"target": TARGET_CONFIG, "prompts": BENCHMARK_FILES,
               "regenerated": REGENERATION_DONE}  # no GPU job beside the regeneration server
-    if THROUGHPUT_METHOD not in CFG["eval"]["released_checkpoints"]:
+    if THROUGHPUT_METHOD not in S.eval.released_checkpoints:
         inputs["drafter"] = PATHS.drafter_dir(THROUGHPUT_METHOD) / "config.json"
     inputs.update(released_input(THROUGHPUT_METHOD))  # a released hub checkpoint's fetched snapshot
     if THROUGHPUT_METHOD == "dspark":  # Algorithm 1 on STS-calibrated confidences (the schedule rule's fit)

@@ -29,7 +29,7 @@
 # The service connects every shard into one group job, which is what we want
 # here (one server, one node; on SLURM the shards then share its job instead
 # of being jobs of their own); --group-components is not needed.
-REGEN_SHARDS = int(CFG["regenerate"]["shards"])
+REGEN_SHARDS = S.regenerate.shards
 REGEN_RESOURCES = dict(
     mem_mb=res("regenerate", "mem_mb", 4000),
     runtime=res("regenerate", "runtime", 60),
@@ -37,9 +37,9 @@ REGEN_RESOURCES = dict(
 )
 REGEN_ENV = gpu_env(REGEN_RESOURCES["gpu"])  # each job (shard) its own GPUs on one machine
 
-if REGEN_SERVER and CFG["regenerate"]["backend"] != "server":
+if REGEN_SERVER and S.regenerate.backend != "server":
     raise WorkflowError("config error: regenerate.server is set but regenerate.backend is "
-                        f"{CFG['regenerate']['backend']!r}: set regenerate.backend=server (or regenerate.server=null)")
+                        f"{S.regenerate.backend!r}: set regenerate.backend=server (or regenerate.server=null)")
 
 # The server rule exists only when there is a server to start (regenerate.server);
 # the shards then take its service as an input (regen_server_input). The server
@@ -59,7 +59,7 @@ if REGEN_SERVER:
     _srv = REGEN_SERVER
     _host = _srv["host"] or "127.0.0.1"
     try:
-        SERVER_COMMAND, _engine = server_command(CFG)  # deepspec/workflow.py
+        SERVER_COMMAND, _engine = server_command(S)  # deepspec/workflow.py
     except DeepSpecError as e:
         raise WorkflowError(f"config error: {e}")
     SERVER_ENGINE = f"--engine {_engine} " if _engine else ""  # its /version is checked

@@ -12,9 +12,9 @@ rule report:
         records=all_records(METHODS),
         summaries=[PATHS.summary(m, b) for m in METHODS for b in BENCHMARKS],
         baselines=BASELINES,
-        served=[PATHS.serve_check(m) for m in SERVED_METHODS] if CFG["serve"]["engine"] else [],
+        served=[PATHS.serve_check(m) for m in SERVED_METHODS] if S.serve.engine else [],
         train_logs=[PATHS.drafter_dir(m) / "train_log.csv" for m in METHODS
-                    if m not in CFG["eval"]["released_checkpoints"]],
+                    if m not in S.eval.released_checkpoints],
     output:
         table1=report(PATHS.table("table1.csv"), caption="../report/table1.rst", category="Table 1"),
         table1_md=PATHS.table("table1.md"),

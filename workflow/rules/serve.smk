@@ -6,7 +6,7 @@
 # (`snakemake results/<target>/serve/eagle3.json`), or before the report with
 # serve.engine=vllm. vLLM runs DFlash/DSpark in its GPU model runner only, so a
 # CPU preset checks Eagle3.
-SERVED_METHODS = [m for m in METHODS if CFG["target"]["device"] != "cpu" or m == "eagle3"]
+SERVED_METHODS = [m for m in METHODS if S.target.device != "cpu" or m == "eagle3"]
 
 
 rule serve_check:

@@ -14,8 +14,8 @@ rule prepare_target:
         PATHS.log("prepare_target"),
     params:
         settings=settings("prepare_target"),
-        spec=CFG["target"]["spec"],
-        revision=f"--revision {shlex.quote(CFG['target']['revision'])} " if CFG["target"].get("revision") else "",
+        spec=S.target.spec,
+        revision=f"--revision {shlex.quote(S.target.revision)} " if S.target.revision else "",
         out=PATHS.target_checkpoint(),
     resources:
         mem_mb=res("prepare_target", "mem_mb", 4000),

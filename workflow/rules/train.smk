@@ -8,9 +8,9 @@
 # interrupted job resumes from its newest intact checkpoint when rerun; SIGTERM
 # (SLURM's warning before the time limit, profiles/slurm) makes it
 # write a checkpoint and stop first.
-TRAIN_GPUS = int(CFG["train"]["gpus"])
-TRAIN_NODES = int(CFG["train"]["nodes"])
-TRAIN_PROCS = TRAIN_GPUS or int(CFG["train"]["processes"])  # per node
+TRAIN_GPUS = S.train.gpus
+TRAIN_NODES = S.train.nodes
+TRAIN_PROCS = TRAIN_GPUS or S.train.processes  # per node
 if res("train", "nodes", TRAIN_NODES) != TRAIN_NODES:
     raise WorkflowError(f"config error: resources.train.nodes ({res('train', 'nodes', TRAIN_NODES)}) differs from "
                         f"train.nodes ({TRAIN_NODES}): set train.nodes only")
@@ -41,7 +41,7 @@ rule train:
         settings=settings("train"),
         out=lambda wc, output: Path(output.drafter).parent,
         # each method its own rendezvous port (train_port, common.smk)
-        launcher=lambda wc: TRAIN_GPU_ENV + train_launcher(CFG["train"], train_port(wc), res("train", "threads", 2)),
+        launcher=lambda wc: TRAIN_GPU_ENV + train_launcher(S.train, train_port(wc), res("train", "threads", 2)),
         env=TRAIN_ENV,
     threads: res("train", "threads", 2)
     # every drafter trains before any evaluation starts: on 2 cores the three
