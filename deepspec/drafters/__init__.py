@@ -25,9 +25,16 @@ import json
 from typing import Mapping
 
 from ..errors import DeepSpecError
-from ..files import read_json_object
 from ..settings import Drafter, Settings
-from .base import METHODS, check_layer_arch, check_target_match, count_tokens, draft_config, read_method  # noqa: F401
+from .base import (  # noqa: F401
+    METHODS,
+    check_layer_arch,
+    check_target_match,
+    count_tokens,
+    draft_config,
+    read_config_json,
+    read_method,
+)
 from .dflash import DFlashDrafter
 from .dspark import DSparkDrafter
 from .eagle3 import Eagle3Drafter
@@ -134,7 +141,7 @@ def read_drafter_config(path):
     from transformers import AutoConfig
 
     cfg_file = Path(path) / "config.json"
-    raw = read_json_object(cfg_file, "a drafter config")
+    raw = read_config_json(path)
     for key, v in raw.items():
         want = _field_problem(key, v)
         if want:
@@ -160,7 +167,7 @@ def _config_error(path, e: BaseException, raw: dict | None = None) -> DeepSpecEr
     reason = re.sub(r"^\w+(Error|Exception): ", "", reason) or type(e).__name__
     if raw is None:
         with contextlib.suppress(DeepSpecError):
-            raw = read_json_object(cfg_file, "a drafter config")
+            raw = read_config_json(path)
     keys = [field.group(1)] if field else _keys_named(reason, raw or {})
     named = f"config {', '.join(keys)}" if keys else "no key named"
     return DeepSpecError(f"{cfg_file}: not a valid drafter config ({named}): {reason}")

@@ -113,14 +113,23 @@ def check_layer_arch(config, target, drafter_cfg: Drafter | Mapping, where: str 
                             f"{want} layers for {method} over this target: retrain, or set drafter.layer_arch")
 
 
-def read_method(path) -> str:
+def read_config_json(path) -> dict:
+    """A saved drafter's config.json as a dict; missing, malformed or not an object is one line."""
     p = Path(path) / "config.json"
     if not p.exists():
         raise DeepSpecError(f"no drafter checkpoint at {path} (config.json missing)")
     try:
-        m = json.loads(p.read_text()).get("deepspec_method")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        raise DeepSpecError(f"{p}: malformed drafter config (not a JSON object)") from None
+        raw = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raw = None
+    if not isinstance(raw, dict):
+        raise DeepSpecError(f"{p}: malformed drafter config (not a JSON object)")
+    return raw
+
+
+def read_method(path) -> str:
+    p = Path(path) / "config.json"
+    m = read_config_json(path).get("deepspec_method")
     if m not in METHODS:
         raise DeepSpecError(f"{p}: not a deepspec drafter (deepspec_method={m!r})")
     return m
