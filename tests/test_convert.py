@@ -13,7 +13,7 @@ from deepspec.cli import main as cli_main
 from deepspec.drafters import build_drafter, load_drafter
 from deepspec.drafters.base import DrafterBase
 from deepspec.errors import DeepSpecError
-from deepspec.formats import convert
+from deepspec.formats import convert, released
 
 from helpers import MASK_ID, gemma4_reference_config, reference_config, write_reference
 
@@ -206,17 +206,17 @@ def test_cli_and_resolve(tiny_target, tiny_cfg, tmp_path, capsys):
     assert [p.name for p in (tmp_path / "victim").iterdir()] == ["notes.txt"]
 
     cfg = dict(tiny_cfg, resources_dir=str(tmp_path / "resources"))
-    path = convert.resolve_drafter(str(src), tiny_target, cfg, method="dspark")
+    path = released.resolve_drafter(str(src), tiny_target, cfg, method="dspark")
     done = tmp_path / "resources" / "drafters" / "tiny" / "dspark_tiny_block7" / "config.json"
     assert path == str(done.parent)
     mtime = done.stat().st_mtime_ns
-    assert convert.resolve_drafter(str(src), tiny_target, cfg) == path  # converted once, then reused
+    assert released.resolve_drafter(str(src), tiny_target, cfg) == path  # converted once, then reused
     assert done.stat().st_mtime_ns == mtime
-    assert convert.resolve_drafter(path, tiny_target, cfg) == path  # a deepspec drafter is returned as is
+    assert released.resolve_drafter(path, tiny_target, cfg) == path  # a deepspec drafter is returned as is
     with pytest.raises(DeepSpecError, match="is a dspark checkpoint, not dflash"):
-        convert.resolve_drafter(str(src), tiny_target, cfg, method="dflash")
+        released.resolve_drafter(str(src), tiny_target, cfg, method="dflash")
     with pytest.raises(DeepSpecError, match="cannot download it from the hub"):
-        convert.resolve_drafter("deepseek-ai/no_such_drafter_for_tests", tiny_target, cfg)
+        released.resolve_drafter("deepseek-ai/no_such_drafter_for_tests", tiny_target, cfg)
 
 
 def test_evaluate_released_checkpoint(tiny_target, tiny_cfg, tmp_path, shared_data):
@@ -351,7 +351,7 @@ def test_resolve_never_keeps_a_damaged_conversion(tiny_target, tiny_cfg, tmp_pat
     d = _original("dflash", tiny_target, tiny_cfg)
     src = write_reference(d, tiny_target, tmp_path / "dflash_ref")
     cfg = dict(tiny_cfg, resources_dir=str(tmp_path / "resources"))
-    path = convert.resolve_drafter(str(src), tiny_target, cfg)
+    path = released.resolve_drafter(str(src), tiny_target, cfg)
     weights = os.path.join(path, "model.safetensors")
 
     def damage(f):
@@ -363,10 +363,10 @@ def test_resolve_never_keeps_a_damaged_conversion(tiny_target, tiny_cfg, tmp_pat
     damage(weights)
     with pytest.raises(DeepSpecError, match=rf"non-finite value.*converted from {src}; check that checkpoint"):
         load_drafter(path, tiny_target)
-    assert convert.resolve_drafter(str(src), tiny_target, cfg) == path  # converted again
+    assert released.resolve_drafter(str(src), tiny_target, cfg) == path  # converted again
     assert load_drafter(path, tiny_target).method == "dflash"
     damage(weights)
     damage(str(src / "model.safetensors"))  # the source damaged too
     with pytest.raises(DeepSpecError, match=rf"^{src}/model\.safetensors: tensor '.*' has 1 non-finite value"):
-        convert.resolve_drafter(str(src), tiny_target, cfg)
+        released.resolve_drafter(str(src), tiny_target, cfg)
     assert not os.path.exists(path)

@@ -115,7 +115,7 @@ def test_released_drafter_keeps_its_commit(tmp_path, tiny_target, tiny_cfg, monk
     import huggingface_hub
 
     from deepspec.drafters import build_drafter
-    from deepspec.formats.convert import resolve_drafter
+    from deepspec.formats.released import resolve_drafter
     from deepspec.reporting.run_record import _drafters
     from deepspec.settings import Settings
 

@@ -455,7 +455,7 @@ def cli_evaluate(argv) -> int:
     p.add_argument("--out-dir", help="directory for <benchmark>.csv and .json (default R/T/eval/<method>/)")
     args = p.parse_args(argv)
     s = Settings.of(config_from_args(args))
-    from ..formats.convert import resolve_drafter
+    from ..formats.released import resolve_drafter
     from ..provenance import evaluation_environment
 
     base, _ = resolve_method(s, args.method)  # an unknown method is one line, before any work

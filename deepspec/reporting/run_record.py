@@ -93,7 +93,7 @@ def _hub_dataset(s: Settings, repo: str, revision) -> dict:
     from ..fetch import snapshot_dir
 
     entry = {"source": repo, "revision": revision, "sha256": None, "matches_reference": None}
-    rec = read_record(snapshot_dir(s.raw, "dataset", repo, revision) / SOURCE_FILE) if revision else None
+    rec = read_record(snapshot_dir(s, "dataset", repo, revision) / SOURCE_FILE) if revision else None
     if rec is None:
         return dict(entry, commit=None, commit_from="not recorded (not fetched yet: the fetch_dataset rule records it)")
     if is_commit(revision):
