@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from .errors import DeepSpecError
+from .files import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,7 @@ def try_claim(ids: Sequence[str], n: int, lock_dir: Path) -> Optional[tuple[list
     """(n ids, their locked file descriptors) when n of `ids` are free, else None
     (nothing held). All or nothing, under a directory-wide lock, so two jobs never
     hold part of what each needs."""
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    guard = os.open(lock_dir / "claim.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+    with file_lock(lock_dir / "claim.lock"):
         got: list[tuple[str, int]] = []
         for gpu_id in ids:
             fd = os.open(lock_dir / _lock_name(gpu_id), os.O_CREAT | os.O_RDWR, 0o600)
@@ -88,8 +86,6 @@ def try_claim(ids: Sequence[str], n: int, lock_dir: Path) -> Optional[tuple[list
         for _, fd in got:
             os.close(fd)
         return None
-    finally:
-        os.close(guard)  # closing releases the guard's lock
 
 
 
