@@ -19,6 +19,7 @@ import copy
 import re
 from typing import Mapping
 
+from .config import as_config
 from .errors import DeepSpecError
 from .settings import Settings
 
@@ -40,7 +41,7 @@ def resolve_method(cfg: Settings | Mapping, name: str) -> tuple[str, dict]:
     """(base method, the validated config with variant `name`'s overrides)."""
     m = _NAME.match(name)
     method, drafter_over = BASES[variant_base(name)]
-    cfg = copy.deepcopy(cfg.raw if isinstance(cfg, Settings) else cfg)
+    cfg = copy.deepcopy(as_config(cfg))
     cfg["drafter"].update(drafter_over)
     if m.group("layers"):
         cfg["drafter"]["num_layers"] = {**cfg["drafter"]["num_layers"], method: int(m.group("layers"))}

@@ -76,7 +76,7 @@ def load_drafter(path, target, drafter_cfg: Drafter | Mapping | None = None):
         raise _config_error(path, e) from None
     try:
         check_weights(path, CLASSES[method], config, target)
-        model = CLASSES[method].from_pretrained(str(path), config=config).to(target.device)
+        model = CLASSES[method].from_pretrained(str(path), config=config)
     except DeepSpecError:
         raise
     except (OSError, SafetensorError) as e:  # missing / truncated weights
@@ -84,6 +84,7 @@ def load_drafter(path, target, drafter_cfg: Drafter | Mapping | None = None):
         raise DeepSpecError(f"cannot load the drafter at {path}: {first}") from None
     except Exception as e:  # the config describes a drafter transformers cannot build
         raise _config_error(path, e) from None
+    model = model.to(target.device)  # a device error is its own, not the config's
     check_finite(path, model)
     model.attach_target(target)
     freeze_mask_embedding(model, target, init=False)

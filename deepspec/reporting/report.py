@@ -177,7 +177,7 @@ def table1_markdown(t1: pd.DataFrame, s: Settings) -> str:
         [b for b in s.data.benchmarks if b not in paper.BENCHMARK_ORDER]
     head = ["Drafter"] + [paper.BENCHMARK_LABEL.get(b, b) for b in benches] + ["Macro", "Speedup"]
     lines = [f"**{s.target.name}**: accepted length τ per round (bonus included), T = "
-             f"{_as_written(s, 'eval', 'temperature')}, block {s.drafter.block_size}"
+             f"{s.as_written('eval', 'temperature')}, block {s.drafter.block_size}"
              + (f"; paper value ({paper_name}) in parentheses" if paper_name else "")
              + f"; speedup over plain decoding at batch size 1, {_speed_scope(s)}, the mean of the timed "
              "benchmarks' own (not in the paper)", "",
@@ -310,12 +310,6 @@ def _draft_layers(s: Settings) -> str:
     return "draft layers: " + "; ".join(f"{', '.join(ms)}: {what}" for what, ms in per.items())
 
 
-def _as_written(s: Settings, section: str, key: str):
-    """A number as the preset wrote it (1, not the typed 1.0): what REPORT.md and
-    table1.md have always printed."""
-    return s.as_written(section, key)
-
-
 def _per_method(v) -> str:
     """A setting as written, a per-method mapping as "eagle3 200, dflash 900"."""
     return ", ".join(f"{k} {x}" for k, x in v.items()) if isinstance(v, dict) else str(v)
@@ -346,12 +340,12 @@ def write_report(s: Settings, t1: pd.DataFrame, fig2: pd.DataFrame, path: Path, 
         f"- Target `{s.target.spec}`, feature layers {s.target.feature_layers}, dtype {s.target.dtype}.",
         f"- Drafters: {', '.join(s.train.methods)}; block {s.drafter.block_size}, layers "
         f"{_per_method(s.drafter.num_layers)} ({_draft_layers(s)}), Markov rank {s.drafter.markov_rank}.",
-        f"- Training: {_as_written(s, 'train', 'epochs')} epochs"
-        + (f" or max_steps {_per_method(_as_written(s, 'train', 'max_steps'))}, whichever ends first (the "
+        f"- Training: {s.as_written('train', 'epochs')} epochs"
+        + (f" or max_steps {_per_method(s.as_written('train', 'max_steps'))}, whichever ends first (the "
            "Training section gives the steps each drafter ran)" if s.train.max_steps else "")
-        + f", global batch {s.train.global_batch}, lr {_per_method(_as_written(s, 'train', 'lr'))}, "
+        + f", global batch {s.train.global_batch}, lr {_per_method(s.as_written('train', 'lr'))}, "
         f"{s.train.num_anchors} anchors per sequence.",
-        f"- Evaluation: T = {_as_written(s, 'eval', 'temperature')}, max new tokens {s.eval.max_new_tokens}, caps "
+        f"- Evaluation: T = {s.as_written('eval', 'temperature')}, max new tokens {s.eval.max_new_tokens}, caps "
         + ", ".join(f"{b} {spec['cap']}" for b, spec in s.data.benchmarks.items()) + "." + _skipped_note(t1), "",
         "## Table 1", "", table1_markdown(t1, s), "",
         "Macro means over the benchmarks (τ, the self-check 1 + Σ_k Π_{i≤k} c_k from the measured conditional "

@@ -170,9 +170,6 @@ def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
     lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and n in missing)
     if lost:
         raise DeepSpecError(f"checkpoint {directory} lacks trainable weights: {', '.join(lost[:5])}")
-    from ..drafters import check_finite
-
-    check_finite(directory, model)  # a diverged run's NaN weights are not resumed
 
 
 CHECKPOINT_KINDS = ("regular", "time", "sigterm")
