@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .errors import DeepSpecError
+from .errors import DeepSpecError, first_line
 from .files import atomic_dir, write_json_atomic
 from .paths import RunPaths
 from .provenance import SOURCE_FILE, is_commit, now_utc, read_record, snapshot_commit
@@ -116,7 +116,7 @@ def fetch_snapshot(repo_id: str, revision: str, out: str | os.PathLike, *, repo_
         snap = Path(snapshot_download(repo_id=repo_id, repo_type=repo_type, revision=revision,
                                       allow_patterns=allow_patterns))
     except (OSError, ValueError) as e:  # huggingface_hub's errors (gated, missing, offline) derive from these
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise DeepSpecError(f"cannot download the {repo_type} {repo_id!r} at revision {revision!r}: "
                             f"{type(e).__name__}: {first}") from None
     commit = snapshot_commit(snap) or snapshot_commit(snap.resolve())

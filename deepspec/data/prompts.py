@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from ..config import REPO_ROOT
-from ..errors import DeepSpecError
+from ..errors import DeepSpecError, first_line
 from ..files import iter_jsonl
 from ..settings import Settings
 
@@ -109,7 +109,7 @@ def _read_hub(s: Settings, dataset_id: str, revision: str, split: str) -> list[P
     try:
         ds = datasets.load_dataset(str(local), split=split)
     except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise DeepSpecError(f"cannot read {dataset_id}@{revision} ({local}), split {split!r}: {first}") from None
     out = []
     for i, rec in enumerate(ds):

@@ -24,7 +24,7 @@ import contextlib
 import json
 from typing import Mapping
 
-from ..errors import DeepSpecError
+from ..errors import DeepSpecError, first_line
 from ..settings import Drafter, Settings
 from .base import (  # noqa: F401
     METHODS,
@@ -80,7 +80,7 @@ def load_drafter(path, target, drafter_cfg: Drafter | Mapping | None = None):
     except DeepSpecError:
         raise
     except (OSError, SafetensorError) as e:  # missing / truncated weights
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise DeepSpecError(f"cannot load the drafter at {path}: {first}") from None
     except Exception as e:  # the config describes a drafter transformers cannot build
         raise _config_error(path, e) from None

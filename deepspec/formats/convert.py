@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DeepSpecError
+from ..errors import DeepSpecError, first_line
 from ..files import atomic_dir, check_overwrite, read_json
 from ..provenance import SOURCE_FILE, read_record, snapshot_commit
 
@@ -130,7 +130,7 @@ def _safe_open(path: Path):
         with safe_open(str(path), framework="pt") as f:
             yield f
     except SafetensorError as e:
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        msg = first_line(e)
         raise DeepSpecError(f"{path}: not a readable safetensors file (truncated or damaged: {msg})") from None
 
 
@@ -364,7 +364,7 @@ def damaged_conversion(out: Path) -> str | None:
                     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         return f"{path.name}: {name} has non-finite values"
     except (DeepSpecError, SafetensorError, OSError) as e:
-        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return first_line(e)
     return None
 
 

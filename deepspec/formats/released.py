@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import DeepSpecError
+from ..errors import DeepSpecError, first_line
 from ..files import OUTPUT_MARKER, read_json_object
 from ..paths import RunPaths
 from ..settings import Settings
@@ -33,7 +33,7 @@ def local_checkpoint(spec: str) -> Path:
 
         return Path(snapshot_download(repo_id=spec, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:  # offline, unknown repo, network: one line
-        msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        msg = first_line(e)
         raise DeepSpecError(f"no local directory {spec} and cannot download it from the hub: {msg}") from None
 
 

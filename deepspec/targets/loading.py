@@ -35,7 +35,7 @@ import torch
 
 from .. import paths
 from ..core.target import Target, eos_ids_of
-from ..errors import DeepSpecError
+from ..errors import DeepSpecError, first_line
 from ..files import atomic_dir, read_json, write_json_atomic
 from ..provenance import SOURCE_FILE, file_record, read_record, target_record
 from ..runtime import keep_large_allocations_on_heap
@@ -88,7 +88,7 @@ def _hub_snapshot(spec: str, revision: Optional[str]) -> Path:
     try:
         return Path(snapshot_download(repo_id=spec, revision=revision, allow_patterns=CHECKPOINT_FILES))
     except (OSError, ValueError) as e:  # huggingface_hub's errors (GatedRepoError, ...) derive from OSError
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         hint = " (a gated model: accept its licence on the hub and run `hf auth login`)" if "gated" in str(e).lower() else ""
         raise DeepSpecError(f"cannot download target {spec!r}{f' at revision {revision!r}' if revision else ''}: "
                             f"{type(e).__name__}: {first}{hint}") from None

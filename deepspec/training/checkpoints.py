@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
-from ..errors import DeepSpecError
+from ..errors import DeepSpecError, first_line
 from ..files import (
     OUTPUT_MARKER,
     file_lock,
@@ -153,7 +153,7 @@ def load_model_weights(model: torch.nn.Module, directory: str | os.PathLike) -> 
         try:
             part = load_file(str(directory / name))
         except (SafetensorError, OSError) as e:
-            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            msg = first_line(e)
             raise DeepSpecError(f"{directory / name}: cannot read the checkpoint's weights ({msg})") from None
         state.update(part)
         where.update(dict.fromkeys(part, directory / name))
